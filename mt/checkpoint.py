@@ -1,0 +1,139 @@
+"""Checkpoints: atomic writes, self-contained models, finding the model a user means.
+
+A checkpoint is one ``torch.save`` file holding plain data only (it loads with
+``weights_only=True``):
+
+- ``model_config``: the ModelConfig as a dict, ``model``: the state dict,
+- ``tokenizer``: the serialized SentencePiece model(s), so a model never meets the wrong vocabulary,
+- ``config``: the whole resolved training config (for the record),
+- ``trainer`` (training checkpoints only): optimizer, scheduler, step, data position, RNG states.
+
+A run directory keeps ``checkpoints/last.pt`` (full state, for resuming), ``checkpoints/best.pt``
+(weights only, best validation score) and a few ``checkpoints/step_N.pt``. Wherever a user passes
+a model (``translate -m``, ``mt-eval -m``, ``init_from=``) a run directory, its ``checkpoints/``
+folder or a single file works.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mt.config import model_config_from_dict
+from mt.model import Transformer, build_model
+from mt.tokenizer import Tokenizer
+
+FORMAT = "mt-checkpoint-1"
+
+
+def save_atomic(obj: Any, path: str | os.PathLike) -> None:
+    """Writes to a temporary file in the same directory, fsyncs, then renames over ``path``.
+
+    A crash at any moment leaves either the old file or the new one, never half of one.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint file a user means: a file, or best.pt (else last.pt) of a run directory."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    for candidate in (p / "checkpoints" / "best.pt", p / "best.pt", p / "checkpoints" / "last.pt",
+                      p / "last.pt"):
+        if candidate.is_file():
+            return candidate
+    if p.is_dir():
+        raise FileNotFoundError(f"{p}: no checkpoint in it (looked for checkpoints/best.pt, last.pt)")
+    raise FileNotFoundError(f"{p}: no such model file or run directory")
+
+
+def load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
+    """Loads a checkpoint's dict, with a one-line error for a file that is not one."""
+    file = resolve(path)
+    try:
+        ckpt = torch.load(file, map_location=map_location, weights_only=True)
+    except Exception as err:  # torch raises many kinds for a corrupt or foreign file
+        raise ValueError(f"{file}: not a readable mt checkpoint ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise ValueError(f"{file}: not an mt checkpoint (no '{FORMAT}' format tag)")
+    ckpt["path"] = str(file)
+    return ckpt
+
+
+def load_model(path: str | os.PathLike,
+               device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict]:
+    """Model (eval mode, on ``device``), its tokenizer, and the checkpoint dict (minus weights)."""
+    ckpt = load(path, map_location="cpu")
+    model = build_model(model_config_from_dict(ckpt["model_config"]))
+    model.load_state_dict(ckpt.pop("model"))
+    model.to(device).eval()
+    return model, Tokenizer.from_state(ckpt["tokenizer"]), ckpt
+
+
+def model_state(model: torch.nn.Module, tokenizer: Tokenizer, config: dict | None) -> dict:
+    """The self-contained inference part of a checkpoint."""
+    model = getattr(model, "module", model)  # unwrap DDP
+    model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
+    return {
+        "format": FORMAT,
+        "model_config": dict(vars(model.cfg)),
+        "model": {k: v.detach().clone().cpu() for k, v in model.state_dict().items()},
+        "tokenizer": tokenizer.to_state(),
+        "config": config,
+    }
+
+
+def step_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """step_N.pt files of a checkpoints folder, oldest (smallest N) first."""
+    found = []
+    for p in Path(directory).glob("step_*.pt"):
+        m = re.fullmatch(r"step_(\d+)\.pt", p.name)
+        if m:
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def average(paths: list[str | os.PathLike]) -> dict:
+    """Averages the weights of several checkpoints of one model (Vaswani et al. average the last 5).
+
+    Returns:
+        an inference checkpoint (the first one's config and tokenizer, averaged weights).
+    """
+    if not paths:
+        raise ValueError("no checkpoints to average")
+    base = load(paths[0])
+    total = {k: v.double() for k, v in base["model"].items()}
+    for p in paths[1:]:
+        ckpt = load(p)
+        if ckpt["model_config"] != base["model_config"]:
+            raise ValueError(f"{p}: a different model config from {paths[0]}; cannot average")
+        for k, v in ckpt["model"].items():
+            total[k] += v.double()
+    avg = {k: (v / len(paths)).to(base["model"][k].dtype) for k, v in total.items()}
+    out = {k: base[k] for k in ("format", "model_config", "tokenizer", "config")}
+    out["model"] = avg
+    out["averaged_from"] = [str(p) for p in paths]
+    return out

@@ -1,0 +1,159 @@
+"""Typed configuration for every stage.
+
+Each Hydra config group (``conf/model``, ``conf/data``, ``conf/optim``, ``conf/trainer``) fills one
+of these dataclasses. The root schema is registered in Hydra's ConfigStore as ``train_schema`` and
+is the first entry of ``conf/train.yaml``'s defaults list, so a misspelt key or a value of the wrong
+type fails at start-up with the key's full name. ``OmegaConf.to_object`` is called once, in
+``mt.train``; everything below it sees plain dataclasses.
+
+Only the model config travels inside a checkpoint (as a dict); it is the contract between a trained
+model and ``translate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Special token ids, fixed for every SentencePiece model that `mt` trains (see mt.tokenizer).
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+@dataclass
+class ModelConfig:
+    """The Transformer's shape. ``name`` is informational (the conf/model file it came from)."""
+
+    name: str = "transformer_tiny"
+    encoder_layers: int = 3
+    decoder_layers: int = 3
+    d_model: int = 256
+    ffn_dim: int = 1024
+    heads: int = 4
+    dropout: float = 0.1  # on residual branches and embeddings
+    attention_dropout: float = 0.0  # on attention weights
+    activation_dropout: float = 0.0  # after the FFN's activation
+    activation: str = "relu"  # relu | gelu | silu
+    norm: str = "post"  # post: LayerNorm(x + f(x)) as in Vaswani et al.; pre: x + f(LayerNorm(x))
+    positions: str = "sinusoidal"  # sinusoidal | learned
+    max_positions: int = 1024  # longest sequence (in subword tokens) the model is built for
+    tie_embeddings: str = "all"  # all: src+tgt+output (joint vocab); decoder: tgt+output; none
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model)
+    final_logits_bias: bool = False  # a bias on the output layer (Marian has one)
+    src_vocab_size: int = 0  # filled in from the tokenizer at build time
+    tgt_vocab_size: int = 0
+
+
+@dataclass
+class FilterConfig:
+    """Cleaning rules applied to training pairs; each reports how many pairs it dropped."""
+
+    min_tokens: int = 1  # in subword tokens, per side (empty sides are always dropped)
+    max_tokens: int = 250
+    max_ratio: float = 3.0  # longer side / shorter side, in subword tokens; 0 disables
+    dedup: bool = True  # drop exact duplicate (source, target) pairs
+
+
+@dataclass
+class TokenizerConfig:
+    """How to train the SentencePiece model(s) when the run has none."""
+
+    path: str | None = None  # an existing tokenizer directory; None: train one in the run dir
+    model_type: str = "unigram"  # unigram | bpe
+    vocab_size: int = 8000
+    joint: bool = True  # one vocabulary for both languages (needed for tie_embeddings=all)
+    character_coverage: float = 1.0
+    input_sentence_size: int = 2_000_000  # sample this many sentences from a huge corpus
+
+
+@dataclass
+class DataConfig:
+    """Where the parallel text comes from.
+
+    ``source`` picks the loader: ``demo`` (the generated corpus, written to ``dir``), ``files``
+    (``{dir}/{split}.{lang}`` plain text, or TSV/JSONL via ``format``) or ``hub`` (a Hugging Face
+    dataset in the ``translation`` format, e.g. ``wmt14`` / ``de-en``).
+    """
+
+    name: str = "demo"
+    source: str = "demo"  # demo | files | hub
+    dir: str = "data/demo"
+    src_lang: str = "en"
+    tgt_lang: str = "zz"
+    format: str = "text"  # text | tsv | jsonl (files source only; .gz accepted)
+    train: str = "train"
+    valid: str = "valid"
+    test: str = "test"
+    hub_name: str | None = None  # e.g. wmt14
+    hub_config: str | None = None  # e.g. de-en
+    max_valid_sentences: int = 0  # 0 = all; BLEU during training on the first N valid pairs
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    filter: FilterConfig = field(default_factory=FilterConfig)
+
+
+@dataclass
+class OptimConfig:
+    """Adam(W) with a warmup schedule, as in Vaswani et al. (2017)."""
+
+    name: str = "adam"  # adam | adamw
+    lr: float = 7e-4  # peak learning rate, reached at the end of warmup
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-9
+    weight_decay: float = 0.0
+    schedule: str = "inverse_sqrt"  # inverse_sqrt | cosine | constant
+    warmup_steps: int = 4000
+    min_lr: float = 0.0  # floor for the cosine schedule
+    clip_norm: float = 0.0  # 0 disables gradient clipping
+    label_smoothing: float = 0.1
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop: batch size, length, validation, checkpoints and precision."""
+
+    max_tokens: int = 4096  # tokens (source or target, whichever is larger) per batch per process
+    accumulation: int = 1  # batches per optimizer step
+    max_steps: int = 0  # optimizer steps; 0 = no limit
+    max_epochs: int = 0  # 0 = no limit
+    max_minutes: float = 0.0  # wall-clock budget for training; 0 = no limit
+    validate_every: int = 500  # optimizer steps
+    log_every: int = 50
+    patience: int = 0  # stop after this many validations without a better best_metric; 0 = never
+    best_metric: str = "bleu"  # bleu | loss
+    keep_last: int = 2  # step checkpoints kept besides last.pt and best.pt
+    average_last: int = 0  # average the last N step checkpoints at the end (0 = off)
+    beam_size: int = 5  # for validation and test BLEU
+    lenpen: float = 0.6
+    precision: str = "auto"  # auto (bf16 where fast: CUDA, or a CPU with AMX) | bf16 | fp16 | fp32
+    compile: bool = False
+    seed: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    num_threads: int = 0  # torch CPU threads; 0 = torch's default
+    test_at_end: bool = True  # translate the test split with the best checkpoint and print BLEU
+
+
+@dataclass
+class TrainConfig:
+    """The root config composed from conf/train.yaml."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    init_from: str | None = None  # a model to start from (fine-tuning); its weights, not its state
+
+
+def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
+    """Rebuilds a ModelConfig from a checkpoint, naming any key this version does not know."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"model config has unknown keys {unknown}: was it made by a newer mt?")
+    return ModelConfig(**values)
+
+
+def register_configs() -> None:
+    """Registers the root schema so conf/train.yaml can name it in its defaults list."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)

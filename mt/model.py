@@ -1,0 +1,365 @@
+"""The Transformer encoder-decoder of Vaswani et al. (2017), with an incremental decoding interface.
+
+Mask convention (the only one in `mt`): a boolean tensor where ``True`` means *may attend*, which
+is what ``F.scaled_dot_product_attention`` takes. Padded *keys* are masked; a query row is never
+fully masked because every source sentence ends with EOS and targets are right-padded, so a real
+token always precedes the padding. The decoder's self-attention needs only the causal mask for
+that reason: a right-padded target's real positions never look at the pads after them.
+
+Shapes in comments: B batch, S source length, T target length, D d_model, H heads, K head dim,
+V vocabulary.
+
+Inference shape (``search`` uses only these): ``encode`` once, ``init_cache`` once (it computes
+every layer's cross-attention keys/values), then ``decode_step`` per token; the cache can be
+``reorder``-ed by a batch index for beams and for dropping finished sentences.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mt.config import PAD_ID, ModelConfig
+
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+
+class PositionalEncoding(nn.Module):
+    """Fixed sinusoidal positions (``learned=False``) or a learned table (``learned=True``)."""
+
+    def __init__(self, d_model: int, max_positions: int, learned: bool) -> None:
+        super().__init__()
+        self.learned = learned
+        if learned:
+            self.table = nn.Embedding(max_positions, d_model)
+        else:
+            self.register_buffer("table", sinusoids(max_positions, d_model), persistent=False)
+
+    def forward(self, length: int, offset: int = 0) -> Tensor:
+        """Returns the encodings of positions offset..offset+length-1: (length, D)."""
+        table = self.table.weight if self.learned else self.table
+        if offset + length > table.size(0):
+            raise ValueError(
+                f"sequence of {offset + length} tokens is longer than model.max_positions="
+                f"{table.size(0)}"
+            )
+        return table[offset : offset + length]
+
+
+def sinusoids(length: int, d_model: int) -> Tensor:
+    """sin on even, cos on odd dimensions, wavelengths from 2*pi to 10000*2*pi (paper, 3.5)."""
+    position = torch.arange(length, dtype=torch.float32).unsqueeze(1)
+    div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(length, d_model)
+    table[:, 0::2] = torch.sin(position * div)
+    table[:, 1::2] = torch.cos(position * div)
+    return table
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head scaled dot-product attention.
+
+    Self-attention projects queries, keys and values with one fused matrix; cross-attention
+    projects queries from the decoder and keys/values (fused) from the encoder output, so that the
+    keys/values can be computed once per source sentence during decoding.
+    """
+
+    def __init__(self, d_model: int, heads: int, dropout: float, self_attention: bool) -> None:
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"model.d_model={d_model} is not divisible by model.heads={heads}")
+        self.heads = heads
+        self.head_dim = d_model // heads
+        self.dropout = dropout
+        self.self_attention = self_attention
+        if self_attention:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        else:
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        """(B, L, D) -> (B, H, L, K)"""
+        b, length, _ = x.shape
+        return x.view(b, length, self.heads, self.head_dim).transpose(1, 2)
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-attention keys and values of the encoder output: 2 x (B, H, S, K)."""
+        k, v = self.kv_proj(memory).chunk(2, dim=-1)
+        return self.split_heads(k), self.split_heads(v)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        """q (B, H, Lq, K), k/v (B, H, Lk, K), mask broadcastable to (B, H, Lq, Lk) -> (B, Lq, D)"""
+        dropout = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                             is_causal=causal)
+        b, _, length, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False,
+                memory: Tensor | None = None) -> Tensor:
+        """Full (non-incremental) attention of x (B, L, D) over itself or over memory (B, S, D)."""
+        if self.self_attention:
+            q, k, v = (self.split_heads(t) for t in self.qkv_proj(x).chunk(3, dim=-1))
+        else:
+            q = self.split_heads(self.q_proj(x))
+            k, v = self.project_kv(memory)
+        return self.attend(q, k, v, mask, causal)
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN: Linear -> activation -> dropout -> Linear."""
+
+    def __init__(self, d_model: int, ffn_dim: int, activation: str, dropout: float) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.fc1 = nn.Linear(d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.activation = ACTIVATIONS[activation]
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.dropout(self.activation(self.fc1(x))))
+
+
+class Sublayer(nn.Module):
+    """Residual connection with LayerNorm, post-norm ``LN(x + f(x))`` or pre-norm ``x + f(LN(x))``."""
+
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.pre_norm = pre_norm
+
+    def input(self, x: Tensor) -> Tensor:
+        """What the sublayer function sees."""
+        return self.norm(x) if self.pre_norm else x
+
+    def output(self, x: Tensor, fx: Tensor) -> Tensor:
+        """Adds the sublayer's output to the residual stream."""
+        y = x + self.dropout(fx)
+        return y if self.pre_norm else self.norm(y)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        pre = cfg.norm == "pre"
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, True)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
+        self.attn_sub = Sublayer(cfg.d_model, cfg.dropout, pre)
+        self.ffn_sub = Sublayer(cfg.d_model, cfg.dropout, pre)
+
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        """x (B, S, D), src_mask (B, 1, 1, S) -> (B, S, D)"""
+        x = self.attn_sub.output(x, self.self_attn(self.attn_sub.input(x), mask=src_mask))
+        return self.ffn_sub.output(x, self.ffn(self.ffn_sub.input(x)))
+
+
+class KVCache:
+    """Per-layer decoder state for incremental decoding.
+
+    Self-attention keys/values live in buffers preallocated for ``max_len`` steps and filled one
+    step at a time; cross-attention keys/values are computed once from the encoder output.
+    ``reorder(index)`` selects batch rows: beams follow their parents with it, and finished
+    sentences leave the batch with it.
+    """
+
+    def __init__(self, self_k: list[Tensor], self_v: list[Tensor], cross_k: list[Tensor],
+                 cross_v: list[Tensor], src_mask: Tensor) -> None:
+        self.self_k, self.self_v = self_k, self_v  # each (B, H, max_len, K)
+        self.cross_k, self.cross_v = cross_k, cross_v  # each (B, H, S, K)
+        self.src_mask = src_mask  # (B, 1, 1, S)
+        self.length = 0  # target positions filled so far
+
+    def reorder(self, index: Tensor) -> None:
+        """Keeps batch rows ``index`` (B',) in that order; B' may be smaller than B."""
+        n = self.length
+        for buffers in (self.self_k, self.self_v):
+            for i, buf in enumerate(buffers):
+                new = buf.new_empty((len(index),) + buf.shape[1:])
+                new[:, :, :n] = buf[index, :, :n]
+                buffers[i] = new
+        for buffers in (self.cross_k, self.cross_v):
+            for i, buf in enumerate(buffers):
+                buffers[i] = buf.index_select(0, index)
+        self.src_mask = self.src_mask.index_select(0, index)
+
+    @property
+    def batch_size(self) -> int:
+        return self.src_mask.size(0)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        pre = cfg.norm == "pre"
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, True)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, False)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
+        self.self_sub = Sublayer(cfg.d_model, cfg.dropout, pre)
+        self.cross_sub = Sublayer(cfg.d_model, cfg.dropout, pre)
+        self.ffn_sub = Sublayer(cfg.d_model, cfg.dropout, pre)
+
+    def forward(self, y: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        """y (B, T, D), memory (B, S, D), src_mask (B, 1, 1, S) -> (B, T, D)"""
+        y = self.self_sub.output(y, self.self_attn(self.self_sub.input(y), causal=True))
+        y = self.cross_sub.output(
+            y, self.cross_attn(self.cross_sub.input(y), mask=src_mask, memory=memory)
+        )
+        return self.ffn_sub.output(y, self.ffn(self.ffn_sub.input(y)))
+
+    def step(self, y: Tensor, cache: KVCache, i: int) -> Tensor:
+        """One target position y (B, 1, D) for layer i, appending its keys/values to the cache."""
+        t = cache.length
+        attn = self.self_attn
+        h = self.self_sub.input(y)
+        q, k, v = (attn.split_heads(x) for x in attn.qkv_proj(h).chunk(3, dim=-1))
+        cache.self_k[i][:, :, t : t + 1] = k
+        cache.self_v[i][:, :, t : t + 1] = v
+        out = attn.attend(q, cache.self_k[i][:, :, : t + 1], cache.self_v[i][:, :, : t + 1],
+                          None, False)
+        y = self.self_sub.output(y, out)
+        h = self.cross_sub.input(y)
+        q = self.cross_attn.split_heads(self.cross_attn.q_proj(h))
+        out = self.cross_attn.attend(q, cache.cross_k[i], cache.cross_v[i], cache.src_mask, False)
+        y = self.cross_sub.output(y, out)
+        return self.ffn_sub.output(y, self.ffn(self.ffn_sub.input(y)))
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer; see the module docstring for masks and the decoding interface."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.norm not in ("post", "pre"):
+            raise ValueError(f"model.norm must be post or pre, got {cfg.norm!r}")
+        if cfg.positions not in ("sinusoidal", "learned"):
+            raise ValueError(f"model.positions must be sinusoidal or learned, got {cfg.positions!r}")
+        if cfg.tie_embeddings not in ("all", "decoder", "none"):
+            raise ValueError(
+                f"model.tie_embeddings must be all, decoder or none, got {cfg.tie_embeddings!r}"
+            )
+        if cfg.tie_embeddings == "all" and cfg.src_vocab_size != cfg.tgt_vocab_size:
+            raise ValueError(
+                "model.tie_embeddings=all needs a joint vocabulary (data.tokenizer.joint=true); "
+                f"got source {cfg.src_vocab_size} and target {cfg.tgt_vocab_size} pieces"
+            )
+        if min(cfg.src_vocab_size, cfg.tgt_vocab_size) <= 0:
+            raise ValueError("model.src_vocab_size and model.tgt_vocab_size must be set (> 0)")
+        self.cfg = cfg
+        d = cfg.d_model
+        self.src_embed = nn.Embedding(cfg.src_vocab_size, d, padding_idx=PAD_ID)
+        if cfg.tie_embeddings == "all":
+            self.tgt_embed = self.src_embed
+        else:
+            self.tgt_embed = nn.Embedding(cfg.tgt_vocab_size, d, padding_idx=PAD_ID)
+        self.output_proj = nn.Linear(d, cfg.tgt_vocab_size, bias=False)
+        if cfg.tie_embeddings != "none":
+            self.output_proj.weight = self.tgt_embed.weight
+        self.final_logits_bias = (
+            nn.Parameter(torch.zeros(cfg.tgt_vocab_size)) if cfg.final_logits_bias else None
+        )
+        learned = cfg.positions == "learned"
+        self.src_positions = PositionalEncoding(d, cfg.max_positions, learned)
+        self.tgt_positions = PositionalEncoding(d, cfg.max_positions, learned)
+        self.embed_scale = math.sqrt(d) if cfg.scale_embeddings else 1.0
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        # Pre-norm leaves the residual stream un-normalised: a final LayerNorm closes each stack.
+        pre = cfg.norm == "pre"
+        self.encoder_norm = nn.LayerNorm(d) if pre else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(d) if pre else nn.Identity()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projections, zero biases, N(0, d^-0.5) embeddings (as fairseq/tensor2tensor).
+
+        The embedding scale makes sqrt(d) * N(0, d^-0.5) unit-variance inputs, and a tied output
+        layer then produces logits of unit variance at initialisation.
+        """
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=self.cfg.d_model**-0.5)
+                if module.padding_idx is not None:
+                    with torch.no_grad():
+                        module.weight[module.padding_idx].zero_()
+        # The output layer may be tied to an embedding, which was initialised after it.
+        if self.cfg.tie_embeddings != "none":
+            self.output_proj.weight = self.tgt_embed.weight
+
+    def embed(self, tokens: Tensor, table: nn.Embedding, positions: PositionalEncoding,
+              offset: int = 0) -> Tensor:
+        """tokens (B, L) -> (B, L, D): scaled embeddings plus positions, then dropout."""
+        x = table(tokens) * self.embed_scale + positions(tokens.size(1), offset)
+        return self.dropout(x)
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """src (B, S) token ids, right-padded with PAD -> memory (B, S, D), src_mask (B, 1, 1, S)."""
+        src_mask = (src != PAD_ID)[:, None, None, :]
+        x = self.embed(src, self.src_embed, self.src_positions)
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask)
+        return self.encoder_norm(x), src_mask
+
+    def project(self, y: Tensor) -> Tensor:
+        """Decoder states (..., D) -> logits (..., V)."""
+        logits = self.output_proj(y)
+        if self.final_logits_bias is not None:
+            logits = logits + self.final_logits_bias
+        return logits
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        """Teacher-forced decoder: tgt_in (B, T) starting with BOS -> logits (B, T, V)."""
+        y = self.embed(tgt_in, self.tgt_embed, self.tgt_positions)
+        for layer in self.decoder_layers:
+            y = layer(y, memory, src_mask)
+        return self.project(self.decoder_norm(y))
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """src (B, S), tgt_in (B, T) -> logits (B, T, V)"""
+        memory, src_mask = self.encode(src)
+        return self.decode(tgt_in, memory, src_mask)
+
+    def init_cache(self, memory: Tensor, src_mask: Tensor, max_len: int) -> KVCache:
+        """Empty self-attention buffers for ``max_len`` steps and every layer's cross keys/values."""
+        b = memory.size(0)
+        heads, hd = self.cfg.heads, self.cfg.d_model // self.cfg.heads
+        shape = (b, heads, max_len, hd)
+        cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder_layers]
+        n = len(self.decoder_layers)
+        return KVCache(
+            [memory.new_empty(shape) for _ in range(n)],
+            [memory.new_empty(shape) for _ in range(n)],
+            [k for k, _ in cross], [v for _, v in cross], src_mask,
+        )
+
+    def decode_step(self, tokens: Tensor, cache: KVCache) -> Tensor:
+        """Next-token logits for the last tokens (B,) given the cache -> (B, V); advances the cache."""
+        if cache.length >= cache.self_k[0].size(2):
+            raise ValueError(f"decode_step beyond the cache's max_len={cache.self_k[0].size(2)}")
+        y = self.embed(tokens[:, None], self.tgt_embed, self.tgt_positions, offset=cache.length)
+        for i, layer in enumerate(self.decoder_layers):
+            y = layer.step(y, cache, i)
+        cache.length += 1
+        return self.project(self.decoder_norm(y[:, 0]))
+
+
+def build_model(cfg: ModelConfig) -> Transformer:
+    """The one builder: every variant is a field of ModelConfig, no registry."""
+    return Transformer(cfg)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct trainable parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

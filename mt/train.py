@@ -1,0 +1,520 @@
+"""``mt-train``: the Hydra entry point that trains a Transformer, validates it and writes checkpoints.
+
+``mt-train`` with no arguments trains ``transformer_tiny`` on the generated demo corpus. Under
+``torchrun`` each process takes its share of every optimizer step (DistributedDataParallel, gloo on
+CPU, NCCL on GPU); only rank 0 writes.
+
+One optimizer step consumes ``accumulation * world_size`` consecutive batches of the epoch's
+shuffled batch list, rank r taking micro-batches ``r * accumulation ...``; the loss is the sum of
+token losses divided by the number of target tokens in the whole step. So the same product
+``accumulation * world_size`` gives the same update, whatever the split.
+
+A run directory started again resumes by itself from ``checkpoints/last.pt``: model, optimizer,
+schedule, RNG states and the position in the data (epoch, step within the epoch).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from mt import checkpoint
+from mt.config import PAD_ID, TrainConfig, register_configs
+from mt.data import collate, filter_pairs, load_split, token_batches
+from mt.model import build_model, count_parameters
+from mt.tokenizer import Tokenizer, train_tokenizer
+
+log = logging.getLogger("mt.train")
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def setup_distributed(device_cfg: str) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device); initialises the process group under torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    use_cuda = device_cfg == "cuda" or (device_cfg == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return rank, world, device
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matrix products several times faster than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for ``trainer.precision`` (None = float32)."""
+    if precision == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else None
+    choices = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if precision not in choices:
+        raise ValueError(f"trainer.precision must be auto, fp32, bf16 or fp16, got {precision!r}")
+    if precision == "fp16" and device.type != "cuda":
+        raise ValueError("trainer.precision=fp16 needs a CUDA device; use bf16 on CPU")
+    return choices[precision]
+
+
+def lr_lambda(cfg) -> callable:
+    """Multiplier of optim.lr at a given step (1-based), for LambdaLR."""
+    warmup = max(1, cfg.optim.warmup_steps)
+
+    def inverse_sqrt(step: int) -> float:
+        step = max(step, 1)
+        return min(step / warmup, math.sqrt(warmup / step))
+
+    def cosine(step: int) -> float:
+        step = max(step, 1)
+        if step < warmup:
+            return step / warmup
+        total = max(cfg.trainer.max_steps, warmup + 1)
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        floor = cfg.optim.min_lr / cfg.optim.lr
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def constant(step: int) -> float:
+        return min(1.0, max(step, 1) / warmup)
+
+    schedules = {"inverse_sqrt": inverse_sqrt, "cosine": cosine, "constant": constant}
+    if cfg.optim.schedule not in schedules:
+        raise ValueError(f"optim.schedule must be one of {sorted(schedules)}, "
+                         f"got {cfg.optim.schedule!r}")
+    return schedules[cfg.optim.schedule]
+
+
+def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
+    kinds = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    if cfg.optim.name not in kinds:
+        raise ValueError(f"optim.name must be adam or adamw, got {cfg.optim.name!r}")
+    return kinds[cfg.optim.name](model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                 eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
+                                 foreach=True)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class Corpus:
+    """Encoded, filtered training pairs and raw valid/test text."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> None:
+        data = cfg.data
+        if data.source == "demo":
+            if rank == 0:
+                from mt.demo import write_demo_corpus
+
+                write_demo_corpus(data.dir)
+            barrier(world)
+        train = load_split(data, data.train)
+        self.tokenizer = self._tokenizer(cfg, run_dir, train, rank, world)
+        src_text, tgt_text = train["src"], train["tgt"]
+        src_ids = self.tokenizer.encode_src(src_text)
+        tgt_ids = self.tokenizer.encode_tgt(tgt_text)
+        keep, report = filter_pairs(src_text, tgt_text, src_ids, tgt_ids, data.filter)
+        log.info("training data %s: %s", data.dir, report)
+        if not keep:
+            raise ValueError(f"no training pair of {data.dir} survived filtering ({report})")
+        self.src_ids = [src_ids[i] for i in keep]
+        self.tgt_ids = [tgt_ids[i] for i in keep]
+        self.src_lens = [len(s) for s in self.src_ids]
+        self.tgt_lens = [len(t) for t in self.tgt_ids]
+        valid = load_split(data, data.valid)
+        n = data.max_valid_sentences or len(valid)
+        self.valid_src, self.valid_tgt = valid["src"][:n], valid["tgt"][:n]
+
+    @staticmethod
+    def _tokenizer(cfg: TrainConfig, run_dir: Path, train, rank: int, world: int) -> Tokenizer:
+        tok_cfg = cfg.data.tokenizer
+        if tok_cfg.path:
+            return Tokenizer.load(tok_cfg.path)
+        directory = run_dir / "tokenizer"
+        if rank == 0 and not (directory / "tokenizer.json").exists():
+            start = time.perf_counter()
+            tok = train_tokenizer(train["src"], train["tgt"], tok_cfg, seed=cfg.trainer.seed)
+            tok.save(directory)
+            log.info("trained SentencePiece %s (%s, %d pieces) in %.1f s -> %s",
+                     tok_cfg.model_type, "joint" if tok.joint else "separate",
+                     tok.src_vocab_size, time.perf_counter() - start, directory)
+        barrier(world)
+        return Tokenizer.load(directory)
+
+    def batches(self, max_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+        return token_batches(self.src_lens, self.tgt_lens, max_tokens, seed, epoch)
+
+    def collate(self, batch: list[int]):
+        return collate([self.src_ids[i] for i in batch], [self.tgt_ids[i] for i in batch])
+
+
+def barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor,
+                       smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed label-smoothed loss and summed NLL over non-pad targets.
+
+    logits (B, T, V), target (B, T). Smoothing spreads ``smoothing`` uniformly over the vocabulary
+    (Szegedy et al., 2016), as ``F.cross_entropy(label_smoothing=...)`` does.
+    """
+    logits = logits.float().view(-1, logits.size(-1))
+    target = target.view(-1)
+    loss = F.cross_entropy(logits, target, ignore_index=PAD_ID, reduction="sum",
+                           label_smoothing=smoothing)
+    with torch.no_grad():
+        nll = F.cross_entropy(logits, target, ignore_index=PAD_ID, reduction="sum")
+    return loss, nll
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path) -> None:
+        self.cfg, self.run_dir = cfg, run_dir
+        self.rank, self.world, self.device = setup_distributed(cfg.trainer.device)
+        if cfg.trainer.num_threads:
+            torch.set_num_threads(cfg.trainer.num_threads)
+        torch.manual_seed(cfg.trainer.seed)
+        random.seed(cfg.trainer.seed)
+        self.corpus = Corpus(cfg, run_dir, self.rank, self.world)
+        tok = self.corpus.tokenizer
+        cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
+        self.model = build_model(cfg.model).to(self.device)
+        if cfg.init_from:
+            self._init_from(cfg.init_from)
+        log.info("model %s: %s parameters\n%s", cfg.model.name,
+                 f"{count_parameters(self.model):,}", OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.amp_dtype = autocast_dtype(cfg.trainer.precision, self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type,
+                                           enabled=self.amp_dtype == torch.float16)
+        log.info("precision: %s on %s, %d process(es)",
+                 self.amp_dtype or torch.float32, self.device, self.world)
+        self.net = self.model
+        if self.world > 1:
+            self.net = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if cfg.trainer.compile:
+            self.net = torch.compile(self.net)
+        self.step, self.epoch, self.step_in_epoch = 0, 0, 0
+        self.best, self.bad_validations, self.history = None, 0, []
+        self.ckpt_dir = run_dir / "checkpoints"
+        self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+        if (self.ckpt_dir / "last.pt").exists():
+            self._resume(self.ckpt_dir / "last.pt")
+
+    def _init_from(self, path: str) -> None:
+        ckpt = checkpoint.load(path)
+        missing = self.model.load_state_dict(ckpt["model"], strict=False)
+        if missing.missing_keys or missing.unexpected_keys:
+            raise ValueError(f"init_from={path}: weights do not fit model {self.cfg.model.name} "
+                             f"(missing {missing.missing_keys[:3]}, unexpected "
+                             f"{missing.unexpected_keys[:3]})")
+        log.info("initialised weights from %s", ckpt["path"])
+
+    # -- checkpoints
+
+    def _trainer_state(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+            "best": self.best, "bad_validations": self.bad_validations, "history": self.history,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []},
+            "world_size": self.world,
+        }
+
+    def _resume(self, path: Path) -> None:
+        ckpt = checkpoint.load(path)
+        self.model.load_state_dict(ckpt["model"])
+        state = ckpt["trainer"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step, self.epoch, self.step_in_epoch = (state["step"], state["epoch"],
+                                                      state["step_in_epoch"])
+        self.best, self.bad_validations = state["best"], state["bad_validations"]
+        self.history = state["history"]
+        if state["world_size"] == self.world:
+            torch.set_rng_state(state["rng"]["torch"])
+            random.setstate(_as_python_state(state["rng"]["python"]))
+            if state["rng"]["cuda"]:
+                torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        log.info("resumed %s at step %d (epoch %d, step %d of it)", path, self.step, self.epoch,
+                 self.step_in_epoch)
+
+    def save(self, improved: bool) -> None:
+        if self.rank != 0:
+            return
+        inference = checkpoint.model_state(self.model, self.corpus.tokenizer, self.config_dict)
+        checkpoint.save_atomic({**inference, "trainer": self._trainer_state()},
+                               self.ckpt_dir / "last.pt")
+        if self.cfg.trainer.keep_last > 0 or self.cfg.trainer.average_last > 0:
+            checkpoint.save_atomic(inference, self.ckpt_dir / f"step_{self.step}.pt")
+            keep = max(self.cfg.trainer.keep_last, self.cfg.trainer.average_last)
+            for old in checkpoint.step_checkpoints(self.ckpt_dir)[:-keep]:
+                old.unlink()
+        if improved:
+            checkpoint.save_atomic(inference, self.ckpt_dir / "best.pt")
+
+    # -- validation
+
+    def validate(self) -> dict:
+        from mt.evaluate import score
+        from mt.translate import SearchOptions, translate_lines
+
+        self.model.eval()
+        c = self.corpus
+        tok = c.tokenizer
+        src_ids, tgt_ids = tok.encode_src(c.valid_src), tok.encode_tgt(c.valid_tgt)
+        loss_sum, tokens = 0.0, 0
+        with torch.inference_mode(), self._autocast():
+            batches = token_batches([len(s) for s in src_ids], [len(t) for t in tgt_ids],
+                                    self.cfg.trainer.max_tokens, 0, 0, shuffle=False)
+            for batch in batches:
+                src, tgt_in, tgt_out = (t.to(self.device) for t in collate(
+                    [src_ids[i] for i in batch], [tgt_ids[i] for i in batch]))
+                _, nll = label_smoothed_nll(self.model(src, tgt_in), tgt_out, 0.0)
+                loss_sum += float(nll)
+                tokens += int((tgt_out != PAD_ID).sum())
+            opts = SearchOptions(beam=self.cfg.trainer.beam_size, lenpen=self.cfg.trainer.lenpen)
+            hyps = [n[0][0] for n in translate_lines(self.model, tok, c.valid_src, opts)]
+        self.model.train()
+        scores = score(hyps, c.valid_tgt)
+        loss = loss_sum / max(tokens, 1)
+        return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50)), "valid_bleu": scores["bleu"],
+                "valid_chrf": scores["chrf"]}
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    # -- the loop
+
+    def train_step(self, micro_batches: list[list[int]], step_tokens: int) -> tuple[float, float]:
+        """One optimizer step over this rank's micro-batches; returns (loss, nll) sums."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total, nll_total = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            src, tgt_in, tgt_out = (t.to(self.device, non_blocking=True)
+                                    for t in self.corpus.collate(batch))
+            last = i == len(micro_batches) - 1
+            sync = nullcontext() if last or self.world == 1 else self.net.no_sync()
+            with sync:
+                with self._autocast():
+                    logits = self.net(src, tgt_in)
+                loss, nll = label_smoothed_nll(logits, tgt_out, self.cfg.optim.label_smoothing)
+                # DDP averages gradients over ranks; scale so the result is sum / step_tokens.
+                self.scaler.scale(loss * self.world / step_tokens).backward()
+            loss_total += loss.detach()
+            nll_total += nll
+        self.scaler.unscale_(self.optimizer)
+        if self.cfg.optim.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        return loss_total, nll_total
+
+    def should_stop(self, start: float) -> bool:
+        t = self.cfg.trainer
+        if t.max_steps and self.step >= t.max_steps:
+            return True
+        if t.max_epochs and self.epoch >= t.max_epochs:
+            return True
+        if t.patience and self.bad_validations >= t.patience:
+            return True
+        stop = bool(t.max_minutes and (time.perf_counter() - start) / 60 >= t.max_minutes)
+        if self.world > 1:  # every rank must leave the loop at the same step
+            flag = torch.tensor([float(stop)], device=self.device)
+            dist.all_reduce(flag)
+            stop = bool(flag.item())
+        return stop
+
+    def fit(self) -> float | None:
+        t = self.cfg.trainer
+        per_step = t.accumulation * self.world
+        start = time.perf_counter()
+        self.model.train()
+        bar = None
+        if self.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=t.max_steps or None, initial=self.step, unit="step", file=sys.stderr,
+                       dynamic_ncols=True, mininterval=1.0)
+        window_tokens, window_loss, window_start = 0, torch.zeros((), device=self.device), time.perf_counter()
+        stopped = self.should_stop(start)
+        while not stopped:
+            batches = self.corpus.batches(t.max_tokens, t.seed, self.epoch)
+            steps_in_epoch = len(batches) // per_step
+            if steps_in_epoch == 0:
+                raise ValueError(f"one epoch has {len(batches)} batches, fewer than "
+                                 f"trainer.accumulation x processes = {per_step}")
+            while self.step_in_epoch < steps_in_epoch:
+                first = self.step_in_epoch * per_step
+                step_batches = batches[first : first + per_step]
+                step_tokens = sum(self.corpus.tgt_lens[i] + 1 for b in step_batches for i in b)
+                mine = step_batches[self.rank * t.accumulation : (self.rank + 1) * t.accumulation]
+                loss, _ = self.train_step(mine, step_tokens)
+                self.step += 1
+                self.step_in_epoch += 1
+                window_tokens += step_tokens
+                window_loss += loss.float() * self.world  # rank-0 estimate of the sum (no host sync)
+                if self.step % t.log_every == 0 and bar is not None:
+                    elapsed = time.perf_counter() - window_start
+                    record = {"step": self.step, "epoch": self.epoch,
+                              "loss": float(window_loss) / max(window_tokens, 1),
+                              "lr": self.scheduler.get_last_lr()[0],
+                              "tgt_tokens_per_s": window_tokens / max(elapsed, 1e-9)}
+                    self._log(record)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+                                    tok_s=f"{record['tgt_tokens_per_s']:.0f}", refresh=False)
+                    window_tokens, window_loss, window_start = 0, torch.zeros((), device=self.device), time.perf_counter()
+                if bar is not None:
+                    bar.update(1)
+                if self.step % t.validate_every == 0:
+                    self._validate_and_save()
+                if self.should_stop(start):
+                    stopped = True
+                    break
+            if not stopped:
+                self.epoch += 1
+                self.step_in_epoch = 0
+                stopped = self.should_stop(start)
+        if bar is not None:
+            bar.close()
+        if not self.history or self.history[-1]["step"] != self.step:
+            self._validate_and_save()
+        return self.best
+
+    def _validate_and_save(self) -> None:
+        improved = False
+        if self.rank == 0:
+            metrics = self.validate()
+            key = "valid_bleu" if self.cfg.trainer.best_metric == "bleu" else "valid_loss"
+            sign = 1 if key == "valid_bleu" else -1
+            value = metrics[key]
+            improved = self.best is None or sign * value > sign * self.best
+            if improved:
+                self.best, self.bad_validations = value, 0
+            else:
+                self.bad_validations += 1
+            record = {"step": self.step, "epoch": self.epoch, **metrics, "best": self.best}
+            self.history.append(record)
+            self._log(record)
+            log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f%s", self.step,
+                     metrics["valid_loss"], metrics["valid_ppl"], metrics["valid_bleu"],
+                     metrics["valid_chrf"], " (best)" if improved else "")
+        if self.world > 1:  # early stopping must agree on every rank
+            state = [self.bad_validations, self.best]
+            dist.broadcast_object_list(state, src=0)
+            self.bad_validations, self.best = state
+        self.save(improved)
+        barrier(self.world)
+
+    def _log(self, record: dict) -> None:
+        if self.rank == 0:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _as_python_state(state):
+    """random.setstate needs tuples; a checkpoint round trip may give lists."""
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+def finish(trainer: Trainer) -> None:
+    """Averaging, test-set BLEU with the best model, and what to run next (rank 0 only)."""
+    cfg, run_dir = trainer.cfg, trainer.run_dir
+    ckpt_dir = trainer.ckpt_dir
+    if cfg.trainer.average_last > 1:
+        paths = checkpoint.step_checkpoints(ckpt_dir)[-cfg.trainer.average_last :]
+        if len(paths) > 1:
+            checkpoint.save_atomic(checkpoint.average(paths), ckpt_dir / "averaged.pt")
+            log.info("averaged %d checkpoints -> %s", len(paths), ckpt_dir / "averaged.pt")
+    best = ckpt_dir / "best.pt"
+    if cfg.trainer.test_at_end and cfg.data.test:
+        from mt.data import split_files
+
+        from mt.evaluate import score
+        from mt.translate import SearchOptions, translate_lines
+
+        test = load_split(cfg.data, cfg.data.test)
+        model, tok, _ = checkpoint.load_model(best, trainer.device)
+        opts = SearchOptions(beam=cfg.trainer.beam_size, lenpen=cfg.trainer.lenpen)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hyps = [n[0][0] for n in translate_lines(model, tok, test["src"], opts)]
+        seconds = time.perf_counter() - start
+        result = score(hyps, test["tgt"])
+        (run_dir / f"{cfg.data.test}.hyp").write_text("".join(h + "\n" for h in hyps))
+        with open(run_dir / "test.json", "w") as f:
+            json.dump({**result, "checkpoint": str(best), "seconds": seconds}, f, indent=2)
+        print(f"test BLEU = {result['bleu']:.2f}  chrF = {result['chrf']:.2f}  "
+              f"({result['sentences']} sentences, {result['bleu_signature']})")
+        if cfg.data.source != "hub":
+            src_file = split_files(cfg.data, cfg.data.test)[0]
+            print(f"try: translate -m {run_dir} -i {src_file}")
+    print(f"run directory: {run_dir}")
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
+def hydra_main(dcfg: DictConfig) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    cfg: TrainConfig = OmegaConf.to_object(dcfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    trainer = Trainer(cfg, run_dir)
+    best = trainer.fit()
+    if trainer.rank == 0:
+        finish(trainer)
+    if trainer.world > 1:
+        dist.destroy_process_group()
+    return best
+
+
+def main() -> None:
+    register_configs()
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()
