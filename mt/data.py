@@ -70,9 +70,13 @@ def split_files(cfg: DataConfig, split: str) -> list[Path]:
     raise ValueError(f"data.format must be text, tsv or jsonl, got {cfg.format!r}")
 
 
-def read_pairs(files: list[str], fmt: str, src_lang: str, tgt_lang: str) -> Iterator[dict]:
-    """Yields {"src": str, "tgt": str} per line, checking every line (see the module docstring)."""
-    paths = [Path(f) for f in files]
+def read_pairs(files: str, fmt: str, src_lang: str, tgt_lang: str) -> Iterator[dict]:
+    """Yields {"src": str, "tgt": str} per line, checking every line (see the module docstring).
+
+    ``files`` is one path, or the source and target paths joined by a newline (a string, because
+    ``Dataset.from_generator`` would shard a list across workers).
+    """
+    paths = [Path(f) for f in files.split("\n")]
     if fmt == "text":
         src_path, tgt_path = paths
         with _open_text(src_path) as fs, _open_text(tgt_path) as ft:
@@ -112,6 +116,7 @@ def load_split(cfg: DataConfig, split: str):
     """A ``datasets.Dataset`` with string columns ``src`` and ``tgt`` for one split."""
     import datasets
 
+    datasets.disable_progress_bars()  # our own progress goes to stderr; theirs is noise here
     if cfg.source == "hub":
         if not cfg.hub_name:
             raise ValueError("data.hub_name must name a dataset when data.source=hub")
@@ -130,14 +135,19 @@ def load_split(cfg: DataConfig, split: str):
     # Dataset.from_generator caches by its arguments: include size and mtime, so edited files are
     # read again while unchanged ones come straight from the Arrow cache.
     stamp = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    return datasets.Dataset.from_generator(
-        read_pairs,
-        gen_kwargs={"files": [str(p) for p in files], "fmt": cfg.format,
-                    "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang},
-        features=datasets.Features({"src": datasets.Value("string"),
-                                    "tgt": datasets.Value("string")}),
-        fingerprint=_fingerprint(stamp),
-    )
+    try:
+        return datasets.Dataset.from_generator(
+            read_pairs,
+            gen_kwargs={"files": "\n".join(str(p) for p in files), "fmt": cfg.format,
+                        "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang},
+            features=datasets.Features({"src": datasets.Value("string"),
+                                        "tgt": datasets.Value("string")}),
+            fingerprint=_fingerprint(stamp),
+        )
+    except datasets.exceptions.DatasetGenerationError as err:
+        if isinstance(err.__cause__, DataError):  # the user's problem, with file and line
+            raise err.__cause__ from None
+        raise
 
 
 def _fingerprint(obj) -> str:

@@ -50,12 +50,19 @@ class PositionalEncoding(nn.Module):
 
 
 def sinusoids(length: int, d_model: int) -> Tensor:
-    """sin on even, cos on odd dimensions, wavelengths from 2*pi to 10000*2*pi (paper, 3.5)."""
+    """Sinusoidal positions (paper, 3.5), sines in the first half of the dimensions, cosines in the
+    second, wavelengths from 2*pi to 10000*2*pi.
+
+    The paper interleaves sin/cos; tensor2tensor, fairseq and Marian concatenate them. The two are a
+    fixed permutation of each other (the same model up to relabelled dimensions); we follow the
+    implementations so that weights move to and from Marian/Hugging Face unchanged.
+    """
+    half = d_model // 2
     position = torch.arange(length, dtype=torch.float32).unsqueeze(1)
-    div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    inv_freq = torch.exp(torch.arange(half, dtype=torch.float32) * (-math.log(10000.0) / half))
     table = torch.zeros(length, d_model)
-    table[:, 0::2] = torch.sin(position * div)
-    table[:, 1::2] = torch.cos(position * div)
+    table[:, :half] = torch.sin(position * inv_freq)
+    table[:, half : 2 * half] = torch.cos(position * inv_freq)
     return table
 
 

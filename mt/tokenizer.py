@@ -127,7 +127,6 @@ def _train_one(texts: Iterable[str], cfg: TokenizerConfig, vocab_size: int, seed
         hard_vocab_limit=False,
         num_threads=os.cpu_count() or 1,
         minloglevel=2,
-        random_seed=seed,
     )
     return model.getvalue()
 

@@ -136,7 +136,7 @@ class Corpus:
             barrier(world)
         train = load_split(data, data.train)
         self.tokenizer = self._tokenizer(cfg, run_dir, train, rank, world)
-        src_text, tgt_text = train["src"], train["tgt"]
+        src_text, tgt_text = list(train["src"]), list(train["tgt"])
         src_ids = self.tokenizer.encode_src(src_text)
         tgt_ids = self.tokenizer.encode_tgt(tgt_text)
         keep, report = filter_pairs(src_text, tgt_text, src_ids, tgt_ids, data.filter)
@@ -149,7 +149,7 @@ class Corpus:
         self.tgt_lens = [len(t) for t in self.tgt_ids]
         valid = load_split(data, data.valid)
         n = data.max_valid_sentences or len(valid)
-        self.valid_src, self.valid_tgt = valid["src"][:n], valid["tgt"][:n]
+        self.valid_src, self.valid_tgt = list(valid["src"][:n]), list(valid["tgt"][:n])
 
     @staticmethod
     def _tokenizer(cfg: TrainConfig, run_dir: Path, train, rank: int, world: int) -> Tokenizer:
@@ -159,7 +159,8 @@ class Corpus:
         directory = run_dir / "tokenizer"
         if rank == 0 and not (directory / "tokenizer.json").exists():
             start = time.perf_counter()
-            tok = train_tokenizer(train["src"], train["tgt"], tok_cfg, seed=cfg.trainer.seed)
+            tok = train_tokenizer(iter(train["src"]), iter(train["tgt"]), tok_cfg,
+                                  seed=cfg.trainer.seed)
             tok.save(directory)
             log.info("trained SentencePiece %s (%s, %d pieces) in %.1f s -> %s",
                      tok_cfg.model_type, "joint" if tok.joint else "separate",
@@ -482,9 +483,9 @@ def finish(trainer: Trainer) -> None:
         opts = SearchOptions(beam=cfg.trainer.beam_size, lenpen=cfg.trainer.lenpen)
         start = time.perf_counter()
         with torch.inference_mode():
-            hyps = [n[0][0] for n in translate_lines(model, tok, test["src"], opts)]
+            hyps = [n[0][0] for n in translate_lines(model, tok, list(test["src"]), opts)]
         seconds = time.perf_counter() - start
-        result = score(hyps, test["tgt"])
+        result = score(hyps, list(test["tgt"]))
         (run_dir / f"{cfg.data.test}.hyp").write_text("".join(h + "\n" for h in hyps))
         with open(run_dir / "test.json", "w") as f:
             json.dump({**result, "checkpoint": str(best), "seconds": seconds}, f, indent=2)
