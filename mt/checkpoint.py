@@ -65,7 +65,7 @@ def resolve(path: str | os.PathLike) -> Path:
         if candidate.is_file():
             return candidate
     if p.is_dir():
-        raise FileNotFoundError(f"{p}: no checkpoint in it (looked for checkpoints/best.pt, last.pt)")
+        raise FileNotFoundError(f"{p}: no checkpoint in it (looked for best.pt, last.pt)")
     raise FileNotFoundError(f"{p}: no such model file or run directory")
 
 

@@ -117,6 +117,7 @@ class TrainerConfig:
     max_epochs: int = 0  # 0 = no limit
     max_minutes: float = 0.0  # wall-clock budget for training; 0 = no limit
     validate_every: int = 500  # optimizer steps
+    save_every: int = 0  # write checkpoints/last.pt every N steps between validations; 0 = only then
     log_every: int = 50
     patience: int = 0  # stop after this many validations without a better best_metric; 0 = never
     best_metric: str = "bleu"  # bleu | loss
@@ -130,6 +131,8 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
     test_at_end: bool = True  # translate the test split with the best checkpoint and print BLEU
+    max_bad_steps: int = 10  # stop after this many consecutive steps with a NaN/inf loss
+    tensorboard: bool = True  # TensorBoard events in the run dir (if tensorboard is installed)
 
 
 @dataclass

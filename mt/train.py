@@ -1,4 +1,4 @@
-"""``mt-train``: the Hydra entry point that trains a Transformer, validates it and writes checkpoints.
+"""``mt-train``: the Hydra entry point that trains a Transformer, validates it, writes checkpoints.
 
 ``mt-train`` with no arguments trains ``transformer_tiny`` on the generated demo corpus. Under
 ``torchrun`` each process takes its share of every optimizer step (DistributedDataParallel, gloo on
@@ -124,55 +124,64 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
 
 
 class Corpus:
-    """Encoded, filtered training pairs and raw valid/test text."""
+    """Training pairs encoded once into cached Arrow files, and raw valid text.
+
+    Rank 0 reads the text, trains (or reuses) the tokenizer and encodes first; the other ranks then
+    find all of it in the caches. Only per-pair lengths live in memory (``src_lens`` with EOS,
+    ``tgt_lens`` without BOS/EOS, both ``array('i')``); ``collate`` gathers a batch's ids from the
+    memory-mapped Arrow table, so 4.5M WMT pairs need well under a gigabyte.
+    """
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> None:
-        data = cfg.data
-        if data.source == "demo":
-            if rank == 0:
-                from mt.demo import write_demo_corpus
+        from dataclasses import replace
 
-                write_demo_corpus(data.dir)
-            barrier(world)
+        from mt.data import EncodedPairs, encode_split
+
+        data = cfg.data
+        if rank != 0:
+            barrier(world)  # rank 0 fills the caches first
+        if data.source == "demo" and rank == 0:
+            from mt.demo import write_demo_corpus
+
+            write_demo_corpus(data.dir)
         train = load_split(data, data.train)
-        self.tokenizer = self._tokenizer(cfg, run_dir, train, rank, world)
-        src_text, tgt_text = list(train["src"]), list(train["tgt"])
-        src_ids = self.tokenizer.encode_src(src_text)
-        tgt_ids = self.tokenizer.encode_tgt(tgt_text)
-        keep, report = filter_pairs(src_text, tgt_text, src_ids, tgt_ids, data.filter)
-        log.info("training data %s: %s", data.dir, report)
-        if not keep:
-            raise ValueError(f"no training pair of {data.dir} survived filtering ({report})")
-        self.src_ids = [src_ids[i] for i in keep]
-        self.tgt_ids = [tgt_ids[i] for i in keep]
-        self.src_lens = [len(s) for s in self.src_ids]
-        self.tgt_lens = [len(t) for t in self.tgt_ids]
+        self.tokenizer = self._tokenizer(cfg, run_dir, train)
+        rules = data.filter
+        if rules.max_tokens >= cfg.model.max_positions:  # longer pairs would not fit the model
+            rules = replace(rules, max_tokens=cfg.model.max_positions - 1)
+        start = time.perf_counter()
+        self.pairs = EncodedPairs(encode_split(train, self.tokenizer), rules)
+        if rank == 0:
+            log.info("training data %s: %s (encoded and filtered in %.1f s)",
+                     data.hub_name if data.source == "hub" else data.dir, self.pairs.report,
+                     time.perf_counter() - start)
+            barrier(world)
+        if not len(self.pairs):
+            raise ValueError(f"no training pair of {data.dir} survived filtering "
+                             f"({self.pairs.report}); see data.filter")
+        self.src_lens, self.tgt_lens = self.pairs.src_lens, self.pairs.tgt_lens
         valid = load_split(data, data.valid)
         n = data.max_valid_sentences or len(valid)
         self.valid_src, self.valid_tgt = list(valid["src"][:n]), list(valid["tgt"][:n])
 
     @staticmethod
-    def _tokenizer(cfg: TrainConfig, run_dir: Path, train, rank: int, world: int) -> Tokenizer:
-        tok_cfg = cfg.data.tokenizer
-        if tok_cfg.path:
-            return Tokenizer.load(tok_cfg.path)
-        directory = run_dir / "tokenizer"
-        if rank == 0 and not (directory / "tokenizer.json").exists():
-            start = time.perf_counter()
-            tok = train_tokenizer(iter(train["src"]), iter(train["tgt"]), tok_cfg,
-                                  seed=cfg.trainer.seed)
-            tok.save(directory)
-            log.info("trained SentencePiece %s (%s, %d pieces) in %.1f s -> %s",
-                     tok_cfg.model_type, "joint" if tok.joint else "separate",
-                     tok.src_vocab_size, time.perf_counter() - start, directory)
-        barrier(world)
-        return Tokenizer.load(directory)
+    def _tokenizer(cfg: TrainConfig, run_dir: Path, train) -> Tokenizer:
+        """data.tokenizer.path (trained there if empty) or run_dir/tokenizer, reused if complete."""
+        from mt.data import sample_texts
+        from mt.tokenizer import load_or_train
+
+        tok_cfg, seed = cfg.data.tokenizer, cfg.trainer.seed
+        directory = Path(tok_cfg.path) if tok_cfg.path else run_dir / "tokenizer"
+        return load_or_train(
+            directory,
+            lambda: sample_texts(train, tok_cfg.input_sentence_size, seed, tok_cfg.joint),
+            tok_cfg, seed)
 
     def batches(self, max_tokens: int, seed: int, epoch: int) -> list[list[int]]:
-        return token_batches(self.src_lens, self.tgt_lens, max_tokens, seed, epoch)
+        return self.pairs.batches(max_tokens, seed, epoch)
 
-    def collate(self, batch: list[int]):
-        return collate([self.src_ids[i] for i in batch], [self.tgt_ids[i] for i in batch])
+    def collate(self, batch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.pairs.collate(batch)
 
 
 def barrier(world: int) -> None:
@@ -216,8 +225,8 @@ class Trainer:
         self.model = build_model(cfg.model).to(self.device)
         if cfg.init_from:
             self._init_from(cfg.init_from)
-        log.info("model %s: %s parameters\n%s", cfg.model.name,
-                 f"{count_parameters(self.model):,}", OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
+        log.info("model %s: %s parameters\n%s", cfg.model.name, f"{count_parameters(self.model):,}",
+                 OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.amp_dtype = autocast_dtype(cfg.trainer.precision, self.device)
@@ -233,6 +242,9 @@ class Trainer:
             self.net = torch.compile(self.net)
         self.step, self.epoch, self.step_in_epoch = 0, 0, 0
         self.best, self.bad_validations, self.history = None, 0, []
+        self.skipped_steps, self.bad_steps_in_a_row = 0, 0
+        self.validated_step = -1
+        self.writer = self._tensorboard() if self.rank == 0 else None
         self.ckpt_dir = run_dir / "checkpoints"
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
         if (self.ckpt_dir / "last.pt").exists():
@@ -256,6 +268,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
             "best": self.best, "bad_validations": self.bad_validations, "history": self.history,
+            "skipped_steps": self.skipped_steps,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []},
             "world_size": self.world,
@@ -272,6 +285,7 @@ class Trainer:
                                                       state["step_in_epoch"])
         self.best, self.bad_validations = state["best"], state["bad_validations"]
         self.history = state["history"]
+        self.skipped_steps = state.get("skipped_steps", 0)
         if state["world_size"] == self.world:
             torch.set_rng_state(state["rng"]["torch"])
             random.setstate(_as_python_state(state["rng"]["python"]))
@@ -280,13 +294,20 @@ class Trainer:
         log.info("resumed %s at step %d (epoch %d, step %d of it)", path, self.step, self.epoch,
                  self.step_in_epoch)
 
-    def save(self, improved: bool) -> None:
+    def save(self, improved: bool, step_checkpoint: bool = True) -> None:
+        """last.pt always; step_N.pt (for averaging) and best.pt at validations."""
         if self.rank != 0:
             return
+        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise RuntimeError(f"training diverged: non-finite weights ({', '.join(bad[:3])}); "
+                               f"not overwriting {self.ckpt_dir / 'last.pt'}. Lower optim.lr, "
+                               "raise optim.warmup_steps or set optim.clip_norm")
         inference = checkpoint.model_state(self.model, self.corpus.tokenizer, self.config_dict)
         checkpoint.save_atomic({**inference, "trainer": self._trainer_state()},
                                self.ckpt_dir / "last.pt")
-        if self.cfg.trainer.keep_last > 0 or self.cfg.trainer.average_last > 0:
+        t = self.cfg.trainer
+        if step_checkpoint and (t.keep_last > 0 or t.average_last > 0):
             checkpoint.save_atomic(inference, self.ckpt_dir / f"step_{self.step}.pt")
             keep = max(self.cfg.trainer.keep_last, self.cfg.trainer.average_last)
             for old in checkpoint.step_checkpoints(self.ckpt_dir)[:-keep]:
@@ -319,8 +340,8 @@ class Trainer:
         self.model.train()
         scores = score(hyps, c.valid_tgt)
         loss = loss_sum / max(tokens, 1)
-        return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50)), "valid_bleu": scores["bleu"],
-                "valid_chrf": scores["chrf"]}
+        return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50)),
+                "valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
 
     def _autocast(self):
         if self.amp_dtype is None:
@@ -329,10 +350,14 @@ class Trainer:
 
     # -- the loop
 
-    def train_step(self, micro_batches: list[list[int]], step_tokens: int) -> tuple[float, float]:
-        """One optimizer step over this rank's micro-batches; returns (loss, nll) sums."""
+    def train_step(self, micro_batches: list[list[int]], step_tokens: int) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches.
+
+        Returns the summed label-smoothed loss (a device tensor, no host sync), or None when the
+        loss was NaN/inf and the update was skipped (weights, optimizer and schedule unchanged).
+        """
         self.optimizer.zero_grad(set_to_none=True)
-        loss_total, nll_total = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        loss_total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             src, tgt_in, tgt_out = (t.to(self.device, non_blocking=True)
                                     for t in self.corpus.collate(batch))
@@ -341,18 +366,36 @@ class Trainer:
             with sync:
                 with self._autocast():
                     logits = self.net(src, tgt_in)
-                loss, nll = label_smoothed_nll(logits, tgt_out, self.cfg.optim.label_smoothing)
+                loss, _ = label_smoothed_nll(logits, tgt_out, self.cfg.optim.label_smoothing)
                 # DDP averages gradients over ranks; scale so the result is sum / step_tokens.
                 self.scaler.scale(loss * self.world / step_tokens).backward()
             loss_total += loss.detach()
-            nll_total += nll
+        finite = torch.isfinite(loss_total).float()
+        if self.world > 1:  # skip on every rank, or on none
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite.item():
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         self.scaler.unscale_(self.optimizer)
         if self.cfg.optim.clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
-        return loss_total, nll_total
+        return loss_total
+
+    def _bad_step(self) -> None:
+        self.skipped_steps += 1
+        self.bad_steps_in_a_row += 1
+        log.warning("step %d: loss is NaN/inf, update skipped (%d skipped so far)", self.step,
+                    self.skipped_steps)
+        if self.bad_steps_in_a_row >= self.cfg.trainer.max_bad_steps:
+            raise RuntimeError(
+                f"training diverged: {self.bad_steps_in_a_row} steps in a row with a NaN/inf loss "
+                f"(trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); last good weights are "
+                f"in {self.ckpt_dir / 'last.pt'}. Lower optim.lr, raise optim.warmup_steps or set "
+                "optim.clip_norm"
+            )
 
     def should_stop(self, start: float) -> bool:
         t = self.cfg.trainer
@@ -380,7 +423,7 @@ class Trainer:
 
             bar = tqdm(total=t.max_steps or None, initial=self.step, unit="step", file=sys.stderr,
                        dynamic_ncols=True, mininterval=1.0)
-        window_tokens, window_loss, window_start = 0, torch.zeros((), device=self.device), time.perf_counter()
+        window = Window(self.device)
         stopped = self.should_stop(start)
         while not stopped:
             batches = self.corpus.batches(t.max_tokens, t.seed, self.epoch)
@@ -393,25 +436,27 @@ class Trainer:
                 step_batches = batches[first : first + per_step]
                 step_tokens = sum(self.corpus.tgt_lens[i] + 1 for b in step_batches for i in b)
                 mine = step_batches[self.rank * t.accumulation : (self.rank + 1) * t.accumulation]
-                loss, _ = self.train_step(mine, step_tokens)
+                loss = self.train_step(mine, step_tokens)
                 self.step += 1
                 self.step_in_epoch += 1
-                window_tokens += step_tokens
-                window_loss += loss.float() * self.world  # rank-0 estimate of the sum (no host sync)
+                if loss is None:
+                    self._bad_step()
+                else:
+                    self.bad_steps_in_a_row = 0
+                    window.add(loss * self.world, step_tokens)  # rank-0 estimate of the step sum
                 if self.step % t.log_every == 0 and bar is not None:
-                    elapsed = time.perf_counter() - window_start
-                    record = {"step": self.step, "epoch": self.epoch,
-                              "loss": float(window_loss) / max(window_tokens, 1),
-                              "lr": self.scheduler.get_last_lr()[0],
-                              "tgt_tokens_per_s": window_tokens / max(elapsed, 1e-9)}
+                    record = {"step": self.step, "epoch": self.epoch, **window.read(),
+                              "lr": self.scheduler.get_last_lr()[0]}
                     self._log(record)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
                                     tok_s=f"{record['tgt_tokens_per_s']:.0f}", refresh=False)
-                    window_tokens, window_loss, window_start = 0, torch.zeros((), device=self.device), time.perf_counter()
                 if bar is not None:
                     bar.update(1)
                 if self.step % t.validate_every == 0:
                     self._validate_and_save()
+                    window.restart()  # tokens/s measures training only
+                elif t.save_every and self.step % t.save_every == 0:
+                    self.save(improved=False, step_checkpoint=False)
                 if self.should_stop(start):
                     stopped = True
                     break
@@ -421,11 +466,12 @@ class Trainer:
                 stopped = self.should_stop(start)
         if bar is not None:
             bar.close()
-        if not self.history or self.history[-1]["step"] != self.step:
+        if self.validated_step != self.step:
             self._validate_and_save()
         return self.best
 
     def _validate_and_save(self) -> None:
+        self.validated_step = self.step
         improved = False
         if self.rank == 0:
             metrics = self.validate()
@@ -450,10 +496,81 @@ class Trainer:
         self.save(improved)
         barrier(self.world)
 
+    def _tensorboard(self):
+        if not self.cfg.trainer.tensorboard:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            log.info("tensorboard is not installed: metrics go to metrics.jsonl only")
+            return None
+        return SummaryWriter(str(self.run_dir / "tensorboard"))
+
     def _log(self, record: dict) -> None:
-        if self.rank == 0:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+        """Appends to metrics.jsonl (and TensorBoard); a validation record redraws the plot."""
+        if self.rank != 0:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key not in ("step", "epoch") and isinstance(value, int | float):
+                    self.writer.add_scalar(key, value, record["step"])
+            self.writer.flush()
+        if "valid_loss" in record:
+            plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
+
+
+def plot_curves(metrics_file: Path, out: Path) -> bool:
+    """Training loss, validation loss and BLEU against steps, as a PNG (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
+    train = [r for r in records if "loss" in r]
+    valid = [r for r in records if "valid_loss" in r]
+    fig, (ax_loss, ax_bleu) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (smoothed)")
+    ax_loss.plot([r["step"] for r in valid], [r["valid_loss"] for r in valid], "o-",
+                 label="valid NLL")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss per token")
+    ax_loss.legend()
+    ax_bleu.plot([r["step"] for r in valid], [r["valid_bleu"] for r in valid], "o-")
+    ax_bleu.set_xlabel("step")
+    ax_bleu.set_ylabel("valid BLEU")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return True
+
+
+class Window:
+    """Loss and throughput since the last log line; the loss stays on the device until read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.restart()
+
+    def restart(self) -> None:
+        self.loss = torch.zeros((), device=self.device)
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, tokens: int) -> None:
+        self.loss += loss.float()
+        self.tokens += tokens
+
+    def read(self) -> dict:
+        seconds = time.perf_counter() - self.start
+        out = {"loss": float(self.loss) / max(self.tokens, 1),
+               "tgt_tokens_per_s": self.tokens / max(seconds, 1e-9)}
+        self.restart()
+        return out
 
 
 def _as_python_state(state):
@@ -474,7 +591,6 @@ def finish(trainer: Trainer) -> None:
     best = ckpt_dir / "best.pt"
     if cfg.trainer.test_at_end and cfg.data.test:
         from mt.data import split_files
-
         from mt.evaluate import score
         from mt.translate import SearchOptions, translate_lines
 
@@ -503,6 +619,12 @@ def hydra_main(dcfg: DictConfig) -> float | None:
 
     cfg: TrainConfig = OmegaConf.to_object(dcfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Each torchrun process resolved ${now} itself; they must share rank 0's directory.
+        setup_distributed(cfg.trainer.device)
+        shared = [str(run_dir)]
+        dist.broadcast_object_list(shared, src=0)
+        run_dir = Path(shared[0])
     trainer = Trainer(cfg, run_dir)
     best = trainer.fit()
     if trainer.rank == 0:

@@ -1,0 +1,66 @@
+"""Shared fixtures: a small corpus from the demo language and a tokenizer trained on it.
+
+Everything is made by the tests themselves; nothing is downloaded (HF_HUB_OFFLINE=1 is set for
+this process and for every subprocess the tests start).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    """train/valid/test .en/.zz files: 400/30/30 demo-language pairs."""
+    from mt.demo import write_demo_corpus
+
+    out = tmp_path_factory.mktemp("corpus")
+    write_demo_corpus(out, n_train=400, n_valid=30, n_test=30, seed=7)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(corpus_dir, tmp_path_factory) -> Path:
+    """A joint unigram SentencePiece model (vocabulary 200) trained on the corpus."""
+    from mt.config import TokenizerConfig
+    from mt.data import read_lines
+    from mt.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(read_lines(corpus_dir / "train.en"), read_lines(corpus_dir / "train.zz"),
+                          TokenizerConfig(vocab_size=200), seed=1)
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok.save(out)
+    return out
+
+
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    """Environment for CLI subprocesses: offline, a private datasets cache, small thread count."""
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"),
+               OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return env
+
+
+def tiny_train_args(corpus_dir: Path, tokenizer_dir: Path) -> list[str]:
+    """Overrides for a model small enough to train a few steps in seconds."""
+    return [
+        "model.d_model=32", "model.ffn_dim=64", "model.heads=2", "model.encoder_layers=1",
+        "model.decoder_layers=1", "model.max_positions=128",
+        "data.source=files", f"data.dir={corpus_dir}", "data.tgt_lang=zz",
+        f"data.tokenizer.path={tokenizer_dir}", "data.max_valid_sentences=8",
+        "trainer.max_tokens=300", "trainer.precision=fp32", "trainer.beam_size=1",
+        "trainer.log_every=1", "trainer.num_threads=1", "trainer.tensorboard=false",
+        "optim.warmup_steps=5", "optim.lr=1e-3",
+    ]
+
+
+PYTHON = sys.executable

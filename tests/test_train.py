@@ -1,0 +1,183 @@
+"""Training: typed configs, exact resume after SIGKILL, DDP equivalence, schedules, NaN handling."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, cli_env, tiny_train_args
+
+EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from mt.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
+        OmegaConf.set_readonly(cfg.hydra, False)
+        with open_dict(cfg):
+            cfg.hydra.runtime.output_dir = "/tmp/run"
+        HydraConfig.instance().set_config(cfg)  # lets ${hydra:runtime.output_dir} resolve
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return OmegaConf.to_object(cfg)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(experiment):
+    from mt.config import TrainConfig
+
+    cfg = compose([f"experiment={experiment}"])
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.model.d_model % cfg.model.heads == 0
+
+
+def test_default_config_is_the_demo():
+    cfg = compose([])
+    assert (cfg.model.name, cfg.data.source) == ("transformer_tiny", "demo")
+
+
+def test_misspelt_key_fails_with_its_name():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="lrr"):
+        compose(["optim.lrr=1e-3"])
+
+
+def test_wrong_type_fails_with_the_key():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="max_steps"):
+        compose(["trainer.max_steps=many"])
+
+
+def test_inverse_sqrt_schedule_peaks_at_warmup():
+    from mt.train import lr_lambda
+
+    cfg = compose(["optim.warmup_steps=100", "optim.schedule=inverse_sqrt"])
+    f = lr_lambda(cfg)
+    assert f(50) == pytest.approx(0.5)
+    assert f(100) == pytest.approx(1.0)
+    assert f(400) == pytest.approx(0.5)  # sqrt(100 / 400)
+
+
+def test_cosine_schedule_reaches_min_lr():
+    from mt.train import lr_lambda
+
+    cfg = compose(["optim.schedule=cosine", "optim.warmup_steps=10", "trainer.max_steps=110",
+                   "optim.lr=1e-3", "optim.min_lr=1e-4"])
+    f = lr_lambda(cfg)
+    assert f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.55)
+    assert f(110) == pytest.approx(0.1)
+
+
+def test_label_smoothed_loss_matches_its_definition():
+    from mt.train import label_smoothed_nll
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7)
+    target = torch.tensor([[4, 5, 0], [6, 0, 0]])  # 0 = PAD, ignored
+    loss, nll = label_smoothed_nll(logits, target, 0.1)
+    lp = logits.log_softmax(-1)
+    mask = target != 0
+    expect_nll = -lp.gather(-1, target.unsqueeze(-1)).squeeze(-1)[mask].sum()
+    expect = 0.9 * expect_nll + 0.1 * (-lp.mean(-1))[mask].sum()
+    assert nll.item() == pytest.approx(expect_nll.item(), rel=1e-5)
+    assert loss.item() == pytest.approx(expect.item(), rel=1e-5)
+
+
+def run_train(tmp_path: Path, run_dir: Path, corpus_dir, tokenizer_dir, *overrides,
+              torchrun: int = 0) -> subprocess.CompletedProcess:
+    launcher = [PYTHON, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={torchrun}"] if torchrun else [PYTHON]
+    cmd = [*launcher, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={run_dir}", *overrides]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_dir, tokenizer_dir):
+    steps = ["trainer.max_steps=14", "trainer.validate_every=7", "trainer.save_every=2",
+             "trainer.test_at_end=false"]
+    full = tmp_path / "full"
+    run_train(tmp_path, full, corpus_dir, tokenizer_dir, *steps)
+
+    # The same run, killed without warning at a random step after its first checkpoint.
+    killed = tmp_path / "killed"
+    kill_at = random.Random(0).randint(3, 11)
+    cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={killed}", *steps]
+    proc = subprocess.Popen(cmd, env=cli_env(tmp_path), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics = killed / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists():
+            seen = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if x]
+            if seen and max(seen) >= kill_at:
+                break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (killed / "checkpoints" / "last.pt").exists()
+
+    resumed = run_train(tmp_path, killed, corpus_dir, tokenizer_dir, *steps)
+    assert "resumed" in resumed.stderr
+    a, b = weights(full), weights(killed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    full_state = torch.load(full / "checkpoints" / "last.pt", weights_only=True)["trainer"]
+    killed_state = torch.load(killed / "checkpoints" / "last.pt", weights_only=True)["trainer"]
+    assert full_state["step"] == killed_state["step"] == 14
+
+
+def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, corpus_dir,
+                                                                     tokenizer_dir):
+    common = ["trainer.max_steps=4", "trainer.validate_every=4", "trainer.test_at_end=false",
+              "model.dropout=0.0"]
+    single = tmp_path / "single"
+    run_train(tmp_path, single, corpus_dir, tokenizer_dir, *common, "trainer.accumulation=2")
+    ddp = tmp_path / "ddp"
+    run_train(tmp_path, ddp, corpus_dir, tokenizer_dir, *common, "trainer.accumulation=1",
+              torchrun=2)
+    a, b = weights(single), weights(ddp)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_nan_loss_skips_the_step_and_stops_a_diverging_run(tmp_path, corpus_dir, tokenizer_dir):
+    # lr = inf makes the weights NaN after the first update, so every later loss is NaN:
+    # the run must stop with a clear message instead of saving NaN weights.
+    run_dir = tmp_path / "nan"
+    cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={run_dir}", "optim.lr=inf", "optim.schedule=constant",
+           "optim.warmup_steps=1", "trainer.max_steps=30", "trainer.max_bad_steps=3",
+           "trainer.validate_every=100"]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    assert "training diverged: 3 steps in a row with a NaN/inf loss" in result.stderr
+    assert "update skipped" in result.stderr
