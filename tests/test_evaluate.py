@@ -1,0 +1,314 @@
+"""mt-eval must print exactly what sacrebleu's own command line prints, and stop silent mistakes.
+
+Scores are checked against the ``sacrebleu`` CLI run on the same files (a different code path:
+its own file reading and argument handling), paired tests against planted differences, and the
+sanity checks against the mistakes they exist for.
+"""
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mt import evaluate
+from mt.evaluate import main
+
+SACREBLEU = str(Path(sys.executable).with_name("sacrebleu"))
+WORDS = ("the a dog cat man woman child ball park street red blue small big runs walks sees "
+         "holds plays sits near under with on in at").split()
+
+
+def _sentence(rng: random.Random) -> str:
+    words = [rng.choice(WORDS) for _ in range(rng.randint(4, 12))]
+    if rng.random() < 0.3:
+        words[rng.randrange(1, len(words))] += ","
+    return " ".join(words).capitalize() + "."
+
+
+def _perturb(lines: list[str], rate: float, seed: int) -> list[str]:
+    """Replaces each word with probability ``rate``: a system of known, controllable quality."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) if rng.random() < rate else w for w in line.split())
+            for line in lines]
+
+
+def _write(path: Path, lines: list[str]) -> str:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture
+def files(tmp_path):
+    rng = random.Random(0)
+    ref = [_sentence(rng) for _ in range(200)]
+    ref2 = _perturb(ref, 0.2, seed=9)  # a second reference translation
+    return {
+        "ref": _write(tmp_path / "ref.de", ref),
+        "ref2": _write(tmp_path / "ref2.de", ref2),
+        "good": _write(tmp_path / "good.hyp", _perturb(ref, 0.2, seed=1)),
+        "bad": _write(tmp_path / "bad.hyp", _perturb(ref, 0.45, seed=2)),
+        "tmp": tmp_path,
+    }
+
+
+def _run(argv: list[str], capsys) -> dict:
+    main([*argv, "--json", "--quiet"])
+    return json.loads(capsys.readouterr().out)  # the whole of stdout is one JSON object
+
+
+def _cli(refs: list[str], hyp: str, *args: str) -> list[dict]:
+    out = subprocess.run([SACREBLEU, *refs, "-i", hyp, "-w", "4", "-f", "json", *args],
+                         capture_output=True, text=True, check=True).stdout
+    result = json.loads(out)
+    return result if isinstance(result, list) else [result]
+
+
+@pytest.mark.parametrize("options,cli_options", [
+    ([], []),
+    (["--tokenize", "intl"], ["--tokenize", "intl"]),
+    (["--lowercase"], ["--lowercase", "--chrf-lowercase"]),
+    (["--tokenize", "none"], ["--tokenize", "none"]),
+])
+@pytest.mark.parametrize("two_refs", [False, True])
+def test_scores_equal_the_sacrebleu_cli(files, capsys, options, cli_options, two_refs):
+    refs = [files["ref"], files["ref2"]] if two_refs else [files["ref"]]
+    ours = _run(["--hyp", files["good"], "--ref", *refs, "-M", "bleu", "chrf", "chrf++", "ter",
+                 *options], capsys)
+    (test,) = ours["tests"]
+    scores = test["systems"][0]["scores"]
+    assert test["sentences"] == 200 and test["references"] == refs
+    cli = _cli(refs, files["good"], "-m", "bleu", "chrf", "ter", *cli_options)
+    cli += _cli(refs, files["good"], "-m", "chrf", "--chrf-word-order", "2", *cli_options)
+    for name, theirs in zip(["bleu", "chrf", "ter", "chrf++"], cli, strict=True):
+        assert scores[name]["score"] == pytest.approx(theirs["score"], abs=1e-3), name
+        assert scores[name]["signature"] == theirs["signature"], name
+        system = test["systems"][0]  # the flat keys of score() and test.json, for scripts
+        assert (system[name], system[f"{name}_signature"]) == (scores[name]["score"],
+                                                                scores[name]["signature"])
+    assert 0.9 < test["systems"][0]["len_ratio"] < 1.1
+    assert scores["bleu"]["ratio"] == test["systems"][0]["len_ratio"]
+
+
+def test_score_api_used_by_training_equals_the_cli(files):
+    ref = Path(files["ref"]).read_text().splitlines()
+    hyp = Path(files["bad"]).read_text().splitlines()
+    result = evaluate.score(hyp, ref)
+    cli = _cli([files["ref"]], files["bad"], "-m", "bleu", "chrf")
+    assert set(result) == {"bleu", "bleu_signature", "chrf", "chrf_signature", "sentences"}
+    assert result["bleu"] == pytest.approx(cli[0]["score"], abs=1e-3)
+    assert result["chrf"] == pytest.approx(cli[1]["score"], abs=1e-3)
+    assert result["bleu_signature"] == cli[0]["signature"] and result["sentences"] == 200
+
+
+def test_confidence_interval_equals_the_cli(files, capsys):
+    ours = _run(["--hyp", files["bad"], "--ref", files["ref"], "-M", "bleu", "--confidence",
+                 "--confidence-n", "200"], capsys)
+    bleu = ours["tests"][0]["systems"][0]["scores"]["bleu"]
+    (cli,) = _cli([files["ref"]], files["bad"], "-m", "bleu", "--confidence",
+                  "--confidence-n", "200")
+    assert bleu["ci"] > 0 and "bs:200" in bleu["signature"]
+    assert bleu["signature"] == cli["signature"]
+    assert bleu["mean"] == pytest.approx(cli["confidence_mean"], abs=1e-3)
+    assert bleu["ci"] == pytest.approx(cli["confidence_var"], abs=1e-3)
+
+
+def test_paired_tests_find_a_planted_improvement_and_not_a_copy(files, capsys, caplog):
+    ref = Path(files["ref"]).read_text().splitlines()
+    bad = Path(files["bad"]).read_text().splitlines()
+    almost = list(bad)
+    fixed = next(i for i, (b, r) in enumerate(zip(bad, ref, strict=True)) if b != r)
+    almost[fixed] = ref[fixed]  # one sentence fixed: a real but tiny difference
+    almost_file = _write(files["tmp"] / "almost.hyp", almost)
+    copy_file = _write(files["tmp"] / "copy.hyp", bad)
+    ours = _run(["--hyp", files["bad"], files["good"], copy_file, almost_file, "--ref",
+                 files["ref"], "-M", "bleu", "chrf", "--paired-bs", "--paired-ar",
+                 "--paired-ar-n", "2000"], capsys)
+    base, good, copy, tiny = ours["tests"][0]["systems"]
+    for metric in ("bleu", "chrf"):
+        assert good["scores"][metric]["score"] > base["scores"][metric]["score"]
+        for kind in ("bs", "ar"):
+            assert base["scores"][metric].get(f"p_{kind}") is None  # the baseline has none
+            assert good["scores"][metric][f"p_{kind}"] < 0.05
+            assert copy["scores"][metric][f"p_{kind}"] == 1.0
+        assert tiny["scores"][metric]["p_bs"] > 0.05
+    assert copy["identical_to_baseline"] and tiny["differing_sentences"] == 1
+    # sacrebleu's AR test calls a one-sentence difference significant (it counts only strictly
+    # larger shuffled differences); mt-eval reports its p-value unchanged, with a warning.
+    assert any("differs from the baseline in only 1 sentence" in r.message
+               for r in caplog.records)
+    # The p-values are sacrebleu's own: the CLI's AR test on the same pair agrees.
+    cli = json.loads(subprocess.run(
+        [SACREBLEU, files["ref"], "-i", files["bad"], almost_file, "-m", "bleu", "--paired-ar",
+         "--paired-ar-n", "2000", "-f", "json"], capture_output=True, text=True,
+        check=True).stdout)
+    assert tiny["scores"]["bleu"]["p_ar"] == pytest.approx(cli[1]["BLEU"]["p_value"])
+
+
+def test_line_count_mismatch_names_both_files_and_counts(files):
+    short = _write(files["tmp"] / "short.hyp", Path(files["good"]).read_text().splitlines()[:150])
+    with pytest.raises(SystemExit) as err:
+        main(["--hyp", short, "--ref", files["ref"]])
+    message = str(err.value)
+    assert short in message and files["ref"] in message
+    assert "150" in message and "200" in message
+
+
+def test_mismatched_second_reference_and_source_are_errors(files):
+    short = _write(files["tmp"] / "short.de", ["x"] * 10)
+    with pytest.raises(SystemExit, match="short.de has 10 lines"):
+        main(["--hyp", files["good"], "--ref", files["ref"], short])
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_hypotheses_are_an_error(files, content):
+    empty = files["tmp"] / "empty.hyp"
+    empty.write_text(content)
+    with pytest.raises(SystemExit, match="empty"):
+        main(["--hyp", str(empty), "--ref", files["ref"]])
+
+
+def test_tokenized_reference_gives_a_warning(files, caplog):
+    ref = Path(files["ref"]).read_text().splitlines()
+    tokenized = _write(files["tmp"] / "tok.de",
+                       [s.replace(",", " ,").replace(".", " .") for s in ref])
+    main(["--hyp", files["good"], "--ref", tokenized, "--quiet"])
+    assert any("tok.de looks tokenized" in r.message for r in caplog.records)
+    caplog.clear()
+    main(["--hyp", files["good"], "--ref", files["ref"], "--quiet"])  # detokenized: no warning
+    assert not any("tokenized" in r.message for r in caplog.records)
+
+
+def test_formats_show_the_same_scores(files, capsys):
+    argv = ["--hyp", files["bad"], files["good"], "--ref", files["ref"], "--quiet",
+            "-M", "bleu", "ter", "--json-out", str(files["tmp"] / "r.json")]
+    main(argv)
+    text = capsys.readouterr().out
+    saved = json.loads((files["tmp"] / "r.json").read_text())
+    bleu = saved["tests"][0]["systems"][1]["scores"]["bleu"]["score"]
+    for fmt in ("markdown", "latex"):
+        main([*argv, "--format", fmt])
+        out = capsys.readouterr().out
+        assert f"{bleu:.2f}" in out
+        assert out.count("\n") >= 4
+    assert f"{bleu:.2f}" in text and "BLEU: nrefs:1|" in text
+    main([*argv, "--format", "json"])
+    assert json.loads(capsys.readouterr().out)["tests"] == saved["tests"]
+
+
+def test_named_test_set_resolves_against_the_repo_root(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the cwd must not matter
+    test = evaluate.load_named_test("multi30k_test2016")
+    root = Path(evaluate.__file__).resolve().parent.parent
+    data = (root / "../shared/data/multi30k").resolve()
+    assert test.langpair == "en-de"
+    assert test.src == str(data / "test2016.en") and test.refs == [str(data / "test2016.de")]
+    fr = evaluate.load_named_test("multi30k_test2016", "en-fr")
+    assert fr.refs == [str(data / "test2016.fr")] and fr.src == test.src
+    with pytest.raises(evaluate.EvalError, match="no language 'ja'"):
+        evaluate.load_named_test("multi30k_test2016", "en-ja")
+    with pytest.raises(evaluate.EvalError, match="multi30k_test2016"):  # lists the known ones
+        evaluate.load_named_test("no_such_set")
+
+
+def test_several_named_test_sets_in_one_call(files, tmp_path, monkeypatch, capsys):
+    conf = tmp_path / "testsets"
+    conf.mkdir()
+    for name in ("one", "two"):
+        (conf / f"{name}.yaml").write_text(
+            f"langpair: en-de\nsrc: {files['ref']}\nref: '{{tgt}}_{name}.txt'\n")
+        _write(tmp_path / f"de_{name}.txt", Path(files["ref"]).read_text().splitlines())
+        _write(tmp_path / f"{name}.hyp", Path(files[
+            "good" if name == "one" else "bad"]).read_text().splitlines())
+    monkeypatch.setattr(evaluate, "TESTSETS_DIR", conf)
+    monkeypatch.setattr(evaluate, "REPO_ROOT", tmp_path)
+    with pytest.raises(SystemExit, match=r"\{test\}"):
+        main(["--hyp", str(tmp_path / "one.hyp"), "--test", "one", "two"])
+    out = _run(["--hyp", str(tmp_path / "{test}.hyp"), "--test", "one", "two"], capsys)
+    one, two = out["tests"]
+    assert (one["name"], two["name"]) == ("one", "two")
+    assert one["systems"][0]["hypotheses"] == str(tmp_path / "one.hyp")
+    assert one["systems"][0]["scores"]["bleu"]["score"] > two["systems"][0]["scores"]["bleu"][
+        "score"]
+
+
+def test_sacrebleu_test_set_offline_fails_fast_with_one_line(tmp_path):
+    env = {**os.environ, "SACREBLEU": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "mt.evaluate", "--hyp", "x.hyp", "--test-set",
+                           "wmt14", "--langpair", "en-de"], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert time.perf_counter() - start < 20
+    assert proc.returncode != 0 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "wmt14" in lines[0] and "offline" in lines[0], proc.stderr
+    with pytest.raises(SystemExit, match="no language pair en-xx"):
+        main(["--hyp", "x.hyp", "--test-set", "wmt14", "--langpair", "en-xx"])
+
+
+def test_sacrebleu_test_set_from_the_cache_equals_the_cli(files):
+    cache = files["tmp"] / "cache"
+    (cache / "wmt14").mkdir(parents=True)
+    ref = Path(files["ref"]).read_text().splitlines()[:50]
+    for field in ("src", "ref", "docid", "genre", "origlang"):  # the files sacrebleu makes
+        _write(cache / "wmt14" / f"wmt14.en-de.{field}", ref)  # only the references count here
+    hyp = _write(files["tmp"] / "wmt14.hyp", Path(files["good"]).read_text().splitlines()[:50])
+    env = {**os.environ, "SACREBLEU": str(cache), "HF_HUB_OFFLINE": "1"}
+    ours = json.loads(subprocess.run(
+        [sys.executable, "-m", "mt.evaluate", "--hyp", hyp, "--test-set", "wmt14", "-l", "en-de",
+         "--json"], capture_output=True, text=True, env=env, check=True).stdout)
+    theirs = json.loads(subprocess.run(
+        [SACREBLEU, "-t", "wmt14", "-l", "en-de", "-i", hyp, "-w", "4"], capture_output=True,
+        text=True, env=env, check=True).stdout)
+    (test,) = ours["tests"]
+    assert test["origin"] == "sacrebleu" and test["sentences"] == 50
+    assert test["systems"][0]["scores"]["bleu"]["score"] == pytest.approx(theirs["score"],
+                                                                          abs=1e-3)
+
+
+def test_output_pattern_must_separate_systems(files):
+    with pytest.raises(SystemExit, match="several translations would go to one file"):
+        main(["-m", "a.pt", "b.pt", "--src", files["ref"], "--ref", files["ref"],
+              "--output", str(files["tmp"] / "out.txt")])
+
+
+def test_model_translates_and_reports_speed(tmp_path, capsys):
+    import torch
+
+    from mt.checkpoint import model_state, save_atomic
+    from mt.config import ModelConfig, TokenizerConfig
+    from mt.model import build_model
+    from mt.tokenizer import train_tokenizer
+
+    rng = random.Random(3)
+    src = [_sentence(rng) for _ in range(300)]
+    tok = train_tokenizer(src, [s.upper() for s in src],
+                          TokenizerConfig(vocab_size=100, model_type="bpe"))
+    torch.manual_seed(0)
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=1, d_model=32, ffn_dim=64, heads=2,
+                      max_positions=64, src_vocab_size=tok.src_vocab_size,
+                      tgt_vocab_size=tok.tgt_vocab_size)
+    save_atomic(model_state(build_model(cfg).eval(), tok, None), tmp_path / "m.pt")
+    src_file = _write(tmp_path / "test.en", src[:12])
+    ref_file = _write(tmp_path / "test.de", [s.upper() for s in src[:12]])
+    out = _run(["-m", str(tmp_path / "m.pt"), "--src", src_file, "--ref", ref_file, "--beam", "2",
+                "--max-len-b", "5", "--output", str(tmp_path / "hyp.{n}.txt"),
+                "--json-out", str(tmp_path / "r.json")], capsys)
+    system = out["tests"][0]["systems"][0]
+    assert system["kind"] == "model" and system["model"] == str(tmp_path / "m.pt")
+    blob = json.dumps(system["model_config"], sort_keys=True).encode()
+    assert system["config_hash"] == hashlib.sha256(blob).hexdigest()[:12]
+    assert system["decode_seconds"] > 0 and system["tokens_per_second"] >= 0
+    assert system["tokens_per_second"] == pytest.approx(
+        system["hyp_tokens"] / system["decode_seconds"])
+    assert system["search"]["beam"] == 2
+    hyps = Path(system["hypotheses"]).read_text().splitlines()
+    assert system["hypotheses"] == str(tmp_path / "hyp.1.txt") and len(hyps) == 12
+    ref = Path(ref_file).read_text().splitlines()
+    assert system["scores"]["bleu"]["score"] == pytest.approx(evaluate.score(hyps, ref)["bleu"])
+    assert json.loads((tmp_path / "r.json").read_text())["tests"] == out["tests"]
