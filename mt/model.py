@@ -124,7 +124,9 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, ffn_dim: int, activation: str, dropout: float) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
-            raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+            raise ValueError(
+                f"model.activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}"
+            )
         self.fc1 = nn.Linear(d_model, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, d_model)
         self.activation = ACTIVATIONS[activation]
@@ -135,7 +137,7 @@ class FeedForward(nn.Module):
 
 
 class Sublayer(nn.Module):
-    """Residual connection with LayerNorm, post-norm ``LN(x + f(x))`` or pre-norm ``x + f(LN(x))``."""
+    """Residual connection with LayerNorm: post-norm ``LN(x + f(x))``, pre-norm ``x + f(LN(x))``."""
 
     def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
         super().__init__()
@@ -185,17 +187,36 @@ class KVCache:
         self.length = 0  # target positions filled so far
 
     def reorder(self, index: Tensor) -> None:
-        """Keeps batch rows ``index`` (B',) in that order; B' may be smaller than B."""
-        n = self.length
+        """Keeps batch rows ``index`` (B',) in that order; B' may be smaller or larger than B.
+
+        Beam search calls this every step, so it copies as little as it can: keeping a prefix
+        ``0..B'-1`` (nothing changed, or the last rows finished) only takes views; otherwise the
+        self-attention buffers are rewritten in place, and only their ``length`` filled steps.
+        New ``max_len`` buffers are allocated only when the batch grows (sentences into beams).
+        """
+        m, n = index.numel(), self.length
+        if m <= self.batch_size and torch.equal(index, torch.arange(m, device=index.device)):
+            for buffers in (self.self_k, self.self_v, self.cross_k, self.cross_v):
+                buffers[:] = [buf[:m] for buf in buffers]
+            self.src_mask = self.src_mask[:m]
+            return
         for buffers in (self.self_k, self.self_v):
             for i, buf in enumerate(buffers):
-                new = buf.new_empty((len(index),) + buf.shape[1:])
-                new[:, :, :n] = buf[index, :, :n]
-                buffers[i] = new
+                if m > buf.size(0):
+                    buffers[i] = buf.new_empty((m,) + buf.shape[1:])
+                else:
+                    buffers[i] = buf[:m]
+                # The right side is gathered into a new tensor before the write, so rows that
+                # move onto each other's place are read before they are overwritten.
+                buffers[i][:, :, :n] = buf[:, :, :n].index_select(0, index)
         for buffers in (self.cross_k, self.cross_v):
-            for i, buf in enumerate(buffers):
-                buffers[i] = buf.index_select(0, index)
+            buffers[:] = [buf.index_select(0, index) for buf in buffers]
         self.src_mask = self.src_mask.index_select(0, index)
+
+    @property
+    def max_len(self) -> int:
+        """Target positions the self-attention buffers have room for."""
+        return self.self_k[0].size(2) if self.self_k else 0
 
     @property
     def batch_size(self) -> int:
@@ -240,25 +261,30 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder Transformer; see the module docstring for masks and the decoding interface."""
+    """Encoder-decoder Transformer; the module docstring describes masks and decoding."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.norm not in ("post", "pre"):
             raise ValueError(f"model.norm must be post or pre, got {cfg.norm!r}")
         if cfg.positions not in ("sinusoidal", "learned"):
-            raise ValueError(f"model.positions must be sinusoidal or learned, got {cfg.positions!r}")
+            raise ValueError(
+                f"model.positions must be sinusoidal or learned, got {cfg.positions!r}"
+            )
         if cfg.tie_embeddings not in ("all", "decoder", "none"):
             raise ValueError(
                 f"model.tie_embeddings must be all, decoder or none, got {cfg.tie_embeddings!r}"
+            )
+        if min(cfg.src_vocab_size, cfg.tgt_vocab_size) <= 0:
+            raise ValueError(
+                "model.src_vocab_size and model.tgt_vocab_size must be set (> 0), got "
+                f"{cfg.src_vocab_size} and {cfg.tgt_vocab_size}"
             )
         if cfg.tie_embeddings == "all" and cfg.src_vocab_size != cfg.tgt_vocab_size:
             raise ValueError(
                 "model.tie_embeddings=all needs a joint vocabulary (data.tokenizer.joint=true); "
                 f"got source {cfg.src_vocab_size} and target {cfg.tgt_vocab_size} pieces"
             )
-        if min(cfg.src_vocab_size, cfg.tgt_vocab_size) <= 0:
-            raise ValueError("model.src_vocab_size and model.tgt_vocab_size must be set (> 0)")
         self.cfg = cfg
         d = cfg.d_model
         self.src_embed = nn.Embedding(cfg.src_vocab_size, d, padding_idx=PAD_ID)
@@ -286,24 +312,29 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Xavier-uniform projections, zero biases, N(0, d^-0.5) embeddings (as fairseq/tensor2tensor).
+        """Xavier-uniform projections, zero biases, N(0, d^-0.5) embeddings (as in fairseq).
 
         The embedding scale makes sqrt(d) * N(0, d^-0.5) unit-variance inputs, and a tied output
-        layer then produces logits of unit variance at initialisation.
+        layer then produces logits of unit variance at initialisation. Embeddings are initialised
+        after the projections: a tied output layer shares its weight with the target embedding,
+        and that weight must end up with the embedding's init (and a zero padding row), not
+        Xavier's, which for a large vocabulary is several times smaller.
         """
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+        for module in self.modules():
+            if isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=self.cfg.d_model**-0.5)
                 if module.padding_idx is not None:
                     with torch.no_grad():
                         module.weight[module.padding_idx].zero_()
-        # The output layer may be tied to an embedding, which was initialised after it.
-        if self.cfg.tie_embeddings != "none":
-            self.output_proj.weight = self.tgt_embed.weight
+        if self.final_logits_bias is not None:
+            nn.init.zeros_(self.final_logits_bias)
 
     def embed(self, tokens: Tensor, table: nn.Embedding, positions: PositionalEncoding,
               offset: int = 0) -> Tensor:
@@ -312,7 +343,7 @@ class Transformer(nn.Module):
         return self.dropout(x)
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
-        """src (B, S) token ids, right-padded with PAD -> memory (B, S, D), src_mask (B, 1, 1, S)."""
+        """src (B, S) ids, right-padded with PAD -> memory (B, S, D), src_mask (B, 1, 1, S)."""
         src_mask = (src != PAD_ID)[:, None, None, :]
         x = self.embed(src, self.src_embed, self.src_positions)
         for layer in self.encoder_layers:
@@ -339,7 +370,7 @@ class Transformer(nn.Module):
         return self.decode(tgt_in, memory, src_mask)
 
     def init_cache(self, memory: Tensor, src_mask: Tensor, max_len: int) -> KVCache:
-        """Empty self-attention buffers for ``max_len`` steps and every layer's cross keys/values."""
+        """Empty self-attention buffers for ``max_len`` steps, every layer's cross keys/values."""
         b = memory.size(0)
         heads, hd = self.cfg.heads, self.cfg.d_model // self.cfg.heads
         shape = (b, heads, max_len, hd)
@@ -352,9 +383,12 @@ class Transformer(nn.Module):
         )
 
     def decode_step(self, tokens: Tensor, cache: KVCache) -> Tensor:
-        """Next-token logits for the last tokens (B,) given the cache -> (B, V); advances the cache."""
-        if cache.length >= cache.self_k[0].size(2):
-            raise ValueError(f"decode_step beyond the cache's max_len={cache.self_k[0].size(2)}")
+        """Next-token logits for the last tokens (B,) given the cache -> (B, V); advances it."""
+        if cache.length >= cache.max_len:
+            raise ValueError(
+                f"decode_step at target position {cache.length} is past the cache's "
+                f"max_len={cache.max_len}: pass a larger max_len to init_cache"
+            )
         y = self.embed(tokens[:, None], self.tgt_embed, self.tgt_positions, offset=cache.length)
         for i, layer in enumerate(self.decoder_layers):
             y = layer.step(y, cache, i)
