@@ -1,0 +1,99 @@
+"""End to end through the console scripts: mt-train -> translate -> mt-eval, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import PYTHON, cli_env, tiny_train_args
+
+
+def script(name: str) -> str:
+    path = Path(PYTHON).parent / name
+    if not path.exists():
+        found = shutil.which(name)
+        if found is None:
+            pytest.skip(f"console script {name} is not installed (pip install -e .)")
+        return found
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, corpus_dir, tokenizer_dir) -> Path:
+    tmp = tmp_path_factory.mktemp("cli")
+    run_dir = tmp / "run"
+    cmd = [script("mt-train"), *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={run_dir}", "trainer.max_steps=30", "trainer.validate_every=15",
+           "trainer.keep_last=2", "trainer.average_last=2"]
+    result = subprocess.run(cmd, env=cli_env(tmp), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # stdout carries results only: the test score, the next command, the run directory
+    assert "test BLEU = " in result.stdout
+    assert f"translate -m {run_dir}" in result.stdout
+    assert "parameters" in result.stderr and "d_model: 32" in result.stderr  # logged at start
+    return run_dir
+
+
+def test_train_writes_a_complete_run_directory(trained_run):
+    ckpts = trained_run / "checkpoints"
+    for name in ("last.pt", "best.pt", "averaged.pt", "step_15.pt", "step_30.pt"):
+        assert (ckpts / name).exists(), name
+    assert not list(ckpts.glob("*.tmp"))  # atomic writes leave no temporary files
+    records = [json.loads(x) for x in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "valid_bleu" in r] == [15, 30]
+    assert json.loads((trained_run / "test.json").read_text())["sentences"] == 30
+
+
+def test_translate_keeps_one_line_per_input_line(trained_run, tmp_path):
+    words = ("the big dog sees a small cat in the garden " * 50).split()
+    lines = ["A dog sees the cat.", "", "   ", " ".join(words[:500]), "", "The children run."]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "out.txt"
+    result = subprocess.run([script("translate"), "-m", str(trained_run), "-i", str(src), "-o",
+                             str(out), "--beam", "2", "--max-len-b", "5", "--min-len", "3"],
+                            env=cli_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = out.read_text(encoding="utf-8").split("\n")
+    assert got[-1] == "" and len(got) - 1 == len(lines)
+    assert got[1] == got[2] == got[4] == ""
+
+    # stdin -> stdout gives the same translations
+    piped = subprocess.run([script("translate"), "-m", str(trained_run), "--beam", "2",
+                            "--min-len", "3", "--max-len-b", "5"], input=src.read_text(),
+                           env=cli_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert piped.stdout == out.read_text(encoding="utf-8")
+
+
+def test_mt_eval_json_bleu_equals_sacrebleu(trained_run, corpus_dir, tmp_path):
+    hyp = tmp_path / "hyp.txt"
+    cmd = [script("mt-eval"), "-m", str(trained_run), "--src", str(corpus_dir / "test.en"),
+           "--ref", str(corpus_dir / "test.zz"), "--beam", "2", "--json", "--output", str(hyp)]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    sacre = subprocess.run([script("sacrebleu"), str(corpus_dir / "test.zz"), "-i", str(hyp),
+                            "-m", "bleu", "-b", "-w", "4"], capture_output=True, text=True,
+                           timeout=120)
+    assert sacre.returncode == 0, sacre.stderr
+    assert _bleu(report) == pytest.approx(float(sacre.stdout.strip()), abs=1e-4)
+
+
+def _bleu(report: dict) -> float:
+    """BLEU from mt-eval's JSON, whichever layout it uses (flat, or per system / test set)."""
+    if "bleu" in report and isinstance(report["bleu"], int | float):
+        return report["bleu"]
+    for value in report.values():
+        if isinstance(value, dict):
+            found = _bleu(value)
+            if found is not None:
+                return found
+        if isinstance(value, list):
+            for item in value:
+                if isinstance(item, dict) and (found := _bleu(item)) is not None:
+                    return found
+    return None
