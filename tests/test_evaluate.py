@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mt import evaluate
+from mt import evaluate, testsets
 from mt.evaluate import main
 
 SACREBLEU = str(Path(sys.executable).with_name("sacrebleu"))
@@ -203,17 +203,17 @@ def test_formats_show_the_same_scores(files, capsys):
 
 def test_named_test_set_resolves_against_the_repo_root(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the cwd must not matter
-    test = evaluate.load_named_test("multi30k_test2016")
+    test = testsets.load_named_test("multi30k_test2016")
     root = Path(evaluate.__file__).resolve().parent.parent
     data = (root / "../shared/data/multi30k").resolve()
     assert test.langpair == "en-de"
     assert test.src == str(data / "test2016.en") and test.refs == [str(data / "test2016.de")]
-    fr = evaluate.load_named_test("multi30k_test2016", "en-fr")
+    fr = testsets.load_named_test("multi30k_test2016", "en-fr")
     assert fr.refs == [str(data / "test2016.fr")] and fr.src == test.src
-    with pytest.raises(evaluate.EvalError, match="no language 'ja'"):
-        evaluate.load_named_test("multi30k_test2016", "en-ja")
-    with pytest.raises(evaluate.EvalError, match="multi30k_test2016"):  # lists the known ones
-        evaluate.load_named_test("no_such_set")
+    with pytest.raises(testsets.EvalError, match="no language 'ja'"):
+        testsets.load_named_test("multi30k_test2016", "en-ja")
+    with pytest.raises(testsets.EvalError, match="multi30k_test2016"):  # lists the known ones
+        testsets.load_named_test("no_such_set")
 
 
 def test_several_named_test_sets_in_one_call(files, tmp_path, monkeypatch, capsys):
@@ -225,8 +225,8 @@ def test_several_named_test_sets_in_one_call(files, tmp_path, monkeypatch, capsy
         _write(tmp_path / f"de_{name}.txt", Path(files["ref"]).read_text().splitlines())
         _write(tmp_path / f"{name}.hyp", Path(files[
             "good" if name == "one" else "bad"]).read_text().splitlines())
-    monkeypatch.setattr(evaluate, "TESTSETS_DIR", conf)
-    monkeypatch.setattr(evaluate, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(testsets, "TESTSETS_DIR", conf)
+    monkeypatch.setattr(testsets, "REPO_ROOT", tmp_path)
     with pytest.raises(SystemExit, match=r"\{test\}"):
         main(["--hyp", str(tmp_path / "one.hyp"), "--test", "one", "two"])
     out = _run(["--hyp", str(tmp_path / "{test}.hyp"), "--test", "one", "two"], capsys)

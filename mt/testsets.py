@@ -1,0 +1,244 @@
+"""Where ``mt-eval``'s text comes from: test sets resolved to files, files read as sacrebleu reads.
+
+A test set is a pair of local files (``--src`` / ``--ref``, several ``--ref`` for several
+references per sentence), a named set from ``conf/testsets/NAME.yaml`` (``--test``), or a
+sacrebleu test set (``--test-set wmt14 --langpair en-de``), taken from sacrebleu's cache and
+downloaded only when online. The checks here stop the silent mistakes (misaligned or empty files)
+and warn on tokenized text before anything is scored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# The mt-eval command's logger: its messages keep one name, whichever module says them.
+log = logging.getLogger("mt.evaluate")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # relative paths in conf/testsets/ start here
+TESTSETS_DIR = REPO_ROOT / "conf" / "testsets"
+OFFLINE_VARS = ("MT_OFFLINE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+DOWNLOAD_TIMEOUT_S = 20.0
+# Marks of tokenized text: a space before a comma or a final period, split clitics, BPE joiners,
+# Moses XML escapes. French puts a space before ; : ! ? so those are not on the list.
+_TOKENIZED = re.compile(r" [,.](?= |$)| 's\b| n't\b|@@( |$)|&apos;|&quot;|&amp;|&lt;|&gt;")
+
+
+class EvalError(Exception):
+    """A mistake in the inputs; the message names the file, the test set or the option."""
+
+
+@dataclass
+class TestSet:
+    """Where a test set's files are; ``refs`` has one file per reference translation."""
+
+    name: str
+    refs: list[str]
+    src: str | None = None
+    langpair: str | None = None
+    origin: str = "files"  # files | conf/testsets/NAME.yaml | sacrebleu
+
+
+def read_text(path: str | os.PathLike) -> list[str]:
+    """A file's lines as the sacrebleu CLI reads them: UTF-8, trailing whitespace stripped."""
+    p = Path(path)
+    try:
+        data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+    except FileNotFoundError:
+        raise EvalError(f"{p}: no such file") from None
+    except (OSError, EOFError) as err:
+        raise EvalError(f"{p}: cannot read ({err})") from None
+    lines = data.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()  # the final newline ends the last line
+    out = []
+    for lineno, raw in enumerate(lines, start=1):
+        try:
+            out.append(raw.decode("utf-8").rstrip())
+        except UnicodeDecodeError as err:
+            raise EvalError(f"{p}:{lineno}: invalid UTF-8 ({err.reason})") from None
+    return out
+
+
+def read_references(test: TestSet) -> list[list[str]]:
+    """Every reference file's lines (one list per reference), checked to have equal lengths."""
+    refs = [read_text(r) for r in test.refs]
+    for r, name in zip(refs[1:], test.refs[1:], strict=True):
+        if len(r) != len(refs[0]):
+            raise EvalError(f"{name} has {len(r)} lines but {test.refs[0]} has "
+                            f"{len(refs[0])}; every reference must have one line per sentence")
+    return refs
+
+
+def _split_pair(langpair: str, where: str) -> tuple[str, str]:
+    parts = langpair.split("-")
+    if len(parts) != 2 or not all(parts):
+        raise EvalError(f"{where}: language pair {langpair!r} is not of the form en-de")
+    return parts[0], parts[1]
+
+
+def named_tests() -> list[str]:
+    return sorted(p.stem for p in TESTSETS_DIR.glob("*.yaml"))
+
+
+def load_named_test(name: str, langpair: str | None = None) -> TestSet:
+    """Resolves ``--test NAME`` through ``conf/testsets/NAME.yaml``.
+
+    The file gives ``src`` and ``ref`` (one path or a list) with ``{src}`` / ``{tgt}`` standing for
+    the language codes, a default ``langpair`` and the ``languages`` it has. Relative paths are
+    relative to the repository root, so the command works from any directory.
+    """
+    import yaml
+
+    file = TESTSETS_DIR / f"{name}.yaml"
+    if not file.is_file():
+        raise EvalError(f"no test set {name!r}: {file} does not exist "
+                        f"(known: {', '.join(named_tests()) or 'none'})")
+    try:
+        spec = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:  # e.g. a value starting with { that is not quoted
+        raise EvalError(f"{file}: not valid YAML ({str(err).splitlines()[0]}; quote values "
+                        "that start with {)") from None
+    for key in ("src", "ref"):
+        if key not in spec:
+            raise EvalError(f"{file}: missing key {key!r}")
+    pair = langpair or spec.get("langpair")
+    if not pair:
+        raise EvalError(f"{file}: no 'langpair' in it; pass --langpair")
+    src_lang, tgt_lang = _split_pair(pair, str(file))
+    languages = spec.get("languages")
+    for lang in (src_lang, tgt_lang):
+        if languages and lang not in languages:
+            raise EvalError(f"{file}: no language {lang!r} (it has {', '.join(languages)})")
+
+    def path(template: str) -> str:
+        p = Path(template.format(src=src_lang, tgt=tgt_lang))
+        return str(p if p.is_absolute() else (REPO_ROOT / p).resolve())
+
+    refs = spec["ref"] if isinstance(spec["ref"], list) else [spec["ref"]]
+    return TestSet(name, [path(r) for r in refs], path(spec["src"]), pair,
+                   f"conf/testsets/{file.name}")
+
+
+def _offline() -> str | None:
+    for var in OFFLINE_VARS:
+        if os.environ.get(var, "").lower() in ("1", "true", "yes", "on"):
+            return var
+    return None
+
+
+def _in_cache(dataset, langpair: str) -> bool:
+    """Whether sacrebleu can give the files without a download (its raw files or text files)."""
+    from sacrebleu.dataset.wmt_xml import WMTXMLDataset
+
+    raw = [Path(dataset._rawdir) / dataset._get_tarball_filename(url) for url in dataset.data]
+    if all(p.is_file() and p.stat().st_size > 0 for p in raw):
+        return True
+    if isinstance(dataset, WMTXMLDataset):  # its field names come from the raw file
+        return False
+    return all(Path(dataset._get_txt_file_path(langpair, f)).is_file()
+               for f in dataset.fieldnames(langpair))
+
+
+def load_sacrebleu_test(name: str, langpair: str | None) -> TestSet:
+    """A sacrebleu test set: from its cache ($SACREBLEU, default ~/.sacrebleu), else downloaded.
+
+    sacrebleu downloads with ``urlopen`` and no timeout, so an unreachable host could hang. Here
+    the download is refused at once in offline mode (``HF_HUB_OFFLINE=1``, ``MT_OFFLINE=1``, ...)
+    and otherwise runs under a socket timeout; any failure is one line, not a traceback.
+    """
+    import socket
+    import urllib.error
+
+    from sacrebleu.dataset import DATASETS
+    from sacrebleu.utils import SACREBLEU_DIR
+
+    if name not in DATASETS:
+        raise EvalError(f"--test-set {name}: sacrebleu has no such test set "
+                        "(`sacrebleu --list` shows them)")
+    dataset = DATASETS[name]
+    if not langpair:
+        raise EvalError(f"--test-set {name}: give --langpair (one of "
+                        f"{', '.join(dataset.langpairs)})")
+    if langpair not in dataset.langpairs:
+        raise EvalError(f"--test-set {name}: no language pair {langpair} (it has "
+                        f"{', '.join(dataset.langpairs)})")
+    cached = _in_cache(dataset, langpair)
+    hint = (f"download it where there is a network (`sacrebleu -t {name} -l {langpair} "
+            f"--echo src`) and copy {SACREBLEU_DIR}, or pass --src and --ref files")
+    if not cached and _offline():
+        raise EvalError(f"--test-set {name}: not in the sacrebleu cache {SACREBLEU_DIR} and "
+                        f"{_offline()} is set (offline); {hint}")
+    old_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
+    try:
+        if not cached:
+            log.info("downloading sacrebleu test set %s to %s", name, SACREBLEU_DIR)
+        src = dataset.get_source_file(langpair)
+        refs = dataset.get_reference_files(langpair)
+    except (urllib.error.URLError, OSError, SystemExit) as err:
+        reason = getattr(err, "reason", err)
+        raise EvalError(f"--test-set {name}: cannot download it ({reason}); {hint}") from None
+    finally:
+        socket.setdefaulttimeout(old_timeout)
+    return TestSet(name, list(refs), src, langpair, "sacrebleu")
+
+
+def collect_tests(args: argparse.Namespace) -> list[TestSet]:
+    """Every test set the options name: --src/--ref, then each --test, then each --test-set."""
+    tests = []
+    if args.langpair:
+        _split_pair(args.langpair, "--langpair")
+    if args.ref:
+        name = args.name or args.ref[0]
+        tests.append(TestSet(name, list(args.ref), args.src, args.langpair))
+    elif args.src:
+        raise EvalError("--src needs --ref (the reference translations)")
+    for name in args.test or []:
+        tests.append(load_named_test(name, args.langpair))
+    for names in args.test_set or []:
+        for name in names.split(","):
+            tests.append(load_sacrebleu_test(name, args.langpair))
+    if not tests:
+        raise EvalError("no test set: give --ref FILE (and --src for -m), --test NAME or "
+                        "--test-set NAME --langpair L1-L2")
+    return tests
+
+
+def looks_tokenized(lines: list[str]) -> tuple[int, int | None]:
+    """How many lines carry marks of tokenization, and the first such line number (1-based)."""
+    hits = [i for i, line in enumerate(lines, start=1) if _TOKENIZED.search(line)]
+    return len(hits), (hits[0] if hits else None)
+
+
+def check_lines(hyps: list[str], hyp_name: str, refs: list[list[str]], ref_names: list[str],
+                warn_tokenized: bool = True, from_model: bool = False) -> None:
+    """Stops the silent mistakes: misaligned or empty files; warns on tokenized text.
+
+    A model that translates everything to empty lines is worth a score (0) and a warning; an
+    empty hypothesis file is a mistake (a wrong path, a crashed run) and an error.
+    """
+    if not any(h.strip() for h in hyps) and from_model:
+        log.warning("%s: every translation is empty", hyp_name)
+    elif not any(h.strip() for h in hyps):
+        raise EvalError(f"{hyp_name}: the hypotheses are empty ({len(hyps)} lines, no text) "
+                        f"but {ref_names[0]} has {len(refs[0])} lines")
+    for ref, ref_name in zip(refs, ref_names, strict=True):
+        if len(hyps) != len(ref):
+            raise EvalError(f"{hyp_name} has {len(hyps)} lines but {ref_name} has {len(ref)} "
+                            "lines; hypotheses and references must be aligned line by line")
+    if not warn_tokenized:
+        return
+    for lines, name in [(hyps, hyp_name), *zip(refs, ref_names, strict=True)]:
+        count, first = looks_tokenized(lines)
+        if count >= max(2, 0.1 * len(lines)):
+            log.warning("%s looks tokenized: %d of %d lines have ' ,', ' .', \" 's\", '@@ ' "
+                        "or &apos;-style escapes (e.g. line %d: %r). sacreBLEU expects detokenized "
+                        "text: detokenize it, or pass --tokenize none if both sides are tokenized "
+                        "alike (then the score is not comparable to published ones)",
+                        name, count, len(lines), first, lines[first - 1][:80])
