@@ -116,6 +116,25 @@ def step_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def best_step_checkpoints(paths: list[Path], history: list[dict], best_metric: str) -> list[Path]:
+    """Step checkpoints ranked best first by the validation score recorded for their step.
+
+    Args:
+        paths: step_N.pt files.
+        history: the run's validation records (``trainer.history`` in last.pt).
+        best_metric: ``bleu`` (higher is better) or ``loss`` (lower is better).
+    Returns:
+        those of ``paths`` whose step has a score, best first.
+    """
+    key, sign = ("valid_bleu", 1) if best_metric == "bleu" else ("valid_loss", -1)
+    score = {r["step"]: sign * r[key] for r in history if key in r}
+
+    def step(p: Path) -> int:
+        return int(p.stem.split("_")[1])
+
+    return sorted((p for p in paths if step(p) in score), key=lambda p: -score[step(p)])
+
+
 def average(paths: list[str | os.PathLike]) -> dict:
     """Averages the weights of several checkpoints of one model (Vaswani et al. average the last 5).
 

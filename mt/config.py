@@ -117,11 +117,12 @@ class TrainerConfig:
     max_epochs: int = 0  # 0 = no limit
     max_minutes: float = 0.0  # wall-clock budget for training; 0 = no limit
     validate_every: int = 500  # optimizer steps
-    save_every: int = 0  # write checkpoints/last.pt every N steps between validations; 0 = only then
+    save_every: int = 0  # also write last.pt every N steps between validations; 0 = only then
     log_every: int = 50
     patience: int = 0  # stop after this many validations without a better best_metric; 0 = never
     best_metric: str = "bleu"  # bleu | loss
-    keep_last: int = 2  # step checkpoints kept besides last.pt and best.pt
+    keep_last: int = 2  # the last N step checkpoints are kept (besides last.pt and best.pt)
+    keep_best: int = 0  # and the N best by best_metric (for `average_checkpoints.py --best`)
     average_last: int = 0  # average the last N step checkpoints at the end (0 = off)
     beam_size: int = 5  # for validation and test BLEU
     lenpen: float = 0.6

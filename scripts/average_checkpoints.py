@@ -29,11 +29,7 @@ def pick(folder: Path, last: int, best: int) -> list[Path]:
     state = checkpoint.load(folder / "last.pt")
     history = state.get("trainer", {}).get("history", [])
     metric = (state.get("config") or {}).get("trainer", {}).get("best_metric", "bleu")
-    key, sign = ("valid_bleu", 1) if metric == "bleu" else ("valid_loss", -1)
-    score = {r["step"]: sign * r[key] for r in history if key in r}
-    ranked = [p for p in steps if int(p.stem.split("_")[1]) in score]
-    ranked.sort(key=lambda p: -score[int(p.stem.split("_")[1])])
-    return ranked[:best]
+    return checkpoint.best_step_checkpoints(steps, history, metric)[:best]
 
 
 def main(argv: list[str] | None = None) -> None:

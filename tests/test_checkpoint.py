@@ -1,0 +1,110 @@
+"""Checkpoints: atomic writes, finding the model a user means, save -> load, averaging."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PYTHON, REPO
+
+from mt import checkpoint
+from mt.config import ModelConfig
+from mt.model import build_model
+from mt.tokenizer import Tokenizer
+
+
+def tiny_model(seed: int):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=1, d_model=16, ffn_dim=32, heads=2,
+                      src_vocab_size=200, tgt_vocab_size=200, max_positions=64)
+    return build_model(cfg).eval()
+
+
+@pytest.fixture()
+def tokenizer(tokenizer_dir) -> Tokenizer:
+    return Tokenizer.load(tokenizer_dir)
+
+
+def test_save_then_load_gives_identical_logits(tmp_path, tokenizer):
+    model = tiny_model(0)
+    path = tmp_path / "m.pt"
+    checkpoint.save_atomic(checkpoint.model_state(model, tokenizer, {"note": 1}), path)
+    loaded, tok, ckpt = checkpoint.load_model(path)
+    src = torch.tensor([[5, 6, 7, 3], [8, 9, 3, 0]])
+    tgt = torch.tensor([[2, 10, 11], [2, 12, 0]])
+    assert torch.equal(model(src, tgt), loaded(src, tgt))
+    assert tok.src_proto == tokenizer.src_proto
+    assert ckpt["config"] == {"note": 1}
+
+
+def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "c.pt"
+    checkpoint.save_atomic({"format": checkpoint.FORMAT, "v": 1}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("disk full, say")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        checkpoint.save_atomic({"v": Unpicklable()}, path)
+    assert torch.load(path, weights_only=True)["v"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+def test_run_directory_resolves_to_best_then_last(tmp_path):
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "last.pt").write_bytes(b"x")
+    assert checkpoint.resolve(tmp_path / "run") == ckpts / "last.pt"
+    (ckpts / "best.pt").write_bytes(b"x")
+    assert checkpoint.resolve(tmp_path / "run") == ckpts / "best.pt"
+    with pytest.raises(FileNotFoundError, match="no such model"):
+        checkpoint.resolve(tmp_path / "missing")
+
+
+def test_corrupt_or_foreign_file_gives_a_one_line_error(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ValueError, match="bad.pt: not a readable mt checkpoint") as err:
+        checkpoint.load(bad)
+    assert "\n" not in str(err.value)
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {}}, foreign)
+    with pytest.raises(ValueError, match="not an mt checkpoint"):
+        checkpoint.load(foreign)
+
+
+def test_average_is_the_mean_of_the_weights(tmp_path, tokenizer):
+    paths = []
+    for seed in range(3):
+        paths.append(tmp_path / f"step_{seed + 1}.pt")
+        checkpoint.save_atomic(checkpoint.model_state(tiny_model(seed), tokenizer, None), paths[-1])
+    avg = checkpoint.average(paths)
+    states = [torch.load(p, weights_only=True)["model"] for p in paths]
+    for name, value in avg["model"].items():
+        torch.testing.assert_close(value, sum(s[name] for s in states) / 3)
+
+
+def test_best_step_checkpoints_ranks_by_the_recorded_metric():
+    paths = [Path(f"step_{n}.pt") for n in (10, 20, 30, 40)]
+    history = [{"step": 10, "valid_bleu": 5.0, "valid_loss": 3.0},
+               {"step": 20, "valid_bleu": 9.0, "valid_loss": 2.5},
+               {"step": 30, "valid_bleu": 7.0, "valid_loss": 2.0}]
+    assert [p.name for p in checkpoint.best_step_checkpoints(paths, history, "bleu")] == [
+        "step_20.pt", "step_30.pt", "step_10.pt"]
+    assert checkpoint.best_step_checkpoints(paths, history, "loss")[0].name == "step_30.pt"
+
+
+def test_average_script_writes_a_loadable_model(tmp_path, tokenizer):
+    for seed in range(3):
+        checkpoint.save_atomic(checkpoint.model_state(tiny_model(seed), tokenizer, None),
+                               tmp_path / f"step_{seed + 1}.pt")
+    out = tmp_path / "avg.pt"
+    script = str(REPO / "scripts" / "average_checkpoints.py")
+    result = subprocess.run([PYTHON, script, str(tmp_path), "--last", "2", "-o", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    model, _, ckpt = checkpoint.load_model(out)
+    assert [Path(p).name for p in ckpt["averaged_from"]] == ["step_2.pt", "step_3.pt"]
