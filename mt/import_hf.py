@@ -1,0 +1,207 @@
+"""Import a Hugging Face Marian model (an OPUS-MT download) as an mt model and tokenizer (the
+``mt-import`` CLI is in ``mt.interop``). Needs neither ``transformers`` nor a network; rewriting
+the SentencePiece models needs ``protobuf``.
+
+Vocabulary ids. mt fixes pad=0, unk=1, bos=2, eos=3 and uses the SentencePiece id as the
+embedding row. A Marian directory maps SentencePiece *pieces* to rows through ``vocab.json``, in
+its own order (OPUS-MT: eos=0, unk=1, pad=last, and the decoder starts from the pad row). Import
+therefore reorders the embedding rows into mt's order and writes SentencePiece models whose pieces
+are in that same order, so that the SentencePiece id *is* the row again: mt's pad <- Marian's pad
+(a new zero row when the pad row is also the decoder start), unk <- unk, bos <- the decoder start
+row, eos <- eos, then every other row in Marian's order. A piece of a joint vocabulary that one
+side's SentencePiece model lacks is kept there as an UNUSED piece (SentencePiece never produces it
+when encoding, as Marian's tokenizer never would, and decodes it as its text), so the source and
+target models keep the same size and the embeddings stay tied. A new row gets a final-logit bias
+of ``NEVER``: it takes no probability mass, and the log-probabilities equal Marian's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ModelConfig
+from mt.export import HF_ACTIVATIONS, SPECIAL_PIECES, marian_names
+from mt.model import Transformer, build_model
+from mt.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+NEVER = -1e4  # final-logit bias of a row that must take no probability (exp(-1e4) == 0 in fp32)
+
+
+# --------------------------------------------------------------------------- import: HF Marian
+
+def _read_hf_weights(directory: Path) -> dict[str, Tensor]:
+    if (directory / "model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        return load_file(directory / "model.safetensors")
+    if (directory / "pytorch_model.bin").exists():
+        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{directory}: no model.safetensors or pytorch_model.bin")
+
+
+def _first(weights: dict[str, Tensor], names: list[str], directory: Path) -> Tensor:
+    for name in names:
+        if name in weights:
+            return weights[name]
+    raise KeyError(f"{directory}: the weights have none of {names}")
+
+
+def remap_spm(proto: bytes, pieces: list[str]) -> bytes:
+    """A SentencePiece model whose piece ``i`` is ``pieces[i]`` (i >= 4) after mt's specials.
+
+    Scores and types come from ``proto``; a piece it does not have becomes UNUSED (never produced
+    by encoding, decoded as its text).
+    """
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    Piece = pb.ModelProto.SentencePiece
+    old = pb.ModelProto()
+    old.ParseFromString(proto)
+    known = {p.piece: p for p in old.pieces
+             if p.type in (Piece.NORMAL, Piece.USER_DEFINED, Piece.BYTE, Piece.UNUSED)}
+    new = pb.ModelProto()
+    new.CopyFrom(old)
+    del new.pieces[:]
+    for i, piece in enumerate(pieces):
+        p = new.pieces.add()
+        p.piece = piece
+        if i in SPECIAL_PIECES:
+            p.type, p.score = (Piece.UNKNOWN if i == UNK_ID else Piece.CONTROL), 0.0
+        elif piece in known:
+            p.type, p.score = known[piece].type, known[piece].score
+        else:
+            p.type, p.score = Piece.UNUSED, 0.0
+    dropped = len(set(known) - set(pieces))
+    if dropped:
+        log.warning("%d SentencePiece pieces have no row in the model's vocabulary; they are left "
+                    "out (Marian maps them to <unk>)", dropped)
+    ts = new.trainer_spec
+    ts.pad_id, ts.unk_id, ts.bos_id, ts.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+    ts.pad_piece, ts.unk_piece = SPECIAL_PIECES[PAD_ID], SPECIAL_PIECES[UNK_ID]
+    ts.bos_piece, ts.eos_piece = SPECIAL_PIECES[BOS_ID], SPECIAL_PIECES[EOS_ID]
+    ts.vocab_size = len(pieces)
+    return new.SerializeToString()
+
+
+def marian_rows(vocab: dict[str, int], rows: int, pad: int | None, bos: int | None,
+                eos: int) -> list[int | None]:
+    """For each mt id, the Marian row it takes (None: a new zero row).
+
+    Args:
+        vocab: piece -> Marian row (vocab.json).
+        rows: the embedding's number of rows.
+        pad, bos, eos: the Marian rows that become mt's PAD, BOS (the decoder start; None on a
+            source side of its own) and EOS. A pad that is also the decoder start goes to BOS, and
+            PAD gets a new row.
+    Returns:
+        mt's pad, unk, bos, eos, then every other row in Marian's order, except rows without a
+        piece or whose piece is one of mt's special names (unreachable from text).
+    """
+    if "<unk>" not in vocab:
+        raise ValueError("vocab.json has no <unk> entry; is this a Marian model directory?")
+    order: list[int | None] = [None if pad == bos else pad, vocab["<unk>"], bos, eos]
+    taken = set(order)
+    piece_of = {i: p for p, i in vocab.items()}
+    skipped = 0
+    for row in range(rows):
+        if row in taken:
+            continue
+        if piece_of.get(row) is None or piece_of[row] in SPECIAL_PIECES.values():
+            skipped += 1
+            continue
+        order.append(row)
+    if skipped:
+        log.warning("%d vocabulary rows have no piece or reuse a special name; left out", skipped)
+    return order
+
+
+def _pieces(order: list[int | None], vocab: dict[str, int]) -> list[str]:
+    piece_of = {i: p for p, i in vocab.items()}
+    return [SPECIAL_PIECES[i] if i in SPECIAL_PIECES else piece_of[row]
+            for i, row in enumerate(order)]
+
+
+def _take(table: Tensor, order: list[int | None], fill: float = 0.0) -> Tensor:
+    """Rows ``order`` of ``table`` (V, ...) -> (len(order), ...); None gives a row of ``fill``."""
+    out = table.new_full((len(order),) + table.shape[1:], fill)
+    have = [i for i, row in enumerate(order) if row is not None]
+    out[have] = table[[order[i] for i in have]]
+    return out
+
+
+def import_hf(directory: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
+    """Reads a Hugging Face Marian directory (config.json, weights, *.spm, vocab.json) into an mt
+    model and tokenizer with mt's special ids. Needs neither ``transformers`` nor a network."""
+    d = Path(directory)
+    config = json.loads((d / "config.json").read_text())
+    if config.get("model_type") != "marian":
+        raise ValueError(f"{d / 'config.json'}: model_type={config.get('model_type')!r}; "
+                         "only Marian models (model_type=marian, e.g. OPUS-MT) can be imported")
+    for a, b in (("encoder_ffn_dim", "decoder_ffn_dim"),
+                 ("encoder_attention_heads", "decoder_attention_heads")):
+        if config[a] != config[b]:
+            raise ValueError(f"{d / 'config.json'}: {a}={config[a]} differs from {b}={config[b]};"
+                             " mt uses one value for both stacks")
+    activation = config.get("activation_function", "gelu")
+    if activation not in HF_ACTIVATIONS:
+        raise ValueError(f"{d / 'config.json'}: activation_function={activation!r} is not one of "
+                         f"{sorted(HF_ACTIVATIONS)}")
+    weights = _read_hf_weights(d)
+    share = config.get("share_encoder_decoder_embeddings", True)
+    tie_out = config.get("tie_word_embeddings", True)
+    src_vocab = json.loads((d / "vocab.json").read_text())
+    tgt_vocab = src_vocab
+    if not share and (d / "target_vocab.json").exists():
+        tgt_vocab = json.loads((d / "target_vocab.json").read_text())
+    src_table = _first(weights, ["model.encoder.embed_tokens.weight", "model.shared.weight"], d)
+    tgt_table = _first(weights, ["model.decoder.embed_tokens.weight", "model.shared.weight"], d)
+    out_table = tgt_table if tie_out else _first(weights, ["lm_head.weight"], d)
+    bias = weights.get("final_logits_bias", torch.zeros(1, out_table.size(0))).view(-1)
+    start = config.get("decoder_start_token_id", config["pad_token_id"])
+    tgt_order = marian_rows(tgt_vocab, out_table.size(0), tgt_vocab.get("<pad>"), start,
+                            config["eos_token_id"])
+    # A shared table needs one order; a source of its own never holds the decoder start.
+    src_order = tgt_order if share else marian_rows(
+        src_vocab, src_table.size(0), src_vocab.get("<pad>"), None, src_vocab["</s>"])
+
+    if share and tie_out:
+        tie = "all"
+    elif not share and tie_out:
+        tie = "decoder"
+    else:
+        tie = "none"
+    cfg = ModelConfig(
+        name=f"marian:{d.name}", encoder_layers=config["encoder_layers"],
+        decoder_layers=config["decoder_layers"], d_model=config["d_model"],
+        ffn_dim=config["encoder_ffn_dim"], heads=config["encoder_attention_heads"],
+        dropout=config.get("dropout", 0.1), attention_dropout=config.get("attention_dropout", 0.0),
+        activation_dropout=config.get("activation_dropout", 0.0),
+        activation=HF_ACTIVATIONS[activation], norm="post", positions="sinusoidal",
+        max_positions=config.get("max_position_embeddings", 512), tie_embeddings=tie,
+        scale_embeddings=config.get("scale_embedding", False), final_logits_bias=True,
+        src_vocab_size=len(src_order), tgt_vocab_size=len(tgt_order),
+    )
+    model = build_model(cfg)
+    sd = {}
+    for mt_name, hf_names in marian_names(cfg):
+        for kind in ("weight", "bias"):
+            sd[f"{mt_name}.{kind}"] = torch.cat([weights[f"{n}.{kind}"] for n in hf_names], dim=0)
+    sd["src_embed.weight"] = _take(src_table, src_order)
+    sd["tgt_embed.weight"] = _take(tgt_table, tgt_order)
+    sd["output_proj.weight"] = _take(out_table, tgt_order)
+    sd["final_logits_bias"] = _take(bias, tgt_order, fill=NEVER)
+    model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+    model.eval()
+
+    src_spm, tgt_spm = (d / "source.spm").read_bytes(), (d / "target.spm").read_bytes()
+    src_proto = remap_spm(src_spm, _pieces(src_order, src_vocab))
+    tgt_proto = remap_spm(tgt_spm, _pieces(tgt_order, tgt_vocab))
+    return model, Tokenizer(src_proto, None if tgt_proto == src_proto else tgt_proto)

@@ -1,0 +1,91 @@
+"""The ``mt-export`` and ``mt-import`` command lines: models to and from other toolkits.
+
+- ``mt-export -m MODEL --format hf --out DIR``: a Hugging Face Marian directory (``mt.export``).
+- ``mt-export -m MODEL --format ctranslate2 --out DIR [--quantization int8]``: a CTranslate2
+  model with the SentencePiece model(s) beside it (``mt.export``).
+- ``mt-import --from hf DIR --out FILE``: a Hugging Face Marian directory, such as an OPUS-MT
+  download, as an mt checkpoint that ``translate`` and ``mt-eval`` take (``mt.import_hf``).
+
+The conversions are exact: the other toolkit computes the same logits and, with the same search
+settings, the same outputs (tests/test_interop.py; docs/interop.md says where the searches
+differ). They need the ``export`` extra (transformers, safetensors, ctranslate2, protobuf).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------ CLIs
+
+def export_main(argv: list[str] | None = None) -> None:
+    """``mt-export -m MODEL --format hf|ctranslate2 --out DIR [--quantization int8]``."""
+    from mt.checkpoint import load_model
+    from mt.export import check_marian, export_ctranslate2, export_hf
+
+    p = argparse.ArgumentParser(prog="mt-export", description=(
+        "Export an mt model to a Hugging Face Marian directory or a CTranslate2 model."))
+    p.add_argument("-m", "--model", required=True, help="checkpoint file or run directory")
+    p.add_argument("--format", required=True, choices=["hf", "ctranslate2"])
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--quantization", default=None,
+                   help="ctranslate2 only: int8, int8_float32, int8_float16, float16, ...")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out if it exists (its whole content is deleted)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    if args.quantization and args.format != "ctranslate2":
+        p.error("--quantization applies to --format ctranslate2 only")
+    out_dir = Path(args.out)
+    taken = out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir()))
+    if taken and not args.force:
+        sys.exit(f"mt-export: {out_dir} exists; choose another --out or pass --force to replace it")
+    try:
+        model, tokenizer, _ = load_model(args.model)
+        if args.format == "hf":
+            check_marian(model.cfg)  # before anything is deleted
+        if taken and out_dir.is_dir():
+            shutil.rmtree(out_dir)
+        elif taken:
+            out_dir.unlink()
+        if args.format == "hf":
+            out = export_hf(model, tokenizer, out_dir)
+        else:
+            out = export_ctranslate2(model, tokenizer, out_dir, args.quantization)
+    except ImportError as err:
+        sys.exit(f"mt-export: {err}; install the export extra: pip install 'mt[export]'")
+    except (ValueError, FileNotFoundError) as err:
+        sys.exit(f"mt-export: {err}")
+    log.info("wrote %s (%s)", out, args.format)
+
+
+def import_main(argv: list[str] | None = None) -> None:
+    """``mt-import --from hf DIR --out FILE``: a Marian (OPUS-MT) directory -> an mt checkpoint."""
+    from mt.checkpoint import model_state, save_atomic
+    from mt.import_hf import import_hf
+
+    p = argparse.ArgumentParser(prog="mt-import", description=(
+        "Import a Hugging Face Marian model directory (e.g. OPUS-MT) as an mt checkpoint."))
+    p.add_argument("--from", dest="source", required=True, choices=["hf"],
+                   help="the format of DIR")
+    p.add_argument("dir", help="model directory (config.json, weights, *.spm, vocab.json)")
+    p.add_argument("--out", required=True, help="checkpoint file to write (.pt)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    try:
+        model, tokenizer = import_hf(args.dir)
+    except ImportError as err:
+        sys.exit(f"mt-import: {err}; install the export extra: pip install 'mt[export]'")
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        sys.exit(f"mt-import: {err}")
+    save_atomic(model_state(model, tokenizer, {"imported_from": str(Path(args.dir).resolve())}),
+                args.out)
+    n = sum(p.numel() for p in model.parameters())
+    log.info("wrote %s (%.1fM parameters, vocabulary %d/%d)", args.out, n / 1e6,
+             model.cfg.src_vocab_size, model.cfg.tgt_vocab_size)

@@ -1,0 +1,381 @@
+"""Round trips between mt, Hugging Face Marian and CTranslate2 on tiny random models.
+
+Each test converts a model and checks that the other toolkit computes the same function: the same
+token ids from the same text, the same logits (to 1e-4), the same greedy and beam outputs token for
+token. Nothing is downloaded; the "OPUS-MT" model is made here, with OPUS-MT's special ids
+(eos=0, unk=1, pad=last, decoding from pad) and a vocab.json whose order is not SentencePiece's.
+
+Beam search is compared with length penalty 0: mt normalises by GNMT's ((5+len)/6)^alpha and
+Hugging Face by len^alpha, so only alpha=0 means the same ranking in both.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+
+import pytest
+import torch
+
+from mt.checkpoint import load_model, model_state, save_atomic
+from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
+from mt.data import read_lines
+from mt.interop import export_main, import_main
+from mt.model import build_model
+from mt.search import beam_search, greedy_search
+from mt.tokenizer import Tokenizer
+from mt.translate import main as translate_main
+
+# MarianTokenizer's advice (Moses punctuation normalisation) is not used by its encoding anyway
+pytestmark = pytest.mark.filterwarnings("ignore:Recommended.*sacremoses")
+
+MAX_LEN = 24  # output budget, EOS included, for both toolkits
+BEAM = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one thread, above all on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def separate_tokenizer(corpus_dir) -> Tokenizer:
+    """Two SentencePiece models (English, demo language), mt's special ids."""
+    from mt.config import TokenizerConfig
+    from mt.tokenizer import train_tokenizer
+
+    return train_tokenizer(read_lines(corpus_dir / "train.en"), read_lines(corpus_dir / "train.zz"),
+                           TokenizerConfig(vocab_size=150, joint=False), seed=1)
+
+
+def _texts(corpus_dir, n: int = 6) -> list[str]:
+    lines = read_lines(corpus_dir / "test.en")[:n]
+    return lines + ["", "zzqx unseen ✓"]  # an empty line and characters the vocabulary lacks
+
+
+def _pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids (B, L) and the attention mask (B, L), 1 = a real token."""
+    out = torch.full((len(seqs), max(map(len, seqs))), pad, dtype=torch.long)
+    mask = torch.zeros_like(out)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    return out, mask
+
+
+def _perturb(module: torch.nn.Module, seed: int, scale: float) -> None:
+    """Noise on every parameter (biases and LayerNorms included), so a misplaced tensor shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:  # not HF's frozen sinusoids
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _mt_model(tokenizer: Tokenizer, src: torch.Tensor | None = None, seed: int = 0, **kw):
+    """A random mt model whose greedy outputs on ``src`` (B, S), if given, differ in length.
+
+    A random Transformer tends to repeat one token until the budget, whatever the source; its
+    sublayers are made to outweigh the residual stream (more dependence on the source and the
+    position), and the EOS bias is raised until the outputs are a mix of lengths.
+    """
+    torch.manual_seed(seed)
+    cfg = dict(encoder_layers=2, decoder_layers=2, d_model=32, ffn_dim=64, heads=4, dropout=0.0,
+               max_positions=64, final_logits_bias=True, src_vocab_size=tokenizer.src_vocab_size,
+               tgt_vocab_size=tokenizer.tgt_vocab_size)
+    cfg.update(kw)
+    model = build_model(ModelConfig(**cfg)).eval()
+    _perturb(model, seed, 0.1)
+    with torch.no_grad():
+        for layer in model.decoder_layers:
+            layer.ffn.fc2.weight.mul_(3.0)
+            layer.cross_attn.out_proj.weight.mul_(3.0)
+        model.output_proj.weight.mul_(3.0)  # sharp distributions: no near-ties in the arg-max
+        for _ in range(40 if src is not None else 0):
+            lengths = [len(h.tokens) for h in greedy_search(model, src, max_len_a=0,
+                                                            max_len_b=MAX_LEN)]
+            if len(set(lengths)) > 1 and max(lengths) > 0:
+                break
+            model.final_logits_bias[EOS_ID] += 0.5
+    return model
+
+
+def _hf_outputs(sequences: torch.Tensor, eos: int) -> list[list[int]]:
+    """generate()'s (B, 1 + T) rows -> tokens after the start token, up to EOS."""
+    out = []
+    for row in sequences[:, 1:].tolist():
+        out.append(row[: row.index(eos)] if eos in row else row)
+    return out
+
+
+def _generate(hf, ids, mask, beams: int, bad: list[int], eos: int) -> list[list[int]]:
+    """Hugging Face's greedy / beam search, set up as mt's: no length penalty, stop at ``beams``
+    finished hypotheses, never the ``bad`` tokens, EOS forced at the budget.
+
+    Hugging Face's own ``forced_eos_token_id`` gives the forced EOS probability 1 where mt keeps
+    the model's probability for it (mt.search: a score is always the model's); a beam ranks such
+    hypotheses differently, so mt's rule is passed as a logits processor here.
+    """
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class ForceEosAtBudget(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if input_ids.size(-1) == MAX_LEN:  # the start token + MAX_LEN - 1 generated
+                kept = scores[:, eos].clone()
+                scores = torch.full_like(scores, -torch.inf)
+                scores[:, eos] = torch.where(torch.isfinite(kept), kept, torch.zeros_like(kept))
+            return scores
+
+    with torch.no_grad():
+        seq = hf.generate(input_ids=ids, attention_mask=mask, num_beams=beams, do_sample=False,
+                          max_length=MAX_LEN + 1, length_penalty=0.0, early_stopping=True,
+                          bad_words_ids=[[t] for t in bad], forced_eos_token_id=None,
+                          logits_processor=LogitsProcessorList([ForceEosAtBudget()]),
+                          num_return_sequences=1)
+    return _hf_outputs(seq, eos)
+
+
+def _mt_outputs(model, src: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    greedy = [h.tokens for h in greedy_search(model, src, max_len_a=0, max_len_b=MAX_LEN)]
+    beam = [h[0].tokens for h in beam_search(model, src, beam_size=BEAM, lenpen=0.0,
+                                             max_len_a=0, max_len_b=MAX_LEN)]
+    return greedy, beam
+
+
+def _save(model, tokenizer, path) -> str:
+    save_atomic(model_state(model, tokenizer, None), path)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------ mt -> HF
+
+@pytest.mark.parametrize("tie, activation, scale, joint", [("all", "relu", True, True),
+                                                           ("decoder", "gelu", False, True),
+                                                           ("none", "silu", True, True),
+                                                           ("decoder", "relu", True, False)])
+def test_export_hf_matches_mt(tmp_path, tokenizer_dir, separate_tokenizer, corpus_dir, tie,
+                              activation, scale, joint):
+    transformers = pytest.importorskip("transformers")
+    tok = Tokenizer.load(tokenizer_dir) if joint else separate_tokenizer
+    texts = _texts(corpus_dir)
+    ids = tok.encode_src(texts)
+    src, mask = _pad(ids, PAD_ID)
+    model = _mt_model(tok, src, tie_embeddings=tie, activation=activation,
+                      scale_embeddings=scale)
+    export_main(["-m", _save(model, tok, tmp_path / "m.pt"), "--format", "hf",
+                 "--out", str(tmp_path / "hf")])
+    hf = transformers.MarianMTModel.from_pretrained(tmp_path / "hf").eval()
+    hf_tok = transformers.MarianTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tok(texts)["input_ids"] == ids  # the same ids from the same text
+
+    tgt_in = torch.cat([torch.full((len(ids), 1), BOS_ID), src[:, :-1].clamp(min=4)], dim=1)
+    tgt_in = tgt_in.clamp(max=tok.tgt_vocab_size - 1)
+    with torch.no_grad():
+        expected = model(src, tgt_in)
+        got = hf(input_ids=src, attention_mask=mask, decoder_input_ids=tgt_in).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+    greedy, beam = _mt_outputs(model, src)
+    assert _generate(hf, src, mask, 1, [PAD_ID, BOS_ID], EOS_ID) == greedy
+    assert _generate(hf, src, mask, BEAM, [PAD_ID, BOS_ID], EOS_ID) == beam
+    assert len(set(map(len, greedy))) > 1  # a non-trivial comparison
+    assert hf_tok.batch_decode(
+        [t + [EOS_ID] for t in greedy], skip_special_tokens=True) == tok.decode_tgt(greedy)
+
+
+def test_export_hf_names_what_marian_cannot_express(tmp_path, tokenizer_dir):
+    tok = Tokenizer.load(tokenizer_dir)
+    model = _mt_model(tok, norm="pre", positions="learned")
+    ckpt = _save(model, tok, tmp_path / "m.pt")
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(SystemExit) as err:  # an existing directory needs --force
+        export_main(["-m", ckpt, "--format", "hf", "--out", str(out)])
+    assert "--force" in str(err.value)
+    with pytest.raises(SystemExit) as err:
+        export_main(["-m", ckpt, "--format", "hf", "--out", str(out), "--force"])
+    assert "model.norm=pre" in str(err.value) and "model.positions=learned" in str(err.value)
+    assert (out / "keep.txt").read_text() == "mine"  # a refused export deletes nothing
+
+
+# ---------------------------------------------------------------------------- mt -> CTranslate2
+
+@pytest.mark.parametrize("norm, positions", [("post", "sinusoidal"), ("pre", "learned")])
+def test_export_ctranslate2_greedy_matches_mt(tmp_path, tokenizer_dir, corpus_dir, norm,
+                                              positions):
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    tok = Tokenizer.load(tokenizer_dir)
+    texts = [t for t in _texts(corpus_dir) if t]  # CTranslate2 answers an empty input with nothing
+    src, _ = _pad(tok.encode_src(texts), PAD_ID)
+    model = _mt_model(tok, src, norm=norm, positions=positions, tie_embeddings="decoder")
+    out = tmp_path / "ct2"
+    export_main(["-m", _save(model, tok, tmp_path / "m.pt"), "--format", "ctranslate2",
+                 "--out", str(out)])
+    assert (out / "model.bin").exists() and (out / "spm.model").read_bytes() == tok.src_proto
+
+    greedy, _ = _mt_outputs(model, src)
+    assert len(set(map(len, greedy))) > 1
+    translator = ctranslate2.Translator(str(out), device="cpu", intra_threads=1)
+    pieces = [tok.src.encode(t, out_type=str) for t in texts]  # CTranslate2 appends </s>
+    results = translator.translate_batch(
+        pieces, beam_size=1, max_decoding_length=MAX_LEN - 1, min_decoding_length=0,
+        suppress_sequences=[["<pad>"], ["<s>"]])
+    got = [[tok.tgt.piece_to_id(p) for p in r.hypotheses[0]] for r in results]
+    assert got == greedy
+
+
+def test_export_ctranslate2_int8(tmp_path, tokenizer_dir):
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    tok = Tokenizer.load(tokenizer_dir)
+    model = _mt_model(tok)
+    out = tmp_path / "ct2"
+    export_main(["-m", _save(model, tok, tmp_path / "m.pt"), "--format", "ctranslate2",
+                 "--out", str(out), "--quantization", "int8"])
+    fp32 = tmp_path / "ct2_fp32"
+    export_main(["-m", str(tmp_path / "m.pt"), "--format", "ctranslate2", "--out", str(fp32)])
+    assert (out / "model.bin").stat().st_size < 0.6 * (fp32 / "model.bin").stat().st_size
+    translator = ctranslate2.Translator(str(out), device="cpu", compute_type="int8",
+                                        intra_threads=1)
+    assert len(translator.translate_batch([["▁a"]], max_decoding_length=5)) == 1
+
+
+# ----------------------------------------------------------------------------- HF (OPUS) -> mt
+
+def _opus_like_dir(tmp_path, corpus_dir, transformers, separate: bool) -> tuple:
+    """A random Marian model with OPUS-MT's conventions, saved like an OPUS-MT download.
+
+    Different source and target SentencePiece models (SentencePiece's default ids: unk=0, bos=1,
+    eos=2, no pad) with vocabularies </s>=0, <unk>=1, pieces in a shuffled order, <pad>=last (the
+    decoder start, a zero row): one vocab.json for the union of both sides' pieces, or
+    (``separate``) vocab.json and target_vocab.json, one per side, of equal size (the smaller
+    padded with pieces its SentencePiece model never produces), as Marian has one pad id.
+    """
+    import sentencepiece as spm
+
+    def train(lines: list[str]) -> tuple[bytes, set[str]]:
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model,
+                                       vocab_size=120, hard_vocab_limit=False, minloglevel=2)
+        sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+        return model.getvalue(), {sp.id_to_piece(i) for i in range(sp.get_piece_size())
+                                  if not (sp.is_control(i) or sp.is_unknown(i))}
+
+    def vocab(pieces: set[str], size: int, seed: int) -> dict[str, int]:
+        order = sorted(pieces) + [f"▁filler{i}" for i in range(size - len(pieces))]
+        random.Random(seed).shuffle(order)
+        return {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(order)},
+                "<pad>": len(order) + 2}
+
+    src_spm, src_pieces = train(read_lines(corpus_dir / "train.en"))
+    tgt_spm, tgt_pieces = train(read_lines(corpus_dir / "train.zz"))
+    if separate:
+        size = max(len(src_pieces), len(tgt_pieces))
+        src_vocab, tgt_vocab = vocab(src_pieces, size, 0), vocab(tgt_pieces, size, 1)
+    else:
+        src_vocab = tgt_vocab = vocab(src_pieces | tgt_pieces, len(src_pieces | tgt_pieces), 0)
+    pad = len(src_vocab) - 1
+    config = transformers.MarianConfig(
+        vocab_size=pad + 1, decoder_vocab_size=pad + 1,
+        share_encoder_decoder_embeddings=not separate,
+        decoder_start_token_id=pad, pad_token_id=pad, eos_token_id=0, forced_eos_token_id=0,
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        encoder_attention_heads=4, decoder_attention_heads=4, max_position_embeddings=64,
+        scale_embedding=True, activation_function="swish", dropout=0.0)
+    torch.manual_seed(0)
+    hf = transformers.MarianMTModel(config).eval()
+    _perturb(hf, 1, 0.3)
+    with torch.no_grad():
+        hf.get_decoder().embed_tokens.weight[pad].zero_()
+        hf.final_logits_bias.copy_(torch.randn(hf.final_logits_bias.shape) * 0.5)
+    d = tmp_path / "opus"
+    d.mkdir()
+    (d / "source.spm").write_bytes(src_spm)
+    (d / "target.spm").write_bytes(tgt_spm)
+    (d / "vocab.json").write_text(json.dumps(src_vocab, ensure_ascii=False))
+    tok_config = {"separate_vocabs": separate}
+    if separate:
+        (d / "target_vocab.json").write_text(json.dumps(tgt_vocab, ensure_ascii=False))
+        tok_config["target_vocab_file"] = "target_vocab.json"
+    (d / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    hf_tok = transformers.MarianTokenizer.from_pretrained(d)
+    # as _mt_model: raise the EOS bias until the greedy outputs have several lengths
+    ids, mask = _pad(hf_tok(_texts(corpus_dir))["input_ids"], pad)
+    for _ in range(40):
+        lengths = [len(t) for t in _generate(hf, ids, mask, 1, [pad], 0)]
+        if len(set(lengths)) > 1 and max(lengths) > 0:
+            break
+        with torch.no_grad():
+            hf.final_logits_bias[0, 0] += 0.5
+    hf.save_pretrained(d)
+    return d, hf, hf_tok, src_vocab, tgt_vocab
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_import_opus_like_marian_matches_hf(tmp_path, corpus_dir, separate):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("google.protobuf")
+    d, hf, hf_tok, src_vocab, tgt_vocab = _opus_like_dir(tmp_path, corpus_dir, transformers,
+                                                          separate)
+    import_main(["--from", "hf", str(d), "--out", str(tmp_path / "opus.pt")])
+    model, tok, _ = load_model(tmp_path / "opus.pt")
+    assert (model.cfg.activation, tok.joint) == ("silu", False)
+    assert model.cfg.tie_embeddings == ("decoder" if separate else "all")
+
+    # mt id -> Marian id, read off the pieces; mt's target BOS is Marian's decoder start (pad),
+    # and mt's target PAD a row Marian does not have
+    pad = hf.config.pad_token_id
+    src_map = {i: src_vocab.get(tok.src.id_to_piece(i)) for i in range(tok.src_vocab_size)}
+    to_hf = {i: tgt_vocab.get(tok.tgt.id_to_piece(i)) for i in range(tok.tgt_vocab_size)}
+    to_hf.update({PAD_ID: None, BOS_ID: pad})
+
+    texts = _texts(corpus_dir)
+    ids = tok.encode_src(texts)
+    hf_ids = hf_tok(texts)["input_ids"]
+    assert [[src_map[i] for i in row] for row in ids] == hf_ids  # same segmentation, same rows
+
+    src, _ = _pad(ids, PAD_ID)
+    hf_src, hf_mask = _pad(hf_ids, pad)
+    tgt_in = torch.cat([torch.full((len(ids), 1), BOS_ID), src[:, :-1].clamp(min=4)], dim=1)
+    tgt_in = tgt_in.clamp(max=tok.tgt_vocab_size - 1)
+    hf_tgt_in = tgt_in.clone().apply_(lambda i: to_hf[i])
+    cols = [i for i in range(tok.tgt_vocab_size) if to_hf[i] is not None]
+    with torch.no_grad():
+        mt_logits = model(src, tgt_in)
+        hf_logits = hf(input_ids=hf_src, attention_mask=hf_mask,
+                       decoder_input_ids=hf_tgt_in).logits
+    hf_cols = [to_hf[i] for i in cols]
+    torch.testing.assert_close(mt_logits[..., cols], hf_logits[..., hf_cols], atol=1e-4,
+                               rtol=1e-4)
+    # the new pad row takes no probability: mt's log-probabilities are Marian's
+    torch.testing.assert_close(mt_logits.log_softmax(-1)[..., cols],
+                               hf_logits.log_softmax(-1)[..., hf_cols], atol=1e-4, rtol=1e-4)
+
+    greedy, beam = _mt_outputs(model, src)
+    assert len(set(map(len, greedy))) > 1
+    for beams, expected in ((1, greedy), (BEAM, beam)):
+        got = _generate(hf, hf_src, hf_mask, beams, [pad], 0)
+        assert got == [[to_hf[i] for i in row] for row in expected]
+    expected_text = hf_tok.batch_decode([[to_hf[i] for i in row] for row in greedy],
+                                        skip_special_tokens=True)
+    assert tok.decode_tgt(greedy) == expected_text
+
+    # the `translate` CLI takes the imported checkpoint as it is
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n")
+    translate_main(["-m", str(tmp_path / "opus.pt"), "-i", str(tmp_path / "in.txt"),
+                    "-o", str(tmp_path / "out.txt"), "--beam", "1", "--max-len-a", "0",
+                    "--max-len-b", str(MAX_LEN), "--quiet"])
+    translated = (tmp_path / "out.txt").read_text().split("\n")[:-1]
+    assert translated == [e if t.strip() else "" for t, e in zip(texts, expected_text, strict=True)]
+
+
+def test_import_rejects_other_architectures(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bart"}))
+    with pytest.raises(SystemExit) as err:
+        import_main(["--from", "hf", str(tmp_path), "--out", str(tmp_path / "x.pt")])
+    assert "model_type='bart'" in str(err.value)
