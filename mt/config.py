@@ -58,7 +58,7 @@ class FilterConfig:
 class TokenizerConfig:
     """How to train the SentencePiece model(s) when the run has none."""
 
-    path: str | None = None  # an existing tokenizer directory; None: train one in the run dir
+    path: str | None = None  # reused if complete, else trained there; None: run_dir/tokenizer
     model_type: str = "unigram"  # unigram | bpe
     vocab_size: int = 8000
     joint: bool = True  # one vocabulary for both languages (needed for tie_embeddings=all)
@@ -87,6 +87,7 @@ class DataConfig:
     hub_name: str | None = None  # e.g. wmt14
     hub_config: str | None = None  # e.g. de-en
     max_valid_sentences: int = 0  # 0 = all; BLEU during training on the first N valid pairs
+    num_proc: int = 0  # processes that encode the corpus; 0 = 1 below 200k pairs, else all cores
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
 

@@ -4,6 +4,12 @@ A tokenizer is one SentencePiece model (joint vocabulary, needed to tie source a
 embeddings) or two (separate vocabularies). Every model `mt` trains uses the same special ids, so
 the model code can rely on them: pad=0, unk=1, bos=2, eos=3 (see ``mt.config``).
 
+A tokenizer directory holds ``spm.model`` (joint) or ``src.model`` and ``tgt.model``, plus
+``tokenizer.json``: vocabulary sizes, a hash of the models and, when ``load_or_train`` made it, the
+settings and seed it was trained with and how long that took. ``tokenizer.json`` is written
+last, so its presence means the directory is complete; ``load_or_train`` reuses such a directory
+instead of training again.
+
 The serialized models travel inside every checkpoint (``Tokenizer.to_state`` /
 ``Tokenizer.from_state``): a trained model cannot meet the wrong vocabulary. This module knows
 nothing of torch.
@@ -11,11 +17,17 @@ nothing of torch.
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import gc
+import hashlib
+import io
 import json
 import logging
 import os
 import random
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import sentencepiece as spm
@@ -34,7 +46,8 @@ class Tokenizer:
         self.src_proto = src_proto
         self.tgt_proto = tgt_proto
         self.src = spm.SentencePieceProcessor(model_proto=src_proto)
-        self.tgt = self.src if tgt_proto is None else spm.SentencePieceProcessor(model_proto=tgt_proto)
+        self.tgt = (self.src if tgt_proto is None
+                    else spm.SentencePieceProcessor(model_proto=tgt_proto))
         for name, sp in (("source", self.src), ("target", self.tgt)):
             ids = (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id())
             if ids != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
@@ -55,12 +68,19 @@ class Tokenizer:
     def tgt_vocab_size(self) -> int:
         return self.tgt.get_piece_size()
 
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the model(s): part of the cache key of every corpus encoded with them."""
+        digest = hashlib.sha256(self.src_proto)
+        digest.update(b"joint" if self.tgt_proto is None else self.tgt_proto)
+        return digest.hexdigest()[:16]
+
     def encode_src(self, texts: list[str]) -> list[list[int]]:
         """Source ids end with EOS so that every sentence, even an empty one, has a real token."""
-        return [ids + [EOS_ID] for ids in self.src.encode(texts)]
+        return self.src.encode(texts, add_eos=True)
 
     def encode_tgt(self, texts: list[str]) -> list[list[int]]:
-        """Target ids without BOS/EOS; the data collator adds them (BOS for input, EOS for output)."""
+        """Target ids without BOS/EOS; the collator adds them (BOS for input, EOS for output)."""
         return self.tgt.encode(texts)
 
     def decode_tgt(self, ids: list[list[int]]) -> list[str]:
@@ -73,7 +93,8 @@ class Tokenizer:
     def from_state(cls, state: dict) -> Tokenizer:
         return cls(state["src"], state.get("tgt"))
 
-    def save(self, directory: str | os.PathLike) -> None:
+    def save(self, directory: str | os.PathLike, info: dict | None = None) -> None:
+        """Writes the model(s), then ``tokenizer.json`` (sizes, hash and ``info``) last."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         if self.joint:
@@ -82,8 +103,11 @@ class Tokenizer:
             (directory / "src.model").write_bytes(self.src_proto)
             (directory / "tgt.model").write_bytes(self.tgt_proto)
         meta = {"joint": self.joint, "src_vocab_size": self.src_vocab_size,
-                "tgt_vocab_size": self.tgt_vocab_size}
-        (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+                "tgt_vocab_size": self.tgt_vocab_size, "fingerprint": self.fingerprint,
+                **(info or {})}
+        tmp = directory / (META_FILE + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        tmp.replace(directory / META_FILE)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> Tokenizer:
@@ -91,14 +115,21 @@ class Tokenizer:
         if (directory / "spm.model").exists():
             return cls((directory / "spm.model").read_bytes())
         if (directory / "src.model").exists() and (directory / "tgt.model").exists():
-            return cls((directory / "src.model").read_bytes(), (directory / "tgt.model").read_bytes())
+            return cls((directory / "src.model").read_bytes(),
+                       (directory / "tgt.model").read_bytes())
         raise FileNotFoundError(
             f"{directory}: no SentencePiece model (expected spm.model, or src.model and tgt.model)"
         )
 
 
-def _sample(texts: Iterable[str], size: int, seed: int) -> Iterator[str]:
-    """Reservoir sample of ``size`` non-empty lines, so huge corpora train in bounded memory."""
+def _sample(texts: Iterable[str], size: int, seed: int) -> list[str]:
+    """Up to ``size`` non-empty lines, so huge corpora train in bounded memory.
+
+    A list no longer than ``size`` is taken whole (callers that can index their corpus sample it
+    themselves, see ``mt.data.sample_texts``); anything else gets a reservoir sample.
+    """
+    if isinstance(texts, list) and len(texts) <= size:
+        return [t for t in texts if t.strip()]
     rng = random.Random(seed)
     reservoir: list[str] = []
     for i, line in enumerate(t for t in texts if t.strip()):
@@ -108,23 +139,25 @@ def _sample(texts: Iterable[str], size: int, seed: int) -> Iterator[str]:
             j = rng.randint(0, i)
             if j < size:
                 reservoir[j] = line
-    return iter(reservoir)
+    return reservoir
 
 
-def _train_one(texts: Iterable[str], cfg: TokenizerConfig, vocab_size: int, seed: int) -> bytes:
-    import io
-
+def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int) -> bytes:
+    if not sentences:
+        raise ValueError("no non-empty sentence to train SentencePiece on")
     model = io.BytesIO()
+    spm.set_random_generator_seed(seed)  # SentencePiece's own sampling, for reproducible models
     spm.SentencePieceTrainer.train(
-        sentence_iterator=_sample(texts, cfg.input_sentence_size, seed),
+        sentence_iterator=iter(sentences),
         model_writer=model,
         model_type=cfg.model_type,
-        vocab_size=vocab_size,
+        vocab_size=cfg.vocab_size,
         character_coverage=cfg.character_coverage,
         pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-        # An 8k vocabulary on a small corpus may be more than the text supports; shrink instead of
-        # failing (SentencePiece picks the largest size it can).
+        # A vocabulary on a small corpus may be larger than the text supports; shrink instead of
+        # failing (SentencePiece picks the largest size it can; valid for unigram and bpe).
         hard_vocab_limit=False,
+        input_sentence_size=0,  # all of them: we sampled already
         num_threads=os.cpu_count() or 1,
         minloglevel=2,
     )
@@ -143,14 +176,72 @@ def train_tokenizer(
         seed: makes the sample and the model reproducible.
     """
     if cfg.model_type not in ("unigram", "bpe"):
-        raise ValueError(f"data.tokenizer.model_type must be unigram or bpe, got {cfg.model_type!r}")
+        raise ValueError("data.tokenizer.model_type must be unigram or bpe, "
+                         f"got {cfg.model_type!r}")
+    if cfg.input_sentence_size < 1:
+        raise ValueError("data.tokenizer.input_sentence_size must be positive, "
+                         f"got {cfg.input_sentence_size}")
     if cfg.joint:
         def both() -> Iterator[str]:
             yield from src_texts
             yield from tgt_texts
 
-        return Tokenizer(_train_one(both(), cfg, cfg.vocab_size, seed))
+        if isinstance(src_texts, list) and isinstance(tgt_texts, list):
+            sentences = _sample(src_texts + tgt_texts, cfg.input_sentence_size, seed)
+        else:
+            sentences = _sample(both(), cfg.input_sentence_size, seed)
+        return Tokenizer(_train_one(sentences, cfg, seed))
     return Tokenizer(
-        _train_one(src_texts, cfg, cfg.vocab_size, seed),
-        _train_one(tgt_texts, cfg, cfg.vocab_size, seed),
+        _train_one(_sample(src_texts, cfg.input_sentence_size, seed), cfg, seed),
+        _train_one(_sample(tgt_texts, cfg.input_sentence_size, seed), cfg, seed),
     )
+
+
+def _release_memory() -> None:
+    """Hands freed heap back to the OS.
+
+    glibc keeps what SentencePiece training freed (about 1 GB for 2M sentences); the encoding
+    workers forked next would each inherit it and look that much larger.
+    """
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def load_or_train(
+    directory: str | os.PathLike,
+    texts: Callable[[], tuple[Iterable[str], Iterable[str]]],
+    cfg: TokenizerConfig,
+    seed: int = 0,
+) -> Tokenizer:
+    """The tokenizer in ``directory`` if it is complete, else one trained and saved there.
+
+    Args:
+        directory: where the model(s) and ``tokenizer.json`` live.
+        texts: called only when training is needed; returns (source, target) sentences.
+        cfg: training settings; if a reused directory was made with others, a warning says which.
+        seed: for the sentence sample and SentencePiece.
+    """
+    directory = Path(directory)
+    wanted = {"config": dataclasses.asdict(cfg), "seed": seed}
+    if (directory / META_FILE).exists():
+        meta = json.loads((directory / META_FILE).read_text())
+        made = meta.get("config", {})
+        differ = sorted(k for k, v in wanted["config"].items() if k in made and made[k] != v)
+        if differ:
+            changes = ", ".join(f"{k}={made[k]!r} (now {wanted['config'][k]!r})" for k in differ)
+            log.warning("reusing the tokenizer in %s, trained with different settings: %s",
+                        directory, changes)
+        return Tokenizer.load(directory)
+    start = time.perf_counter()
+    src, tgt = texts()
+    tok = train_tokenizer(src, tgt, cfg, seed)
+    del src, tgt
+    _release_memory()
+    seconds = time.perf_counter() - start
+    tok.save(directory, {**wanted, "seconds": round(seconds, 1)})
+    log.info("trained SentencePiece %s (%s, %d pieces) in %.1f s -> %s", cfg.model_type,
+             "joint" if tok.joint else "separate", tok.src_vocab_size, seconds, directory)
+    return tok

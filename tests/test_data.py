@@ -1,0 +1,343 @@
+"""Reading every source format, filtering counts, encoding caches, token batches and rank shards."""
+
+import gzip
+import json
+import os
+import random
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before datasets is imported: never wait on a network
+
+import datasets  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from mt.config import BOS_ID, EOS_ID, PAD_ID, DataConfig, FilterConfig, TokenizerConfig  # noqa: E402
+from mt.data import (  # noqa: E402
+    DataError,
+    EncodedPairs,
+    collate,
+    encode_split,
+    filter_lengths,
+    filter_pairs,
+    load_split,
+    pair_hash,
+    read_lines,
+    sample_texts,
+    shard_batches,
+    token_batches,
+)
+from mt.tokenizer import train_tokenizer  # noqa: E402
+
+PAIRS = [
+    ("Hello world.", "Hallo Welt."),
+    ("", ""),  # an empty pair is data too (the filters drop it, not the readers)
+    ("Größe ✓ 日本語", "size ✓ japanese"),
+    ("only source", ""),
+    ('quotes " and \\ backslash', "{not json}"),
+    ("Hello world.", "Hallo Welt."),  # duplicate
+]
+
+
+def _write(path, text: str, gz: bool):
+    if gz:
+        with gzip.open(str(path) + ".gz", "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+
+
+def _write_split(directory, fmt: str, split: str, pairs, gz: bool = False) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    if fmt == "text":
+        _write(directory / f"{split}.en", "".join(s + "\n" for s, _ in pairs), gz)
+        _write(directory / f"{split}.de", "".join(t + "\n" for _, t in pairs), gz)
+    elif fmt == "tsv":
+        _write(directory / f"{split}.tsv", "".join(f"{s}\t{t}\n" for s, t in pairs), gz)
+    else:
+        lines = [json.dumps({"translation": {"en": s, "de": t}} if i % 2 else {"de": t, "en": s})
+                 for i, (s, t) in enumerate(pairs)]
+        _write(directory / f"{split}.jsonl", "\n".join(lines) + "\n\n", gz)  # blank tail: skipped
+
+
+def _cfg(directory, fmt: str = "text", **kw) -> DataConfig:
+    return DataConfig(source="files", dir=str(directory), format=fmt, src_lang="en",
+                      tgt_lang="de", **kw)
+
+
+def _pairs(ds) -> list[tuple[str, str]]:
+    return list(zip(ds["src"], ds["tgt"], strict=True))
+
+
+@pytest.mark.parametrize("gz", [False, True])
+@pytest.mark.parametrize("fmt", ["text", "tsv", "jsonl"])
+def test_every_local_format_loads_the_same_pairs(tmp_path, fmt, gz):
+    _write_split(tmp_path / "d", fmt, "train", PAIRS, gz)
+    ds = load_split(_cfg(tmp_path / "d", fmt), "train", cache_dir=str(tmp_path / "cache"))
+    assert _pairs(ds) == PAIRS
+
+
+def test_hub_style_datasets_load_the_same_pairs(tmp_path):
+    rows = {"translation": [{"en": s, "de": t} for s, t in PAIRS]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(tmp_path / "dd")
+    (tmp_path / "json").mkdir()  # a script-free hub repository layout: data files only
+    with open(tmp_path / "json" / "train.jsonl", "w") as f:
+        f.writelines(json.dumps({"translation": {"en": s, "de": t}}) + "\n" for s, t in PAIRS)
+    flat = datasets.Dataset.from_dict({"en": [s for s, _ in PAIRS], "de": [t for _, t in PAIRS]})
+    flat.save_to_disk(tmp_path / "flat")  # one column per language
+    for name in ("dd", "json", "flat"):
+        cfg = DataConfig(source="hub", hub_name=str(tmp_path / name), src_lang="en", tgt_lang="de")
+        assert _pairs(load_split(cfg, "train", cache_dir=str(tmp_path / "cache"))) == PAIRS
+    cfg = DataConfig(source="hub", hub_name=str(tmp_path / "dd"), src_lang="en", tgt_lang="fr")
+    with pytest.raises(ValueError, match="data.src_lang and data.tgt_lang"):
+        load_split(cfg, "train")
+    with pytest.raises(ValueError, match=r"splits \['train'\], not 'valid'"):
+        load_split(DataConfig(source="hub", hub_name=str(tmp_path / "dd")), "valid")
+
+
+@pytest.mark.skipif(not datasets.config.HF_HUB_OFFLINE, reason="needs HF_HUB_OFFLINE=1")
+def test_hub_offline_fails_with_one_clear_sentence():
+    cfg = DataConfig(source="hub", hub_name="wmt/wmt14", hub_config="de-en", src_lang="en",
+                     tgt_lang="de")
+    with pytest.raises(RuntimeError, match="could not reach the Hugging Face hub for wmt/wmt14"):
+        load_split(cfg, "train")
+
+
+def test_file_cache_is_reused_and_sees_edits(tmp_path):
+    _write_split(tmp_path / "d", "text", "train", PAIRS)
+    cache = str(tmp_path / "cache")
+    first = load_split(_cfg(tmp_path / "d"), "train", cache_dir=cache)
+    again = load_split(_cfg(tmp_path / "d"), "train", cache_dir=cache)
+    assert again.cache_files == first.cache_files
+    _write_split(tmp_path / "d", "text", "train", PAIRS[:2])
+    assert len(load_split(_cfg(tmp_path / "d"), "train", cache_dir=cache)) == 2
+
+
+@pytest.mark.parametrize(
+    ("fmt", "files", "message"),
+    [
+        ("text", {"train.en": b"a\nb\nc\n", "train.de": b"x\ny\n"},
+         r"train\.en:3: line counts differ"),
+        ("text", {"train.en": b"a\n", "train.de": b"x\ny\n"}, r"train\.de:2: line counts differ"),
+        ("text", {"train.en": b"a\nb\xff\n", "train.de": b"x\ny\n"}, r"train\.en:2: invalid UTF-8"),
+        ("tsv", {"train.tsv": b"a\tx\nno tab here\n"}, r"train\.tsv:2: expected source<TAB>target"),
+        ("tsv", {"train.tsv": b"a\tx\tz\n"}, r"train\.tsv:1: .*found 2 tabs"),
+        ("jsonl", {"train.jsonl": b'{"en": "a", "de": "x"}\n{"en": "a"}\n'},
+         r"train\.jsonl:2: expected a JSON object"),
+        ("jsonl", {"train.jsonl": b'{"en": "a", "de": "x"}\n{oops\n'}, r"train\.jsonl:2:"),
+        ("jsonl", {"train.jsonl": b'{"en": "a", "de": null}\n'}, r"train\.jsonl:1: .*strings"),
+    ],
+)
+def test_bad_input_names_file_and_line(tmp_path, fmt, files, message):
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    with pytest.raises(DataError, match=message):
+        load_split(_cfg(tmp_path, fmt), "train", cache_dir=str(tmp_path / "cache"))
+
+
+def test_bad_gzip_input_names_file_and_line(tmp_path):
+    with gzip.open(tmp_path / "train.tsv.gz", "wb") as f:
+        f.write(b"a\tb\n\xc3(\tx\n")
+    with pytest.raises(DataError, match=r"train\.tsv\.gz:2: invalid UTF-8"):
+        load_split(_cfg(tmp_path, "tsv"), "train", cache_dir=str(tmp_path / "cache"))
+    (tmp_path / "broken.txt.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(DataError, match=r"broken\.txt\.gz: cannot read"):
+        read_lines(tmp_path / "broken.txt")
+    with pytest.raises(FileNotFoundError, match="nor missing.txt.gz"):
+        read_lines(tmp_path / "missing.txt")
+
+
+# ----------------------------------------------------------------------------- filtering
+
+
+def test_filter_counts_are_exact():
+    cfg = FilterConfig(min_tokens=2, max_tokens=10, max_ratio=2.0, dedup=True)
+    #        src, tgt, empty, hash
+    rows = [(5, 5, False, 1),   # kept
+            (0, 0, True, 2),    # empty (also too short: the first rule counts)
+            (1, 5, False, 3),   # too short
+            (11, 4, False, 4),  # too long (also a bad ratio)
+            (3, 7, False, 5),   # ratio 7 > 2 * 3
+            (3, 6, False, 6),   # ratio 6 == 2 * 3: kept
+            (5, 5, False, 1),   # duplicate of row 0
+            (11, 4, False, 4),  # too long again: counted as too long, not as a duplicate
+            (4, 4, False, 7),   # kept
+            (5, 5, False, 1)]   # duplicate
+    src, tgt, empty, hashes = (np.array(c) for c in zip(*rows, strict=True))
+    keep, report = filter_lengths(src, tgt, empty, hashes, cfg)
+    assert keep.tolist() == [0, 5, 8]
+    assert (report.total, report.empty, report.too_short, report.too_long, report.ratio,
+            report.duplicate, report.kept) == (10, 1, 1, 2, 1, 2, 3)
+    assert "kept 3 of 10 pairs" in str(report)
+    keep, report = filter_lengths(src, tgt, empty, hashes,
+                                  FilterConfig(min_tokens=0, max_tokens=100, max_ratio=0,
+                                               dedup=False))
+    assert report.kept == 9 and report.empty == 1  # empty sides are always dropped
+
+
+def test_filter_pairs_on_text_matches_the_rules():
+    src = ["a b", "a b", " ", "a b c d e f g", "a", "a b"]
+    tgt = ["x y", "x y", "x", "x", "x", "x z"]
+    ids = {w: i + 4 for i, w in enumerate("abcdefgxyz")}
+    src_ids = [[ids[w] for w in s.split()] + [EOS_ID] for s in src]
+    tgt_ids = [[ids[w] for w in t.split()] for t in tgt]
+    keep, report = filter_pairs(src, tgt, src_ids, tgt_ids,
+                                FilterConfig(min_tokens=1, max_tokens=6, max_ratio=3.0))
+    assert keep == [0, 4, 5]
+    assert (report.duplicate, report.empty, report.too_long, report.ratio) == (1, 1, 1, 0)
+    assert pair_hash("ab", "c") != pair_hash("a", "bc")  # the boundary is part of the key
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+def _corpus(n: int, seed: int) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(60)] + ["Größe", "日本"]
+    out = []
+    for _ in range(n):
+        s = " ".join(rng.choice(words) for _ in range(rng.randint(0, 25)))
+        t = " ".join(rng.choice(words) + "x" for _ in range(rng.randint(0, 25)))
+        out.append((s, t))
+    return out + out[:20]  # some duplicates
+
+
+@pytest.fixture(scope="module")
+def encoded(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("enc")
+    pairs = _corpus(600, 0)
+    _write_split(tmp / "d", "text", "train", pairs)
+    ds = load_split(_cfg(tmp / "d"), "train", cache_dir=str(tmp / "cache"))
+    src, tgt = sample_texts(ds, 10_000, 0, joint=True)
+    tok = train_tokenizer(src, tgt, TokenizerConfig(vocab_size=100))
+    return pairs, ds, tok, encode_split(ds, tok, num_proc=1)
+
+
+def test_tokenizer_sample_is_aligned_and_sized(encoded):
+    pairs, ds, _, _ = encoded
+    src, tgt = sample_texts(ds, 100, seed=3, joint=True)  # joint: 50 rows, both sides
+    assert len(src) == len(tgt) == 50
+    assert all(pair in pairs for pair in zip(src, tgt, strict=True))
+    assert (src, tgt) == sample_texts(ds, 100, seed=3, joint=True)
+    src, tgt = sample_texts(ds, 100, seed=3, joint=False)
+    assert len(src) == 100
+    assert sample_texts(ds, 10_000, seed=3, joint=True)[0] == [s for s, _ in pairs]
+
+
+def test_encoded_pairs_match_in_memory_encoding(encoded):
+    pairs, ds, tok, enc = encoded
+    cfg = FilterConfig(min_tokens=1, max_tokens=40, max_ratio=2.5)
+    src, tgt = [s for s, _ in pairs], [t for _, t in pairs]
+    src_ids, tgt_ids = tok.encode_src(src), tok.encode_tgt(tgt)
+    keep, report = filter_pairs(src, tgt, src_ids, tgt_ids, cfg)
+    data = EncodedPairs(enc, cfg)
+    assert vars(data.report) == vars(report) and report.duplicate > 0 and report.too_long > 0
+    assert data.rows.tolist() == keep
+    assert list(data.src_lens) == [len(src_ids[i]) for i in keep]
+    assert list(data.tgt_lens) == [len(tgt_ids[i]) for i in keep]
+    batch = [5, 0, 17, 3]
+    got = data.collate(batch)
+    want = collate([src_ids[keep[i]] for i in batch], [tgt_ids[keep[i]] for i in batch])
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape and bool((g == w).all())
+    src_t, tgt_in, tgt_out = got
+    assert bool((tgt_in[:, 0] == BOS_ID).all()) and int((tgt_out == EOS_ID).sum()) == len(batch)
+    assert bool(((src_t == PAD_ID) | (src_t >= 0)).all())
+
+
+def test_encoding_cache_is_reused_and_keyed_by_tokenizer(encoded):
+    pairs, ds, tok, enc = encoded
+    again = encode_split(ds, tok, num_proc=1)
+    assert again.cache_files == enc.cache_files
+    two = encode_split(ds, tok, num_proc=2)  # several processes give the same columns
+    assert two["src_ids"][:] == enc["src_ids"][:] and two["pair_hash"][:] == enc["pair_hash"][:]
+    other = train_tokenizer([s for s, _ in pairs], [t for _, t in pairs],
+                            TokenizerConfig(vocab_size=90, model_type="bpe"))
+    assert encode_split(ds, other, num_proc=1).cache_files != enc.cache_files
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def _lengths(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A WMT-like mix: lognormal source lengths (mean ~30 subwords), correlated targets."""
+    rng = np.random.default_rng(seed)
+    src = np.maximum(2, rng.lognormal(np.log(30) - 0.18, 0.6, n).astype(int))
+    tgt = np.maximum(1, (src * rng.lognormal(0.05, 0.15, n)).astype(int))
+    return src, tgt
+
+
+def test_batches_respect_max_tokens_and_cover_every_pair_once():
+    src, tgt = _lengths(20_000, 0)
+    src[7], tgt[8] = 900, 900  # larger than the budget: batches of their own
+    batches = token_batches(src.tolist(), tgt.tolist(), 512, seed=1, epoch=0)
+    size = np.maximum(src, tgt + 1)
+    for b in batches:
+        assert len(b) * size[b].max() <= 512 or len(b) == 1
+    assert [7] in batches and [8] in batches
+    flat = sorted(i for b in batches for i in b)
+    assert flat == list(range(len(src)))
+    assert all(isinstance(i, int) for i in batches[0])
+
+
+def test_batches_are_deterministic_and_reshuffled_per_epoch():
+    src, tgt = _lengths(5000, 1)
+    first = token_batches(src, tgt, 1024, seed=3, epoch=0)
+    assert first == token_batches(src, tgt, 1024, seed=3, epoch=0)
+    assert first != token_batches(src, tgt, 1024, seed=3, epoch=1)
+    assert first != token_batches(src, tgt, 1024, seed=4, epoch=0)
+    unshuffled = token_batches(src, tgt, 1024, seed=3, epoch=0, shuffle=False)
+    sizes = [max(max(src[i], tgt[i] + 1) for i in b) for b in unshuffled]
+    assert sizes == sorted(sizes)  # in length order, for validation and translation
+
+
+@pytest.mark.parametrize("max_tokens", [2048, 4096, 8192])
+def test_padding_overhead_under_ten_percent(max_tokens):
+    src, tgt = _lengths(200_000, 2)
+    batches = token_batches(src, tgt, max_tokens, seed=0, epoch=0)
+    cells = sum(len(b) * (src[b].max() + tgt[b].max() + 1) for b in batches)
+    real = int(src.sum() + tgt.sum() + len(tgt))
+    assert cells / real - 1 < 0.10
+    budget = sum(len(b) * max(src[b].max(), tgt[b].max() + 1) for b in batches)
+    assert budget / (len(batches) * max_tokens) > 0.9  # batches are nearly full, too
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_see_disjoint_batches_covering_the_epoch(world):
+    src, tgt = _lengths(3001, 3)
+    batches = token_batches(src, tgt, 700, seed=0, epoch=2)
+    shards = [shard_batches(batches, r, world) for r in range(world)]
+    assert len({len(s) for s in shards}) == 1  # every rank takes the same number of steps
+    seen = [i for s in shards for b in s for i in b]
+    assert len(seen) == len(set(seen))  # disjoint
+    tail = len(batches) % world  # the documented dropped tail: fewer than world batches
+    assert sorted(seen) == sorted(i for b in batches[: len(batches) - tail] for i in b)
+
+
+def test_corpus_interface_and_reuse(tmp_path, monkeypatch):
+    from mt.config import TrainConfig
+    from mt.train import Corpus
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    pairs = _corpus(300, 5)
+    _write_split(tmp_path / "d", "tsv", "train", pairs, gz=True)
+    _write_split(tmp_path / "d", "tsv", "valid", pairs[:7])
+    cfg = TrainConfig()
+    cfg.data = _cfg(tmp_path / "d", "tsv", tokenizer=TokenizerConfig(vocab_size=100),
+                    filter=FilterConfig(max_tokens=1000, max_ratio=0, dedup=False))
+    cfg.model.max_positions = 30  # longer pairs could not be embedded: filtered, not a crash
+    corpus = Corpus(cfg, tmp_path / "run", rank=0, world=1)
+    assert corpus.pairs.report.too_long > 0
+    assert max(corpus.src_lens) <= 30 and max(corpus.tgt_lens) + 1 <= 30
+    assert corpus.valid_src == [s for s, _ in pairs[:7]]
+    assert corpus.valid_tgt == [t for _, t in pairs[:7]]
+    batches = corpus.batches(200, seed=1, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(len(corpus.src_lens)))
+    src, tgt_in, tgt_out = corpus.collate(batches[0])
+    assert src.shape[0] == tgt_in.shape[0] == len(batches[0]) and tgt_in.shape == tgt_out.shape
+    assert src.shape[1] == max(corpus.src_lens[i] for i in batches[0])
+    meta = tmp_path / "run" / "tokenizer" / "tokenizer.json"
+    stamp = meta.stat().st_mtime_ns
+    again = Corpus(cfg, tmp_path / "run", rank=0, world=1)  # tokenizer and encoding reused
+    assert meta.stat().st_mtime_ns == stamp
+    assert again.tokenizer.fingerprint == corpus.tokenizer.fingerprint
+    assert again.pairs.rows.tolist() == corpus.pairs.rows.tolist()

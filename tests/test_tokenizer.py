@@ -1,0 +1,132 @@
+"""SentencePiece training, special ids, save/load and reuse of a tokenizer directory."""
+
+import json
+import logging
+import random
+
+import pytest
+
+from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TokenizerConfig
+from mt.tokenizer import META_FILE, Tokenizer, _sample, load_or_train, train_tokenizer
+
+WORDS = ["house", "garden", "green", "small", "river", "stone", "light", "water", "tree", "bird",
+         "walks", "sees", "the", "a", "of", "in", "and", "runs", "old", "new"]
+
+
+def _sentences(n: int, seed: int, suffix: str = "") -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) + suffix for _ in range(rng.randint(1, 12)))
+            for _ in range(n)]
+
+
+SRC = _sentences(400, 1)
+TGT = _sentences(400, 2, suffix="en")
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+@pytest.mark.parametrize("joint", [True, False])
+def test_train_special_ids_round_trip(model_type, joint):
+    cfg = TokenizerConfig(model_type=model_type, vocab_size=120, joint=joint)
+    tok = train_tokenizer(SRC, TGT, cfg, seed=0)
+    assert tok.joint == joint
+    for sp in (tok.src, tok.tgt):
+        assert (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) == (PAD_ID, UNK_ID, BOS_ID,
+                                                                        EOS_ID)
+        assert sp.get_piece_size() <= 120
+    src_ids = tok.encode_src(SRC[:20])
+    assert all(ids[-1] == EOS_ID and EOS_ID not in ids[:-1] for ids in src_ids)
+    assert tok.src.decode([ids[:-1] for ids in src_ids]) == SRC[:20]
+    tgt_ids = tok.encode_tgt(TGT[:20])
+    assert all(EOS_ID not in ids and BOS_ID not in ids for ids in tgt_ids)
+    assert tok.decode_tgt(tgt_ids) == TGT[:20]
+    if not joint:  # each side has its own pieces: target words all end in "en"
+        assert tok.src.piece_to_id("▁house") != UNK_ID
+        assert tok.tgt.piece_to_id("▁house") == UNK_ID
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_vocabulary_larger_than_the_text_supports_shrinks(model_type):
+    # hard_vocab_limit=False: valid for bpe too (SentencePiece picks the largest size it can)
+    tok = train_tokenizer(SRC[:50], TGT[:50], TokenizerConfig(model_type=model_type,
+                                                               vocab_size=5000), seed=0)
+    assert 30 < tok.src_vocab_size < 5000
+
+
+def test_same_seed_same_model_and_bad_type():
+    cfg = TokenizerConfig(vocab_size=100)
+    assert train_tokenizer(SRC, TGT, cfg, 3).fingerprint == train_tokenizer(SRC, TGT, cfg,
+                                                                            3).fingerprint
+    with pytest.raises(ValueError, match="data.tokenizer.model_type"):
+        train_tokenizer(SRC, TGT, TokenizerConfig(model_type="wordpiece"))
+
+
+def test_character_coverage_maps_rare_characters_to_unk():
+    text = SRC + ["house ж"]  # one rare character among thousands
+    full = train_tokenizer(text, TGT, TokenizerConfig(vocab_size=100, character_coverage=1.0))
+    partial = train_tokenizer(text, TGT, TokenizerConfig(vocab_size=100, character_coverage=0.99))
+    assert UNK_ID not in full.encode_tgt(["ж"])[0]
+    assert UNK_ID in partial.encode_tgt(["ж"])[0]
+
+
+def test_sample_is_bounded_deterministic_and_skips_empty_lines():
+    lines = [f"line {i}" if i % 3 else " " for i in range(1000)]
+    sample = _sample(iter(lines), 50, seed=4)
+    assert len(sample) == 50 and all(s.strip() for s in sample)
+    assert set(sample) <= set(lines)
+    assert sample == _sample(iter(lines), 50, seed=4)
+    assert sample != _sample(iter(lines), 50, seed=5)
+    assert _sample(lines[:30], 50, seed=4) == [s for s in lines[:30] if s.strip()]
+    # a small sample still trains a usable model
+    tok = train_tokenizer(SRC, TGT, TokenizerConfig(vocab_size=60, input_sentence_size=100))
+    assert tok.decode_tgt(tok.encode_tgt(TGT[:5])) == TGT[:5]
+
+
+@pytest.mark.parametrize("joint", [True, False])
+def test_save_load_and_state_round_trip(tmp_path, joint):
+    tok = train_tokenizer(SRC, TGT, TokenizerConfig(vocab_size=100, joint=joint))
+    tok.save(tmp_path / "tok", {"note": "x"})
+    names = {p.name for p in (tmp_path / "tok").iterdir()}
+    assert names == ({"spm.model", META_FILE} if joint else {"src.model", "tgt.model", META_FILE})
+    meta = json.loads((tmp_path / "tok" / META_FILE).read_text())
+    assert meta["joint"] == joint and meta["fingerprint"] == tok.fingerprint and meta["note"] == "x"
+    for other in (Tokenizer.load(tmp_path / "tok"), Tokenizer.from_state(tok.to_state())):
+        assert other.fingerprint == tok.fingerprint
+        assert other.encode_src(SRC[:10]) == tok.encode_src(SRC[:10])
+        assert other.encode_tgt(TGT[:10]) == tok.encode_tgt(TGT[:10])
+    with pytest.raises(FileNotFoundError, match="no SentencePiece model"):
+        Tokenizer.load(tmp_path)
+
+
+def test_load_or_train_reuses_a_complete_directory(tmp_path, caplog):
+    cfg = TokenizerConfig(vocab_size=100)
+    calls = []
+
+    def texts():
+        calls.append(1)
+        return SRC, TGT
+
+    first = load_or_train(tmp_path / "tok", texts, cfg, seed=1)
+    meta = json.loads((tmp_path / "tok" / META_FILE).read_text())
+    assert meta["config"]["vocab_size"] == 100 and meta["seed"] == 1
+    again = load_or_train(tmp_path / "tok", texts, cfg, seed=1)
+    assert calls == [1] and again.fingerprint == first.fingerprint
+    with caplog.at_level(logging.WARNING, logger="mt.tokenizer"):
+        other = load_or_train(tmp_path / "tok", texts, TokenizerConfig(vocab_size=200), seed=1)
+    assert calls == [1] and other.fingerprint == first.fingerprint
+    assert "vocab_size=100 (now 200)" in caplog.text
+    # a directory without tokenizer.json is incomplete (interrupted): trained again
+    (tmp_path / "tok" / META_FILE).unlink()
+    load_or_train(tmp_path / "tok", texts, cfg, seed=1)
+    assert calls == [1, 1]
+
+
+def test_special_ids_are_checked():
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(SRC), model_writer=model,
+                                   vocab_size=40, minloglevel=2)  # default ids: unk=0, bos=1...
+    with pytest.raises(ValueError, match="special ids"):
+        Tokenizer(model.getvalue())
