@@ -1,19 +1,28 @@
-"""Greedy and beam search over the model's incremental interface.
+"""Greedy, beam and sampling search over the model's incremental interface.
 
 Search knows the model only through ``encode``, ``init_cache``, ``decode_step`` and the cache's
-``reorder``; it never sees the trainer. Both searches drop finished sentences from the active
-batch, so a long sentence does not make the short ones pay for its steps.
+``reorder``; it never sees the trainer. Every search drops finished sentences from the active
+batch, so a long sentence does not make the short ones pay for its steps, and keeps the per-step
+work in a handful of batched tensor operations (no Python loop over rows in the hot path).
 
-Scores are sums of log-probabilities of the generated tokens, EOS included; beam search ranks
-finished hypotheses by that sum divided by the GNMT length penalty ``((5 + len) / 6) ** alpha``
-(alpha = 0: no normalisation).
+Scores: ``Hypothesis.logprob`` is the sum of the model's log-probabilities of the generated tokens,
+EOS included; ``Hypothesis.score`` is that sum divided by the GNMT length penalty
+``((5 + len) / 6) ** alpha`` with ``len`` counting EOS (alpha = 0: no normalisation). Beam search
+ranks finished hypotheses by ``score``. Constraints (no EOS before ``min_len``, EOS forced when the
+budget is spent, a forced prefix) remove alternatives but never change the chosen token's own
+log-probability, so a score always equals a teacher-forced re-scoring of the same tokens.
+
+Any search also takes an :class:`Ensemble` in place of a model: the members' log-probabilities
+are averaged (and renormalised), each member with its own cache.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID
@@ -21,8 +30,8 @@ from mt.config import BOS_ID, EOS_ID, PAD_ID
 
 @dataclass
 class Hypothesis:
-    tokens: list[int]  # without BOS and EOS
-    score: float  # length-normalised log-probability (what the beam ranks by)
+    tokens: list[int]  # without BOS and EOS; a forced prefix included
+    score: float  # logprob / length_penalty (what the beam ranks by)
     logprob: float  # raw sum of token log-probabilities, EOS included
 
 
@@ -31,129 +40,289 @@ def length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
+class Ensemble:
+    """Several models that decode as one: per step, the average of their log-probabilities.
+
+    The average of log-probabilities is a product of experts; it is renormalised so that scores
+    stay log-probabilities. Every member encodes the source and keeps its own cache, so members may
+    differ in depth or width, but they must share the target vocabulary (a token id has to mean the
+    same piece to all of them) and the source ids are given to all of them.
+    """
+
+    def __init__(self, models: list) -> None:
+        if not models:
+            raise ValueError("an ensemble needs at least one model")
+        sizes = [m.cfg.tgt_vocab_size for m in models]
+        if len(set(sizes)) > 1:
+            raise ValueError(f"ensemble members must share the target vocabulary; got target "
+                             f"vocabulary sizes {sizes}")
+        self.models = list(models)
+
+    @property
+    def max_positions(self) -> int:
+        return min(m.cfg.max_positions for m in self.models)
+
+
+def _members(model) -> list:
+    return model.models if isinstance(model, Ensemble) else [model]
+
+
+def max_positions(model) -> int:
+    """The longest sequence a model (or every member of an ensemble) accepts."""
+    return min(m.cfg.max_positions for m in _members(model))
+
+
+class _Decoder:
+    """The incremental state of one search: a cache per model, next-token log-probabilities."""
+
+    def __init__(self, model, src: Tensor, max_len: int) -> None:
+        self.models = _members(model)
+        self.caches = []
+        for m in self.models:
+            memory, src_mask = m.encode(src)
+            self.caches.append(m.init_cache(memory, src_mask, max_len))
+
+    def log_probs(self, tokens: Tensor) -> Tensor:
+        """tokens (N,) -> float32 log-probabilities of the next token (N, V)."""
+        if len(self.models) == 1:
+            return torch.log_softmax(self.models[0].decode_step(tokens, self.caches[0]).float(), -1)
+        total = None
+        for m, cache in zip(self.models, self.caches, strict=True):
+            lp = torch.log_softmax(m.decode_step(tokens, cache).float(), -1)
+            total = lp if total is None else total.add_(lp)
+        return torch.log_softmax(total / len(self.models), -1)
+
+    def reorder(self, index: Tensor, beams: int = 1) -> None:
+        for cache in self.caches:
+            cache.reorder(index, beams)
+
+
 def max_lengths(src: Tensor, max_len_a: float, max_len_b: int, limit: int) -> Tensor:
-    """Per-sentence output budget ``a * src_len + b`` (EOS included), capped by the model's limit."""
+    """Per-sentence output budget ``a * src_len + b`` (EOS included), capped by ``limit``."""
     src_len = (src != PAD_ID).sum(dim=1)
     return (src_len.float() * max_len_a + max_len_b).long().clamp(min=1, max=limit)
 
 
-@torch.inference_mode()
-def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 10,
-                  min_len: int = 0) -> list[Hypothesis]:
-    """Arg-max decoding.
+class _Prefix:
+    """Per-sentence target prefixes, forced token by token before the free search starts."""
 
-    Args:
-        model: a Transformer (mt.model) in eval mode.
-        src: (B, S) source ids, right-padded.
-        max_len_a, max_len_b: each output has at most ``a * src_len + b`` tokens, EOS included.
-        min_len: EOS is forbidden before this many tokens.
-    Returns:
-        one Hypothesis per sentence, in input order.
-    """
-    b = src.size(0)
-    memory, src_mask = model.encode(src)
-    limits = max_lengths(src, max_len_a, max_len_b, model.cfg.max_positions)
-    cache = model.init_cache(memory, src_mask, int(limits.max()))
-    active = torch.arange(b, device=src.device)  # original row of each active row
-    tokens = torch.full((b,), BOS_ID, dtype=torch.long, device=src.device)
-    out: list[list[int]] = [[] for _ in range(b)]
-    logprob = torch.zeros(b, device=src.device)
-    results: list[Hypothesis | None] = [None] * b
-    step = 0
-    while active.numel():
-        lprobs = torch.log_softmax(model.decode_step(tokens, cache).float(), dim=-1)
-        force_eos = limits[active] <= step + 1
-        _constrain(lprobs, step, min_len, force_eos)
-        scores, tokens = lprobs.max(dim=-1)
-        logprob[active] += scores
-        done = tokens == EOS_ID
-        for row, tok in zip(active.tolist(), tokens.tolist(), strict=True):
-            if tok != EOS_ID:
-                out[row].append(tok)
-        if done.any():
-            for row in active[done].tolist():
-                lp = float(logprob[row])
-                results[row] = Hypothesis(out[row], lp, lp)
-            keep = (~done).nonzero().squeeze(1)
-            active, tokens = active[keep], tokens[keep]
-            cache.reorder(keep)
-        step += 1
-    return results  # type: ignore[return-value]
+    def __init__(self, prefixes: list[list[int]] | None, b: int, device: torch.device) -> None:
+        if prefixes is not None and len(prefixes) != b:
+            raise ValueError(f"got {len(prefixes)} prefixes for {b} sentences")
+        self.steps = max((len(p) for p in prefixes), default=0) if prefixes else 0
+        self.lengths = torch.zeros(b, dtype=torch.long, device=device)
+        self.tokens = torch.full((b, max(self.steps, 1)), PAD_ID, dtype=torch.long, device=device)
+        for i, p in enumerate(prefixes or []):
+            if any(t in (PAD_ID, BOS_ID, EOS_ID) for t in p):
+                raise ValueError(f"prefix {i} contains a special token (PAD, BOS or EOS): {p}")
+            self.lengths[i] = len(p)
+            self.tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+
+    def force(self, lprobs: Tensor, rows: Tensor, step: int, original: Tensor | None) -> None:
+        """In place: rows (N,) of sentences still inside their prefix may only take its next token.
+
+        ``original`` holds the unconstrained log-probabilities of the forced tokens, so the
+        hypothesis score stays the model's own.
+        """
+        forced = self.lengths[rows] > step
+        tok = self.tokens[rows, step]
+        lp = original if original is not None else lprobs.gather(1, tok[:, None])[:, 0]
+        lprobs[forced] = -torch.inf
+        lprobs[forced, tok[forced]] = lp[forced]
 
 
-def _constrain(lprobs: Tensor, step: int, min_len: int, force_eos: Tensor) -> None:
-    """In place: no PAD/BOS ever, no EOS before min_len, only EOS where the budget is spent."""
+def _constrain(lprobs: Tensor, step: int, min_len: int, force_eos: Tensor,
+               prefix: _Prefix | None = None, rows: Tensor | None = None) -> None:
+    """In place: no PAD/BOS ever, no EOS before min_len, only EOS where the budget is spent, only
+    the prefix token while a sentence is inside its prefix (``rows``: lprobs row -> sentence)."""
+    original = None
+    if prefix is not None and step < prefix.steps:
+        original = lprobs.gather(1, prefix.tokens[rows, step][:, None])[:, 0]
     lprobs[:, PAD_ID] = -torch.inf
     lprobs[:, BOS_ID] = -torch.inf
     if step < min_len:
         lprobs[:, EOS_ID] = -torch.inf
-    if force_eos.any():
+    if original is not None:
+        prefix.force(lprobs, rows, step, original)
+    if force_eos.any():  # after the prefix: a prefix longer than the model's limit is cut
         eos = lprobs[force_eos, EOS_ID].clone()
         lprobs[force_eos] = -torch.inf
         # EOS keeps its own probability (the hypothesis score stays honest) but is the only option.
         lprobs[force_eos, EOS_ID] = torch.where(torch.isfinite(eos), eos, torch.zeros_like(eos))
 
 
+def _limits(model, src: Tensor, max_len_a: float, max_len_b: int,
+            prefix: _Prefix) -> Tensor:
+    """Output budgets; a forced prefix always leaves room for EOS after it."""
+    limit = max_positions(model)
+    limits = max_lengths(src, max_len_a, max_len_b, limit)
+    return torch.maximum(limits, (prefix.lengths + 1).clamp(max=limit))
+
+
+def _sample(lprobs: Tensor, temperature: float, top_k: int, top_p: float,
+            generator: torch.Generator | None) -> Tensor:
+    """Draws one token per row (N, V) -> (N,) from the tempered, top-k / top-p truncated
+    distribution (Holtzman et al., 2020: the smallest set of tokens with mass >= top_p)."""
+    logits = lprobs / temperature
+    if 0 < top_k < logits.size(-1):
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens before it already hold top_p; the first always stays.
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -torch.inf))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@torch.inference_mode()
+def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 10,
+                  min_len: int = 0, lenpen: float = 0.0,
+                  prefixes: list[list[int]] | None = None, sampling: bool = False,
+                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                  generator: torch.Generator | None = None) -> list[Hypothesis]:
+    """Arg-max decoding, or ancestral sampling with ``sampling=True``.
+
+    Args:
+        model: a Transformer (mt.model) in eval mode, or an Ensemble.
+        src: (B, S) source ids, right-padded.
+        max_len_a, max_len_b: each output has at most ``a * src_len + b`` tokens, EOS included.
+        min_len: EOS is forbidden before this many tokens.
+        lenpen: GNMT alpha, only for the reported ``score`` (it does not change the search).
+        prefixes: per sentence, target ids forced before the search goes free (or None).
+        sampling: draw each token from the model's distribution instead of taking the arg-max.
+        temperature, top_k, top_p: the sampling distribution (softmax(logits / T), keep the k best
+            tokens, keep the smallest set holding top_p of the mass); 0 / 1.0 disable the cuts.
+        generator: the random stream for sampling (seed it for reproducible samples; the samples
+            then depend on the batch composition too).
+    Returns:
+        one Hypothesis per sentence, in input order. Its scores are the model's own
+        log-probabilities (untempered) of the chosen tokens.
+    """
+    if sampling and temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    b, device = src.size(0), src.device
+    prefix = _Prefix(prefixes, b, device)
+    limits = _limits(model, src, max_len_a, max_len_b, prefix)
+    max_len = int(limits.max())
+    dec = _Decoder(model, src, max_len)
+    active = torch.arange(b, device=device)  # original row of each active row
+    tokens = torch.full((b,), BOS_ID, dtype=torch.long, device=device)
+    out = torch.full((b, max_len), PAD_ID, dtype=torch.long, device=device)
+    lengths = torch.zeros(b, dtype=torch.long, device=device)  # generated tokens, EOS included
+    logprob = torch.zeros(b, device=device)
+    step = 0
+    while active.numel():
+        lprobs = dec.log_probs(tokens)
+        _constrain(lprobs, step, min_len, limits[active] <= step + 1, prefix, active)
+        if sampling:
+            tokens = _sample(lprobs, temperature, top_k, top_p, generator)
+            scores = lprobs.gather(1, tokens[:, None])[:, 0]
+        else:
+            scores, tokens = lprobs.max(dim=-1)
+        logprob[active] += scores
+        out[active, step] = tokens
+        done = tokens == EOS_ID
+        if done.any():
+            lengths[active[done]] = step + 1
+            keep = (~done).nonzero().squeeze(1)
+            active, tokens = active[keep], tokens[keep]
+            dec.reorder(keep)
+        step += 1
+    norm = length_penalty(lengths.float(), lenpen) if lenpen else torch.ones_like(logprob)
+    rows, n, lps, ss = out.tolist(), lengths.tolist(), logprob.tolist(), (logprob / norm).tolist()
+    return [Hypothesis(r[: n_i - 1], s, lp) for r, n_i, lp, s in zip(rows, n, lps, ss, strict=True)]
+
+
+@torch.inference_mode()
+def sample_search(model, src: Tensor, nbest: int = 1, lenpen: float = 0.0, **kwargs
+                  ) -> list[list[Hypothesis]]:
+    """``nbest`` independent samples per sentence, best score first.
+
+    Args:
+        model, src: as in greedy_search.
+        nbest: samples per sentence (each source row is repeated ``nbest`` times).
+        lenpen: GNMT alpha for the scores the samples are sorted by.
+        kwargs: greedy_search's (``temperature``, ``top_k``, ``top_p``, ``generator``, lengths,
+            ``prefixes``).
+    """
+    prefixes = kwargs.pop("prefixes", None)
+    if prefixes is not None:
+        prefixes = [p for p in prefixes for _ in range(nbest)]
+    hyps = greedy_search(model, src.repeat_interleave(nbest, dim=0), lenpen=lenpen,
+                         prefixes=prefixes, sampling=True, **kwargs)
+    return [sorted(hyps[i : i + nbest], key=lambda h: -h.score)
+            for i in range(0, len(hyps), nbest)]
+
+
 @torch.inference_mode()
 def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbest: int = 1,
-                max_len_a: float = 1.5, max_len_b: int = 10,
-                min_len: int = 0) -> list[list[Hypothesis]]:
+                max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
+                prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
     """Batched beam search.
 
     Each step scores ``beam_size * V`` continuations per sentence and keeps the best
     ``2 * beam_size``: those ending in EOS become finished hypotheses (if they rank within the
     first ``beam_size``), the best ``beam_size`` others stay on the beam. A sentence is done when it
-    has ``beam_size`` finished hypotheses, then it leaves the active batch.
+    has ``beam_size`` finished hypotheses (early stop), then it leaves the active batch.
 
     Args:
-        model: a Transformer in eval mode.
+        model: a Transformer in eval mode, or an Ensemble.
         src: (B, S) source ids, right-padded.
         beam_size: hypotheses kept per sentence.
         lenpen: GNMT alpha for ranking finished hypotheses.
         nbest: how many hypotheses to return per sentence (<= beam_size).
-        max_len_a, max_len_b, min_len: as in greedy_search.
+        max_len_a, max_len_b, min_len, prefixes: as in greedy_search.
     Returns:
         per sentence (input order), its ``nbest`` hypotheses, best first.
     """
     if not 1 <= nbest <= beam_size:
         raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
     b, k, device = src.size(0), beam_size, src.device
-    memory, src_mask = model.encode(src)
-    limits = max_lengths(src, max_len_a, max_len_b, model.cfg.max_positions)
-    # Cross-attention keys/values are computed on B rows, then repeated for the beams.
-    cache = model.init_cache(memory, src_mask, int(limits.max()))
-    cache.reorder(torch.arange(b, device=device).repeat_interleave(k))
+    prefix = _Prefix(prefixes, b, device)
+    limits = _limits(model, src, max_len_a, max_len_b, prefix)
+    # Step 0 runs on B rows (every beam would start from the same BOS); the first reorder
+    # expands the self-attention cache to B * k rows (cross-attention stays one per sentence).
+    dec = _Decoder(model, src, int(limits.max()))
 
     active = torch.arange(b, device=device)  # original sentence of each active sentence
-    scores = torch.full((b, k), -torch.inf, device=device)
-    scores[:, 0] = 0.0  # all beams start identical: only the first may expand at step 0
-    history = torch.empty((b, k, 0), dtype=torch.long, device=device)  # generated tokens
-    tokens = torch.full((b * k,), BOS_ID, dtype=torch.long, device=device)
+    beams = 1  # live beams per sentence: 1 at step 0, k after
+    scores = torch.zeros((b, 1), device=device)  # (n, beams) cumulative log-probabilities
+    history = torch.empty((b, 1, 0), dtype=torch.long, device=device)  # generated tokens
+    tokens = torch.full((b,), BOS_ID, dtype=torch.long, device=device)
+    n_finished = torch.zeros(b, dtype=torch.long, device=device)
     finished: list[list[Hypothesis]] = [[] for _ in range(b)]
     step = 0
     while active.numel():
         n = active.numel()
-        lprobs = torch.log_softmax(model.decode_step(tokens, cache).float(), dim=-1)
-        force_eos = (limits[active] <= step + 1).repeat_interleave(k)
-        _constrain(lprobs, step, min_len, force_eos)
+        lprobs = dec.log_probs(tokens)
+        force_eos = (limits[active] <= step + 1).repeat_interleave(beams)
+        rows = active.repeat_interleave(beams) if step < prefix.steps else None
+        _constrain(lprobs, step, min_len, force_eos, prefix, rows)
         vocab = lprobs.size(-1)
-        cand = (scores.unsqueeze(-1) + lprobs.view(n, k, vocab)).view(n, k * vocab)
-        top_scores, top_idx = cand.topk(min(2 * k, k * vocab), dim=1)  # (n, 2k)
-        top_beam, top_tok = top_idx // vocab, top_idx % vocab
+        cand = (scores.unsqueeze(-1) + lprobs.view(n, beams, vocab)).view(n, beams * vocab)
+        if cand.size(1) < 2 * k:  # a tiny vocabulary at step 0: pad with impossible candidates
+            cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=-torch.inf)
+        top_scores, top_idx = cand.topk(2 * k, dim=1)  # (n, 2k)
+        top_beam, top_tok = (top_idx // vocab).clamp(max=beams - 1), top_idx % vocab
 
-        # Finished candidates: EOS within the first k ranks and a finite score.
+        # Finished candidates: EOS within the first k ranks and a finite score; a sentence takes
+        # them in rank order while it has room (k finished at most).
         is_eos = (top_tok == EOS_ID) & torch.isfinite(top_scores)
-        eos_ranked = is_eos.clone()
-        eos_ranked[:, k:] = False
+        eos_ranked = is_eos[:, :k]
         if eos_ranked.any():
-            length = step + 1  # generated tokens, EOS included
-            norm = length_penalty(length, lenpen)
-            for i, j in eos_ranked.nonzero().tolist():
-                row = int(active[i])
-                if len(finished[row]) < k:
-                    lp = float(top_scores[i, j])
-                    toks = history[i, int(top_beam[i, j])].tolist()
-                    finished[row].append(Hypothesis(toks, lp / norm, lp))
+            room = (k - n_finished[active]).unsqueeze(1)
+            accept = eos_ranked & (eos_ranked.cumsum(dim=1) <= room)
+            n_finished[active] += accept.sum(dim=1)
+            where = accept.nonzero()  # (F, 2): row in the active batch, rank
+            lps = top_scores[:, :k][accept]
+            toks = history[where[:, 0], top_beam[:, :k][accept]]
+            norm = length_penalty(step + 1, lenpen)  # generated tokens, EOS included
+            for row, lp, t in zip(active[where[:, 0]].tolist(), lps.tolist(), toks.tolist(),
+                                  strict=True):
+                finished[row].append(Hypothesis(t, lp / norm, lp))
 
         # The best k non-EOS candidates continue.
         cont_scores = top_scores.masked_fill(is_eos, -torch.inf)
@@ -161,20 +330,61 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
         cont_beam = top_beam.gather(1, order)
         cont_tok = top_tok.gather(1, order)
 
-        done = torch.tensor([len(finished[r]) >= k for r in active.tolist()], device=device)
-        # A sentence whose live beams are all -inf (budget spent) is done too.
-        done |= ~torch.isfinite(cont_scores).any(dim=1)
-        keep = (~done).nonzero().squeeze(1)
-        if keep.numel() == 0:
-            break
-        parent = (keep.unsqueeze(1) * k + cont_beam[keep]).view(-1)  # rows in the current batch
-        history = torch.cat([history[keep].gather(
-            1, cont_beam[keep].unsqueeze(-1).expand(-1, -1, history.size(-1))),
-            cont_tok[keep].unsqueeze(-1)], dim=-1)
-        scores = cont_scores[keep]
-        tokens = cont_tok[keep].view(-1)
-        active = active[keep]
-        cache.reorder(parent)
+        # Done: k finished, or every live beam is -inf (the budget is spent).
+        done = (n_finished[active] >= k) | ~torch.isfinite(cont_scores[:, 0])
+        if done.any():
+            keep = (~done).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            cont_scores, cont_beam, cont_tok = cont_scores[keep], cont_beam[keep], cont_tok[keep]
+            history, active = history[keep], active[keep]
+            base = keep.unsqueeze(1) * beams
+        else:
+            base = torch.arange(0, n * beams, beams, device=device).unsqueeze(1)
+        parent = (base + cont_beam).view(-1)  # rows in the current batch
+        history = torch.cat([history.gather(
+            1, cont_beam.unsqueeze(-1).expand(-1, -1, history.size(-1))),
+            cont_tok.unsqueeze(-1)], dim=-1)
+        scores = cont_scores
+        tokens = cont_tok.view(-1)
+        dec.reorder(parent, k)
+        beams = k
         step += 1
 
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
+
+
+@torch.inference_mode()
+def cross_attention(model, src: Tensor, tgt: Tensor, layer: int = -1) -> Tensor:
+    """Teacher-forced cross-attention weights of one decoder layer, averaged over heads.
+
+    Computed here from the layer's own modules (``softmax(q k^T / sqrt(K))`` with the source mask),
+    so the model needs no attention-returning code path. Row ``j`` is the attention of the decoder
+    position that predicts target token ``j``.
+
+    Args:
+        model: a Transformer (not an Ensemble: take one member).
+        src: (B, S) source ids, right-padded.
+        tgt: (B, T) target ids as generated (EOS included), right-padded.
+        layer: which decoder layer (Python index; -1 the last).
+    Returns:
+        (B, T, S) float32 attention weights; padded source positions get 0.
+    """
+    layers = model.decoder_layers
+    if not -len(layers) <= layer < len(layers):
+        raise ValueError(f"alignment layer {layer} does not exist: the decoder has {len(layers)} "
+                         "layers")
+    memory, src_mask = model.encode(src)
+    bos = torch.full((tgt.size(0), 1), BOS_ID, dtype=tgt.dtype, device=tgt.device)
+    y = model.embed(torch.cat([bos, tgt[:, :-1]], dim=1), model.tgt_embed, model.tgt_positions)
+    index = layer % len(layers)
+    for block in layers[:index]:
+        y = block(y, memory, src_mask)
+    block = layers[index]
+    y = block.self_sub.output(y, block.self_attn(block.self_sub.input(y), causal=True))
+    attn = block.cross_attn
+    q = attn.split_heads(attn.q_proj(block.cross_sub.input(y))).float()  # (B, H, T, K)
+    k, _ = attn.project_kv(memory)
+    weights = q @ k.float().transpose(-1, -2) / math.sqrt(attn.head_dim)  # (B, H, T, S)
+    weights = weights.masked_fill(~src_mask, -torch.inf)
+    return F.softmax(weights, dim=-1).mean(dim=1)

@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from mt import checkpoint
+from mt.batching import collate, token_batches
 from mt.config import PAD_ID, TrainConfig, register_configs
-from mt.data import collate, load_split, token_batches
+from mt.data import load_split
 from mt.model import build_model, count_parameters
 from mt.tokenizer import Tokenizer
 
@@ -135,7 +136,7 @@ class Corpus:
     def __init__(self, cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> None:
         from dataclasses import replace
 
-        from mt.data import EncodedPairs, encode_split
+        from mt.batching import EncodedPairs, encode_split
 
         data = cfg.data
         if rank != 0:

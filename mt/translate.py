@@ -3,7 +3,8 @@
 Input lines are encoded, sorted by length, cut into batches by a token budget, searched, and put
 back in input order. Empty lines give empty lines without touching the model. A line longer than
 the model's maximum is translated in pieces that are joined (one warning), never dropped.
-stdout carries translations only; logs and the progress bar go to stderr.
+stdout carries translations only; logs, the progress bar and the interactive prompt go to stderr.
+See docs/decoding.md for every option and output format.
 """
 
 from __future__ import annotations
@@ -17,24 +18,42 @@ from dataclasses import dataclass
 
 import torch
 
-from mt.search import Hypothesis, beam_search, greedy_search
+from mt.config import EOS_ID
+from mt.search import (
+    Ensemble,
+    Hypothesis,
+    beam_search,
+    cross_attention,
+    greedy_search,
+    max_positions,
+    sample_search,
+)
 
 log = logging.getLogger("mt.translate")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class SearchOptions:
-    beam: int = 5
-    lenpen: float = 0.6
-    nbest: int = 1
-    max_len_a: float = 1.5
+    """How to search; plain values only (mt-eval records them as JSON)."""
+
+    beam: int = 5  # 1 with nbest 1: greedy
+    lenpen: float = 0.6  # GNMT alpha; 0 ranks by the raw log-probability sum
+    nbest: int = 1  # hypotheses (or samples) returned per line
+    max_len_a: float = 1.5  # output budget a * source tokens + b, EOS included
     max_len_b: int = 10
-    min_len: int = 0
-    batch_tokens: int = 4096
+    min_len: int = 0  # no EOS before this many tokens
+    batch_tokens: int = 4096  # source tokens per batch, padding included
+    sampling: bool = False  # draw nbest samples instead of searching (beam is ignored)
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0  # 1.0: no nucleus cut
+    seed: int = 0  # the sampling stream (samples depend on the batching as well)
 
 
 def _pieces(ids: list[int], limit: int) -> list[list[int]]:
-    """Splits a source (ending in EOS) into pieces of at most ``limit`` tokens, each ending in EOS."""
+    """Splits a source (ending in EOS) into pieces of at most ``limit`` tokens, each with EOS."""
     if len(ids) <= limit:
         return [ids]
     body = ids[:-1]
@@ -53,16 +72,33 @@ def _batches(lengths: list[int], order: list[int], budget: int) -> Iterable[list
         yield batch
 
 
-def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
-                  progress: bool = False) -> list[list[Hypothesis]]:
+def _first_member(model):
+    return model.models[0] if isinstance(model, Ensemble) else model
+
+
+def translate_ids(model, sources: list[list[int]], opts: SearchOptions, progress: bool = False,
+                  prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
     """Searches every source (ids ending in EOS); returns n-best lists in input order.
 
     Batches are formed from length-sorted sources (longest first, so memory peaks early) and each
     holds at most ``opts.batch_tokens`` source tokens, padding included.
-    """
-    from mt.data import pad
 
-    device = next(model.parameters()).device
+    Args:
+        model: a Transformer, or an Ensemble.
+        sources: token ids per sentence, each ending in EOS.
+        opts: the search.
+        progress: a tqdm bar on stderr.
+        prefixes: per sentence, target ids to force before the free search (or None).
+    """
+    from mt.batching import pad
+
+    if opts.sampling:
+        if opts.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {opts.temperature}")
+    elif not 1 <= opts.nbest <= opts.beam:
+        raise ValueError(f"nbest must be between 1 and beam={opts.beam}, got {opts.nbest}")
+    device = next(_first_member(model).parameters()).device
+    generator = torch.Generator(device=device).manual_seed(opts.seed) if opts.sampling else None
     order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
     results: list[list[Hypothesis]] = [[] for _ in sources]
     bar = None
@@ -71,14 +107,20 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
 
         bar = tqdm(total=len(sources), unit="sent", file=sys.stderr, leave=False)
     lengths = [len(s) for s in sources]
+    lens = dict(max_len_a=opts.max_len_a, max_len_b=opts.max_len_b, min_len=opts.min_len)
     for batch in _batches(lengths, order, opts.batch_tokens):
         src = pad([sources[i] for i in batch]).to(device)
-        if opts.beam == 1 and opts.nbest == 1:
-            hyps = [[h] for h in greedy_search(model, src, opts.max_len_a, opts.max_len_b,
-                                              opts.min_len)]
+        pre = [prefixes[i] for i in batch] if prefixes is not None else None
+        if opts.sampling:
+            hyps = sample_search(model, src, opts.nbest, opts.lenpen, prefixes=pre,
+                                 temperature=opts.temperature, top_k=opts.top_k,
+                                 top_p=opts.top_p, generator=generator, **lens)
+        elif opts.beam == 1:
+            hyps = [[h] for h in greedy_search(model, src, lenpen=opts.lenpen, prefixes=pre,
+                                              **lens)]
         else:
-            hyps = beam_search(model, src, opts.beam, opts.lenpen, opts.nbest, opts.max_len_a,
-                               opts.max_len_b, opts.min_len)
+            hyps = beam_search(model, src, opts.beam, opts.lenpen, opts.nbest, prefixes=pre,
+                               **lens)
         for i, h in zip(batch, hyps, strict=True):
             results[i] = h
         if bar is not None:
@@ -88,16 +130,38 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
     return results
 
 
-def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | None = None,
-                    progress: bool = False) -> list[list[tuple[str, float]]]:
-    """Translates sentences; returns per line its n-best (text, score), best first.
+@dataclass
+class LineResult:
+    """One input line's search: its source pieces and, per piece, the n-best hypotheses.
 
-    Empty (or whitespace-only) lines give ``[("", 0.0)]`` without being searched.
+    A line fits in one piece unless it is longer than the model's maximum; an empty line has none.
     """
-    opts = opts or SearchOptions()
-    limit = model.cfg.max_positions
+
+    sources: list[list[int]]
+    hyps: list[list[Hypothesis]]
+
+
+def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
+                 progress: bool = False, prefixes: list[str] | None = None) -> list[LineResult]:
+    """Encodes, splits over-long lines into pieces, searches them all, and groups them by line.
+
+    Args:
+        model: a Transformer, a list of them (an ensemble) or an Ensemble.
+        tokenizer: the model's mt.tokenizer.Tokenizer.
+        lines: input sentences; empty (whitespace-only) lines are not searched.
+        opts: the search.
+        progress: a progress bar on stderr.
+        prefixes: per line, target text to force at the start of its translation ("" = none).
+    """
+    if isinstance(model, list | tuple):
+        model = Ensemble(list(model)) if len(model) > 1 else model[0]
+    if prefixes is not None and len(prefixes) != len(lines):
+        raise ValueError(f"{len(prefixes)} prefixes for {len(lines)} lines")
+    limit = max_positions(model)
     encoded = tokenizer.encode_src(lines)
+    prefix_ids = tokenizer.encode_tgt(prefixes) if prefixes is not None else None
     sources: list[list[int]] = []
+    forced: list[list[int]] = []
     owner: list[int] = []  # which line each source piece belongs to
     long_lines = 0
     for i, (line, ids) in enumerate(zip(lines, encoded, strict=True)):
@@ -107,32 +171,155 @@ def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | No
         long_lines += len(pieces) > 1
         sources.extend(pieces)
         owner.extend([i] * len(pieces))
+        # A prefix belongs to the start of the translation: the first piece only.
+        forced.extend([prefix_ids[i] if prefix_ids else []] + [[]] * (len(pieces) - 1))
     if long_lines:
         log.warning("%d line(s) longer than the model's %d tokens were translated in pieces",
                     long_lines, limit)
-    hyps = translate_ids(model, sources, opts, progress) if sources else []
-    out: list[list[tuple[str, float]]] = [[("", 0.0)] for _ in lines]
-    pieces_of: dict[int, list[list[Hypothesis]]] = {}
-    for i, h in zip(owner, hyps, strict=True):
-        pieces_of.setdefault(i, []).append(h)
-    for i, parts in pieces_of.items():
-        if len(parts) == 1:
-            texts = tokenizer.decode_tgt([h.tokens for h in parts[0]])
-            out[i] = list(zip(texts, [h.score for h in parts[0]], strict=True))
-        else:  # pieces of one long line: join their best translations
-            texts = tokenizer.decode_tgt([p[0].tokens for p in parts])
-            out[i] = [(" ".join(texts), sum(p[0].score for p in parts))]
+    hyps = (translate_ids(model, sources, opts, progress,
+                          forced if prefix_ids is not None else None) if sources else [])
+    out = [LineResult([], []) for _ in lines]
+    for i, src, h in zip(owner, sources, hyps, strict=True):
+        out[i].sources.append(src)
+        out[i].hyps.append(h)
     return out
 
 
-def _read_input(path: str | None, errors: str) -> list[str]:
-    if path is None or path == "-":
-        data = sys.stdin.buffer.read()
-        name = "<stdin>"
-    else:
-        with open(path, "rb") as f:
-            data = f.read()
-        name = path
+def _texts(tokenizer, result: LineResult) -> list[tuple[str, float]]:
+    if not result.hyps:
+        return [("", 0.0)]
+    if len(result.hyps) == 1:
+        nbest = result.hyps[0]
+        texts = tokenizer.decode_tgt([h.tokens for h in nbest])
+        return list(zip(texts, [h.score for h in nbest], strict=True))
+    # Pieces of one long line: join their best translations.
+    texts = tokenizer.decode_tgt([p[0].tokens for p in result.hyps])
+    return [(" ".join(texts), sum(p[0].score for p in result.hyps))]
+
+
+def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | None = None,
+                    progress: bool = False,
+                    prefixes: list[str] | None = None) -> list[list[tuple[str, float]]]:
+    """Translates sentences; returns per line its n-best (text, score), best first.
+
+    Empty (or whitespace-only) lines give ``[("", 0.0)]`` without being searched. ``model`` may be
+    a list of models (an ensemble sharing ``tokenizer``).
+    """
+    results = search_lines(model, tokenizer, lines, opts or SearchOptions(), progress, prefixes)
+    return [_texts(tokenizer, r) for r in results]
+
+
+# -- alignment
+
+
+def _word_index(sp, ids: list[int], first: int = 0) -> list[int]:
+    """Word number (from ``first``) of each token, as the decoded text's whitespace-separated words
+    count them: a piece starting with '▁' starts a word, the unknown piece is a word of its own
+    (it decodes to ' ⁇ '), a piece of whitespace alone belongs to no word (-1)."""
+    out, word, open_word = [], first - 1, False
+    for t in ids:
+        if sp.is_unknown(t):
+            word += 1
+            out.append(word)
+            open_word = False
+            continue
+        piece = sp.id_to_piece(t)
+        rest = piece.lstrip("\u2581")
+        if not rest:
+            out.append(-1)
+            open_word = False
+            continue
+        if rest != piece or not open_word:
+            word += 1
+        out.append(word)
+        open_word = True
+    return out
+
+
+def align_lines(model, tokenizer, results: list[LineResult], layer: int | None = None,
+                batch_tokens: int = 4096) -> list[list[str]]:
+    """Pharaoh word alignments ('i-j': source word i, target word j, from 0) of every n-best entry.
+
+    Each target token is aligned to the source token it attends to most in one decoder layer's
+    cross-attention (heads averaged, teacher-forced on the translation); token links become word
+    links (words are SentencePiece word starts, i.e. the whitespace-separated words of the text).
+    EOS on either side is never linked.
+
+    Args:
+        model: a Transformer or an Ensemble (its first member is used).
+        results: search_lines' output.
+        layer: decoder layer; default the penultimate one (or the only one), which aligns best in
+            Garg et al. (2019).
+    Returns:
+        per line, per n-best entry, the alignment string ("" for an empty line).
+    """
+    from mt.batching import pad
+
+    model = _first_member(model)
+    if layer is None:
+        layer = -2 if len(model.decoder_layers) > 1 else -1
+    device = next(model.parameters()).device
+    jobs = []  # (line, entry, piece) for each (source piece, hypothesis) pair to align
+    for li, r in enumerate(results):
+        entries = range(len(r.hyps[0])) if len(r.hyps) == 1 else [0]
+        for e in entries:
+            for p in range(len(r.hyps)):
+                jobs.append((li, e, p))
+    links: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    sp = tokenizer.src
+    blank = torch.tensor([sp.is_control(i) or (not sp.is_unknown(i)
+                                                and not sp.id_to_piece(i).lstrip("\u2581"))
+                          for i in range(sp.get_piece_size())])
+    order = sorted(range(len(jobs)), key=lambda j: -len(results[jobs[j][0]].sources[jobs[j][2]]))
+    lengths = [len(results[li].sources[p]) + len(results[li].hyps[p][e].tokens) + 1
+               for li, e, p in jobs]
+    for batch in _batches(lengths, order, batch_tokens):
+        src = pad([results[jobs[j][0]].sources[jobs[j][2]] for j in batch]).to(device)
+        tgt_ids = [results[li].hyps[p][e].tokens + [EOS_ID]
+                   for li, e, p in (jobs[j] for j in batch)]
+        tgt = pad(tgt_ids).to(device)
+        attn = cross_attention(model, src, tgt, layer)  # (B, T, S)
+        # Only word pieces can be linked: not EOS, padding or a piece of whitespace alone.
+        attn.masked_fill_(blank[src.cpu()].to(device)[:, None, :], -1.0)
+        best = attn.argmax(dim=-1).tolist()  # (B, T)
+        for j, row, t in zip(batch, best, tgt_ids, strict=True):
+            links[jobs[j]] = list(enumerate(row[: len(t) - 1]))  # target token -> source token
+    out: list[list[str]] = []
+    for li, r in enumerate(results):
+        if not r.hyps:
+            out.append([""])
+            continue
+        src_words = _word_index(tokenizer.src, [t for s in r.sources for t in s[:-1]])
+        starts = [0]  # each source piece's first token in the line
+        for s in r.sources[:-1]:
+            starts.append(starts[-1] + len(s) - 1)
+        entries = range(len(r.hyps[0])) if len(r.hyps) == 1 else [0]
+        line_out = []
+        for e in entries:
+            pairs, tgt_offset = set(), 0
+            for p in range(len(r.hyps)):
+                toks = r.hyps[p][e].tokens
+                tgt_words = _word_index(tokenizer.tgt, toks, tgt_offset)
+                for tj, si in links[(li, e, p)]:
+                    if si >= len(r.sources[p]) - 1:  # a source of EOS alone has nothing to link
+                        continue
+                    i, j = src_words[starts[p] + si], tgt_words[tj]
+                    if i >= 0 and j >= 0:  # whitespace pieces belong to no word
+                        pairs.add((i, j))
+                tgt_offset = max([tgt_offset - 1, *tgt_words]) + 1
+            line_out.append(" ".join(f"{i}-{j}" for i, j in sorted(pairs)))
+        out.append(line_out)
+    return out
+
+
+# -- command line
+
+
+class InputError(Exception):
+    """A problem with the user's input files: the message names the file and line."""
+
+
+def _decode_lines(data: bytes, name: str, errors: str) -> list[str]:
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the final newline ends the last line; it does not start a new one
@@ -141,68 +328,221 @@ def _read_input(path: str | None, errors: str) -> list[str]:
         try:
             out.append(raw.decode("utf-8", errors=errors).rstrip("\r"))
         except UnicodeDecodeError as err:
-            raise SystemExit(f"translate: {name}:{lineno}: invalid UTF-8 ({err.reason}); "
+            raise InputError(f"{name}:{lineno}: invalid UTF-8 ({err.reason}); "
                              "use --errors replace to translate it anyway") from None
     return out
+
+
+def _read_input(path: str | None, errors: str) -> list[str]:
+    if path is None or path == "-":
+        return _decode_lines(sys.stdin.buffer.read(), "<stdin>", errors)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise InputError(f"{path}: cannot read ({err.strerror})") from None
+    return _decode_lines(data, path, errors)
+
+
+class PackedLinear(torch.nn.Module):
+    """An inference-only nn.Linear whose weight is stored in oneDNN's blocked layout.
+
+    On CPU, float32 matrix products with a few hundred rows (a decoding step) run about 1.5-2x
+    faster from a pre-packed weight than through the default GEMM, which re-packs the weight on
+    every call. bfloat16 already takes the oneDNN path, so only float32 models are packed.
+    """
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        bias = linear.bias.detach() if linear.bias is not None else weight.new_zeros(
+            self.out_features)
+        self.weight = weight.to_mkldnn()  # plain attributes: never trained, never saved
+        self.bias = bias.float().to_mkldnn()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.mkldnn_linear(x.to_mkldnn(), self.weight, self.bias).to_dense()
+
+
+def prepare_model(model: torch.nn.Module, dtype: str = "float32", device: str = "cpu",
+                  pack: bool = True, pack_min_features: int = 256) -> torch.nn.Module:
+    """Readies a loaded model for decoding: casts it to ``dtype``; on CPU, float32 linear layers
+    with at least ``pack_min_features`` inputs and outputs are pre-packed (PackedLinear; a packed
+    call has a fixed cost of some 50 us, which only larger layers earn back). The result is for
+    inference only (no training, no saving)."""
+    model = model.to(DTYPES[dtype]).eval()
+    if not (pack and dtype == "float32" and torch.device(device).type == "cpu"
+            and torch.backends.mkldnn.is_available()):
+        return model
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if type(child) is torch.nn.Linear and min(child.in_features,
+                                                       child.out_features) >= pack_min_features:
+                setattr(module, name, PackedLinear(child))
+    return model
+
+
+def load_models(paths: list[str], device: str, dtype: str = "float32", pack: bool = True):
+    """Loads one model or an ensemble, ready to decode (see prepare_model); returns (model or
+    Ensemble, tokenizer, checkpoint paths).
+
+    Raises:
+        ValueError: with the file's name, for a missing, corrupt or incompatible model.
+    """
+    from mt.checkpoint import load_model
+
+    models, tokenizer, names = [], None, []
+    for path in paths:
+        try:
+            model, tok, ckpt = load_model(path, device)
+        except (FileNotFoundError, ValueError) as err:
+            raise ValueError(str(err)) from None
+        except (RuntimeError, KeyError, TypeError) as err:  # weights that do not fit the config
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"{path}: not a loadable mt model ({first})") from None
+        if tokenizer is not None and tok.fingerprint != tokenizer.fingerprint:
+            raise ValueError(f"{ckpt['path']}: its tokenizer differs from {names[0]}'s; ensemble "
+                             "members must share the vocabulary")
+        tokenizer = tokenizer or tok
+        models.append(prepare_model(model, dtype, device, pack))
+        names.append(ckpt["path"])
+    return (models[0] if len(models) == 1 else Ensemble(models)), tokenizer, names
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="translate",
-        description="Translate text with an mt model: one output line per input line.",
+        description="Translate text with an mt model: one output line per input line. "
+                    "See docs/decoding.md.",
     )
-    p.add_argument("-m", "--model", required=True,
-                   help="a run directory (its best checkpoint is used) or a checkpoint file")
-    p.add_argument("-i", "--input", default=None, help="input file (default: stdin)")
+    p.add_argument("-m", "--model", required=True, action="extend", nargs="+",
+                   help="a run directory (its best checkpoint is used) or a checkpoint file; "
+                        "several make an ensemble (they must share the tokenizer)")
+    p.add_argument("-i", "--input", default=None,
+                   help="input file (default: stdin; an interactive prompt on a terminal)")
     p.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     p.add_argument("--beam", type=int, default=5, help="beam size; 1 = greedy (default: 5)")
     p.add_argument("--nbest", type=int, default=1,
                    help="print N lines per input line: 'index<TAB>translation<TAB>score'")
     p.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty alpha")
-    p.add_argument("--max-len-a", type=float, default=1.5)
+    p.add_argument("--max-len-a", type=float, default=1.5,
+                   help="at most a * source tokens + b output tokens (EOS included)")
     p.add_argument("--max-len-b", type=int, default=10)
-    p.add_argument("--min-len", type=int, default=0)
+    p.add_argument("--min-len", type=int, default=0, help="no EOS before this many tokens")
+    p.add_argument("--sampling", action="store_true",
+                   help="sample --nbest translations instead of beam search")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens with this much mass (1.0: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--prefix-file", default=None,
+                   help="target prefixes, one line per input line (empty: none), forced at the "
+                        "start of each translation")
+    p.add_argument("--alignment", action="store_true",
+                   help="append ' ||| ' and Pharaoh word alignments 'i-j' to every output line")
+    p.add_argument("--alignment-layer", type=int, default=None,
+                   help="decoder layer for --alignment (Python index; default: penultimate)")
     p.add_argument("--batch-tokens", type=int, default=4096,
                    help="source tokens per batch, padding included")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="weights and activations; bfloat16 is the fast path on CPUs with "
+                        "AVX512-BF16/AMX and on GPUs")
+    p.add_argument("--no-pack", action="store_true",
+                   help="keep float32 linear layers as they are on CPU (default: pre-packed "
+                        "for oneDNN, faster)")
     p.add_argument("--errors", choices=("strict", "replace"), default="strict",
                    help="invalid UTF-8 input: stop with the line number, or replace it")
     p.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
     return p
 
 
+def _format(i: int, nbest: list[tuple[str, float]], aligns: list[str] | None,
+            n: int) -> list[str]:
+    out = []
+    for e, (text, score) in enumerate(nbest):
+        line = text if n == 1 else f"{i}\t{text}\t{score:.4f}"
+        if aligns is not None:
+            line += " ||| " + aligns[e]
+        out.append(line)
+    return out
+
+
+def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace) -> None:
+    """A prompt on stderr; each line typed is translated and printed (flushed) at once."""
+    print("translate: type a sentence and press Enter; Ctrl-D ends", file=sys.stderr)
+    while True:
+        print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            print(file=sys.stderr)
+            return
+        line = line.rstrip("\r\n")
+        results = search_lines(model, tokenizer, [line], opts)
+        aligns = (align_lines(model, tokenizer, results, args.alignment_layer)
+                  if args.alignment else [None])
+        for out in _format(0, _texts(tokenizer, results[0]), aligns[0], args.nbest):
+            print(out, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from mt.checkpoint import load_model
-
-    if args.nbest > args.beam:
-        raise SystemExit(f"translate: --nbest {args.nbest} is larger than --beam {args.beam}")
-    lines = _read_input(args.input, args.errors)
+    if not args.sampling and not 1 <= args.nbest <= args.beam:
+        raise SystemExit(f"translate: --nbest {args.nbest} must be between 1 and --beam "
+                         f"{args.beam}")
+    if args.sampling and args.temperature <= 0:
+        raise SystemExit(f"translate: --temperature must be positive, got {args.temperature}")
+    interactive = args.input in (None, "-") and sys.stdin.isatty()
     try:
-        model, tokenizer, ckpt = load_model(args.model, args.device)
-    except (FileNotFoundError, ValueError) as err:
+        lines = [] if interactive else _read_input(args.input, args.errors)
+        prefixes = None
+        if args.prefix_file is not None:
+            prefixes = _read_input(args.prefix_file, args.errors)
+            if len(prefixes) != len(lines) and not interactive:
+                raise InputError(f"{args.prefix_file}: {len(prefixes)} lines, but the input has "
+                                 f"{len(lines)}; one prefix line per input line")
+    except InputError as err:
         raise SystemExit(f"translate: {err}") from None
-    log.info("model %s, %d lines", ckpt["path"], len(lines))
+    try:
+        model, tokenizer, names = load_models(args.model, args.device, args.dtype,
+                                              pack=not args.no_pack)
+    except ValueError as err:
+        raise SystemExit(f"translate: {err}") from None
+    if args.alignment_layer is not None:
+        n_layers = len(_first_member(model).decoder_layers)
+        if not -n_layers <= args.alignment_layer < n_layers:
+            raise SystemExit(f"translate: --alignment-layer {args.alignment_layer}: the decoder "
+                             f"has {n_layers} layers")
     opts = SearchOptions(beam=args.beam, lenpen=args.lenpen, nbest=args.nbest,
                          max_len_a=args.max_len_a, max_len_b=args.max_len_b,
-                         min_len=args.min_len, batch_tokens=args.batch_tokens)
+                         min_len=args.min_len, batch_tokens=args.batch_tokens,
+                         sampling=args.sampling, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, seed=args.seed)
+    if interactive:
+        if prefixes is not None:
+            raise SystemExit("translate: --prefix-file needs -i (or piped input)")
+        with torch.inference_mode():
+            _interactive(model, tokenizer, opts, args)
+        return
+    log.info("model %s, %d lines", " + ".join(names), len(lines))
     start = time.perf_counter()
     with torch.inference_mode():
-        results = translate_lines(model, tokenizer, lines, opts,
-                                  progress=not args.quiet and args.input is not None)
+        results = search_lines(model, tokenizer, lines, opts,
+                               progress=not args.quiet and args.input not in (None, "-"),
+                               prefixes=prefixes)
+        aligns = (align_lines(model, tokenizer, results, args.alignment_layer, args.batch_tokens)
+                  if args.alignment else [None] * len(results))
     seconds = time.perf_counter() - start
     log.info("translated %d lines in %.1f s (%.1f lines/s)", len(lines), seconds,
              len(lines) / max(seconds, 1e-9))
     out = sys.stdout if args.output is None else open(args.output, "w", encoding="utf-8")
     try:
-        for i, nbest in enumerate(results):
-            if args.nbest == 1:
-                out.write(nbest[0][0] + "\n")
-            else:  # N lines per input line, 'index<TAB>translation<TAB>score', index from 0
-                for text, score in nbest:
-                    out.write(f"{i}\t{text}\t{score:.4f}\n")
+        for i, (r, a) in enumerate(zip(results, aligns, strict=True)):
+            out.write("".join(s + "\n" for s in _format(i, _texts(tokenizer, r), a, args.nbest)))
     finally:
         if out is not sys.stdout:
             out.close()

@@ -33,8 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
+from mt.batching import EncodedPairs, encode_split
 from mt.config import DataConfig, FilterConfig, TokenizerConfig
-from mt.data import EncodedPairs, encode_split, load_split, sample_texts
+from mt.data import load_split, sample_texts
 from mt.tokenizer import load_or_train
 
 LETTERS = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mt.batching import collate, token_batches  # noqa: E402
 from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig  # noqa: E402
-from mt.data import collate, token_batches  # noqa: E402
 from mt.model import build_model, count_parameters  # noqa: E402
 
 SIZES = {

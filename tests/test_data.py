@@ -11,21 +11,18 @@ import datasets  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from mt.config import BOS_ID, EOS_ID, PAD_ID, DataConfig, FilterConfig, TokenizerConfig  # noqa: E402
-from mt.data import (  # noqa: E402
-    DataError,
+from mt.batching import (  # noqa: E402
     EncodedPairs,
     collate,
     encode_split,
     filter_lengths,
     filter_pairs,
-    load_split,
     pair_hash,
-    read_lines,
-    sample_texts,
     shard_batches,
     token_batches,
 )
+from mt.config import BOS_ID, EOS_ID, PAD_ID, DataConfig, FilterConfig, TokenizerConfig  # noqa: E402
+from mt.data import DataError, load_split, read_lines, sample_texts  # noqa: E402
 from mt.tokenizer import train_tokenizer  # noqa: E402
 
 PAIRS = [

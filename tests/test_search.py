@@ -1,0 +1,241 @@
+"""Search properties on tiny random models: equivalences between searches, invariance to batching,
+scores that a teacher-forced forward pass reproduces, exactness against brute force."""
+
+import itertools
+
+import pytest
+import torch
+
+from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
+from mt.model import build_model
+from mt.search import (
+    Ensemble,
+    _sample,
+    beam_search,
+    cross_attention,
+    greedy_search,
+    length_penalty,
+    sample_search,
+)
+
+V = 40
+
+
+def _model(seed: int = 0, vocab: int = V, **kw) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = dict(encoder_layers=2, decoder_layers=2, d_model=32, ffn_dim=64, heads=4, dropout=0.0,
+               src_vocab_size=vocab, tgt_vocab_size=vocab, max_positions=64)
+    cfg.update(kw)
+    model = build_model(ModelConfig(**cfg)).eval()
+    # Sharper distributions than the init gives: fewer near-ties, more varied outputs.
+    with torch.no_grad():
+        model.output_proj.weight.mul_(3.0)
+    return model
+
+
+def _sources(n: int = 7, seed: int = 1, vocab: int = V) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(1, 12, (1,), generator=g))
+        out.append(torch.randint(4, vocab, (length,), generator=g).tolist() + [EOS_ID])
+    return out
+
+
+def _pad(seqs: list[list[int]]) -> torch.Tensor:
+    out = torch.full((len(seqs), max(map(len, seqs))), PAD_ID, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s)
+    return out
+
+
+def _rescore(model, src: list[int], tokens: list[int], lenpen: float) -> float:
+    """Teacher-forced score of ``tokens`` + EOS, with the model's full (non-incremental) forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([src]), torch.tensor([[BOS_ID] + tokens]))
+    lprobs = torch.log_softmax(logits.float(), dim=-1)[0]
+    target = torch.tensor(tokens + [EOS_ID])
+    total = float(lprobs.gather(1, target[:, None]).sum())
+    return total / length_penalty(len(tokens) + 1, lenpen)
+
+
+def test_beam_one_equals_greedy():
+    model, srcs = _model(), _sources()
+    greedy = greedy_search(model, _pad(srcs), lenpen=0.6)
+    beam = beam_search(model, _pad(srcs), beam_size=1, lenpen=0.6)
+    for g, b in zip(greedy, beam, strict=True):
+        assert g.tokens == b[0].tokens
+        assert g.score == pytest.approx(b[0].score, abs=1e-4)
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_batch_equals_one_by_one(search):
+    model, srcs = _model(), _sources(9)
+
+    def run(batch):
+        if search == "greedy":
+            return [[h] for h in greedy_search(model, _pad(batch), max_len_b=8)]
+        return beam_search(model, _pad(batch), beam_size=4, nbest=3, max_len_b=8)
+
+    batched = run(srcs)
+    reversed_order = run(srcs[::-1])[::-1]
+    for i, src in enumerate(srcs):
+        alone = run([src])[0]
+        for hyps in (batched[i], reversed_order[i]):
+            assert [h.tokens for h in hyps] == [h.tokens for h in alone]
+            assert [h.score for h in hyps] == pytest.approx([h.score for h in alone], abs=1e-4)
+
+
+@pytest.mark.parametrize("lenpen", [0.0, 0.6, 1.0])
+def test_nbest_sorted_and_scores_match_forced_rescoring(lenpen):
+    model, srcs = _model(), _sources()
+    results = beam_search(model, _pad(srcs), beam_size=5, nbest=5, lenpen=lenpen, max_len_b=8)
+    for src, hyps in zip(srcs, results, strict=True):
+        assert len(hyps) == 5
+        scores = [h.score for h in hyps]
+        assert scores == sorted(scores, reverse=True)
+        assert len({tuple(h.tokens) for h in hyps}) == 5  # distinct hypotheses
+        for h in hyps:
+            assert h.score == pytest.approx(_rescore(model, src, h.tokens, lenpen), abs=1e-4)
+            assert h.logprob == pytest.approx(_rescore(model, src, h.tokens, 0.0), abs=1e-4)
+
+
+def test_beam_is_exact_when_it_can_hold_every_hypothesis():
+    """With 4 real tokens and at most 2 before EOS there are 21 outputs; a beam of 21 must return
+    exactly the brute-force ranking of all of them."""
+    vocab = 8  # PAD UNK BOS EOS + 4 real tokens; UNK (1) is a real token to the model
+    model = _model(vocab=vocab)
+    real = [t for t in range(vocab) if t not in (PAD_ID, BOS_ID, EOS_ID)]
+    src = [5, 6, 7, EOS_ID]
+    every = [list(seq) for n in range(3) for seq in itertools.product(real, repeat=n)]
+    brute = sorted((_rescore(model, src, seq, 0.6), seq) for seq in every)[::-1]
+    hyps = beam_search(model, _pad([src]), beam_size=len(every), nbest=10, lenpen=0.6,
+                       max_len_a=0, max_len_b=3)[0]
+    assert [h.tokens for h in hyps] == [seq for _, seq in brute[:10]]
+    assert [h.score for h in hyps] == pytest.approx([s for s, _ in brute[:10]], abs=1e-4)
+
+
+def test_length_limits():
+    model, srcs = _model(), _sources()
+    for hyps in beam_search(model, _pad(srcs), beam_size=3, nbest=3, min_len=4, max_len_a=0,
+                            max_len_b=6):
+        for h in hyps:
+            assert 4 <= len(h.tokens) <= 5  # EOS counts toward max_len_b
+    # min_len = budget: the output has exactly budget - 1 tokens, then EOS.
+    for h in greedy_search(model, _pad(srcs), min_len=7, max_len_a=0, max_len_b=8):
+        assert len(h.tokens) == 7
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam", "sampling"])
+def test_prefix_is_forced_and_scored(search):
+    model, srcs = _model(), _sources(5)
+    prefixes = [[], [7], [9, 10, 11], [4] * 6, [30, 31]]
+    if search == "greedy":
+        results = [[h] for h in greedy_search(model, _pad(srcs), prefixes=prefixes, lenpen=0.6)]
+    elif search == "beam":
+        results = beam_search(model, _pad(srcs), beam_size=3, nbest=3, prefixes=prefixes)
+    else:
+        results = sample_search(model, _pad(srcs), nbest=2, lenpen=0.6, prefixes=prefixes,
+                                generator=torch.Generator().manual_seed(0))
+    for src, prefix, hyps in zip(srcs, prefixes, results, strict=True):
+        for h in hyps:
+            assert h.tokens[: len(prefix)] == prefix
+            assert h.score == pytest.approx(_rescore(model, src, h.tokens, 0.6), abs=1e-4)
+
+
+def test_prefix_longer_than_the_model_limit_is_cut():
+    model, src = _model(), _pad(_sources(2))  # max_positions=64: 63 tokens and EOS at most
+    prefixes = [[5] * 80, [6] * 3]
+    greedy = greedy_search(model, src, prefixes=prefixes)
+    beam = beam_search(model, src, beam_size=2, prefixes=prefixes)
+    for hyps in ([greedy[0]], beam[0]):
+        assert hyps[0].tokens == [5] * 63
+    assert greedy[1].tokens[:3] == beam[1][0].tokens[:3] == [6] * 3
+
+
+def test_prefix_of_the_greedy_output_changes_nothing():
+    model, srcs = _model(), _sources()
+    free = greedy_search(model, _pad(srcs))
+    forced = greedy_search(model, _pad(srcs), prefixes=[h.tokens[:2] for h in free])
+    assert [h.tokens for h in forced] == [h.tokens for h in free]
+
+
+def test_sampling_seeded_scored_and_degenerate_cases_are_greedy():
+    model, srcs = _model(), _sources()
+    src = _pad(srcs)
+
+    def sample(seed, **kw):
+        return sample_search(model, src, nbest=3, generator=torch.Generator().manual_seed(seed),
+                             lenpen=0.6, **kw)
+
+    a, b, c = sample(1), sample(1), sample(2)
+    assert [[h.tokens for h in n] for n in a] == [[h.tokens for h in n] for n in b]
+    assert [[h.tokens for h in n] for n in a] != [[h.tokens for h in n] for n in c]
+    for s, hyps in zip(srcs, a, strict=True):
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+        for h in hyps:  # the model's own (untempered) log-probabilities
+            assert h.score == pytest.approx(_rescore(model, s, h.tokens, 0.6), abs=1e-4)
+    greedy = [h.tokens for h in greedy_search(model, src)]
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"temperature": 1e-4, "top_k": 5}):
+        for hyps, g in zip(sample(3, **kw), greedy, strict=True):
+            assert all(h.tokens == g for h in hyps), kw
+
+
+def test_sample_top_k_top_p_support_and_frequencies():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    lprobs = probs.log().expand(20000, -1).contiguous()
+    g = torch.Generator().manual_seed(0)
+    nucleus = torch.bincount(_sample(lprobs, 1.0, 0, 0.7, g), minlength=4) / 20000
+    assert nucleus[2:].sum() == 0  # 0.5 + 0.3 >= 0.7: the smallest set is {0, 1}
+    assert nucleus[0] == pytest.approx(0.5 / 0.8, abs=0.02)
+    top3 = torch.bincount(_sample(lprobs, 1.0, 3, 1.0, g), minlength=4) / 20000
+    assert top3[3] == 0 and top3[2] == pytest.approx(0.15 / 0.95, abs=0.02)
+    hot = torch.bincount(_sample(lprobs, 2.0, 0, 1.0, g), minlength=4) / 20000
+    expected = probs.sqrt() / probs.sqrt().sum()  # temperature 2 = square root, renormalised
+    assert hot.tolist() == pytest.approx(expected.tolist(), abs=0.02)
+
+
+def test_ensemble_of_copies_equals_the_model_and_mixes_log_probs():
+    model, other, srcs = _model(0), _model(1, d_model=16, ffn_dim=32, heads=2), _sources()
+    single = beam_search(model, _pad(srcs), beam_size=3, nbest=3)
+    copies = beam_search(Ensemble([model, model]), _pad(srcs), beam_size=3, nbest=3)
+    for a, b in zip(single, copies, strict=True):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+    mixed = beam_search(Ensemble([model, other]), _pad(srcs), beam_size=3, nbest=2, lenpen=0.0)
+    for src, hyps in zip(srcs, mixed, strict=True):
+        for h in hyps:  # renormalised mean of the members' teacher-forced log-probabilities
+            with torch.no_grad():
+                tgt_in = torch.tensor([[BOS_ID] + h.tokens])
+                mean = sum(torch.log_softmax(m(torch.tensor([src]), tgt_in), -1)
+                           for m in (model, other)) / 2
+            target = torch.tensor(h.tokens + [EOS_ID])[:, None]
+            lp = torch.log_softmax(mean, -1)[0].gather(1, target)
+            assert h.score == pytest.approx(float(lp.sum()), abs=1e-4)
+
+
+def test_ensemble_needs_one_target_vocabulary():
+    with pytest.raises(ValueError, match="target vocabulary"):
+        Ensemble([_model(vocab=40), _model(vocab=41)])
+
+
+def test_cross_attention_is_the_models_own():
+    """With one head, weights @ values through out_proj must give the layer's cross-attention
+    output; weights are distributions that ignore padding."""
+    model, srcs = _model(heads=1), _sources(4)
+    src = _pad(srcs)
+    tgt = _pad([h.tokens + [EOS_ID] for h in greedy_search(model, src)])
+    weights = cross_attention(model, src, tgt, layer=0)  # (B, T, S)
+    assert weights.sum(-1) == pytest.approx(torch.ones(weights.shape[:2]), abs=1e-5)
+    assert (weights[src[:, None, :].expand_as(weights) == PAD_ID] == 0).all()
+    with torch.no_grad():
+        memory, mask = model.encode(src)
+        block = model.decoder_layers[0]
+        y = model.embed(torch.cat([torch.full((4, 1), BOS_ID), tgt[:, :-1]], 1), model.tgt_embed,
+                        model.tgt_positions)
+        y = block.self_sub.output(y, block.self_attn(block.self_sub.input(y), causal=True))
+        h = block.cross_sub.input(y)
+        expected = block.cross_attn(h, mask=mask, memory=memory)
+        _, v = block.cross_attn.project_kv(memory)
+        got = block.cross_attn.out_proj(weights @ v[:, 0])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,248 @@
+"""The translate CLI: one line out per line whatever the batching, formats that parse, errors that
+name the file and line. Tiny random models saved as real checkpoints, with a tokenizer trained
+here."""
+
+import io
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mt.checkpoint import load_model, model_state, save_atomic
+from mt.config import ModelConfig, TokenizerConfig
+from mt.model import build_model
+from mt.tokenizer import train_tokenizer
+from mt.translate import PackedLinear, SearchOptions, main, prepare_model, translate_lines
+
+WORDS = ("the a dog cat man woman child ball park street red blue small big runs walks sees "
+         "holds plays sits near under with on in at").split()
+# Quick decoding for tests: at most 4 tokens (EOS included), never an empty output.
+FAST = ["--max-len-a", "0", "--max-len-b", "4", "--min-len", "1", "--quiet"]
+
+
+def _sentence(rng: random.Random) -> str:
+    words = [rng.choice(WORDS) for _ in range(rng.randint(2, 9))]
+    if rng.random() < 0.3:  # made-up words: several pieces per word
+        words.append("".join(rng.choice("aeioukrstnm") for _ in range(rng.randint(4, 9))))
+    return " ".join(words)
+
+
+def _save_model(path: Path, tokenizer, seed: int) -> str:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=2, d_model=32, ffn_dim=64, heads=2,
+                      dropout=0.0, max_positions=64, src_vocab_size=tokenizer.src_vocab_size,
+                      tgt_vocab_size=tokenizer.tgt_vocab_size)
+    model = build_model(cfg)
+    with torch.no_grad():
+        model.output_proj.weight.mul_(3.0)  # sharper distributions, fewer near-ties
+    save_atomic(model_state(model, tokenizer, None), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("models")
+    rng = random.Random(0)
+    text = [_sentence(rng) for _ in range(400)]
+    tok = train_tokenizer(text[:200], text[200:], TokenizerConfig(vocab_size=100))
+    other = train_tokenizer(text[:200], text[200:], TokenizerConfig(vocab_size=80))
+    return {"a": _save_model(tmp / "a.pt", tok, 0), "b": _save_model(tmp / "b.pt", tok, 1),
+            "other_vocab": _save_model(tmp / "c.pt", other, 2)}
+
+
+def _write(path: Path, lines: list[str]) -> str:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def _run(argv: list[str], capsys) -> list[str]:
+    main(argv)
+    out = capsys.readouterr().out
+    return out.split("\n")[:-1] if out else []
+
+
+def test_line_alignment_empty_long_and_many_lines(models, tmp_path, capsys):
+    rng = random.Random(1)
+    lines = [_sentence(rng) for _ in range(5000)]
+    for i in (0, 17, 18, 2500, 4999):
+        lines[i] = "" if i != 18 else "   "
+    lines[100] = " ".join(rng.choice(WORDS) for _ in range(1000)) + " " + "kr" * 600  # > 2000 tok
+    out = _run(["-m", models["a"], "-i", _write(tmp_path / "in.txt", lines), "--beam", "1",
+                *FAST], capsys)
+    assert len(out) == len(lines)
+    for src, hyp in zip(lines, out, strict=True):
+        assert bool(src.strip()) == bool(hyp.strip())
+    # Each line's translation is its own: the same lines alone, in another order, agree.
+    model, tok, _ = load_model(models["a"])
+    picked = [1, 2, 100, 3000, 4998]
+    opts = SearchOptions(beam=1, max_len_a=0, max_len_b=4, min_len=1)
+    alone = translate_lines(model, tok, [lines[i] for i in picked[::-1]], opts)[::-1]
+    assert [out[i] for i in picked] == [n[0][0] for n in alone]
+    assert len(tok.encode_src([lines[100]])[0]) > 2000
+
+
+def test_output_does_not_depend_on_batch_size_or_order(models):
+    model, tok, _ = load_model(models["a"])
+    rng = random.Random(2)
+    lines = [_sentence(rng) for _ in range(60)] + [""]
+    opts = dict(beam=4, nbest=3, max_len_a=0, max_len_b=6)
+    big = translate_lines(model, tok, lines, SearchOptions(batch_tokens=100_000, **opts))
+    small = translate_lines(model, tok, lines, SearchOptions(batch_tokens=40, **opts))
+    order = list(range(len(lines)))
+    random.Random(3).shuffle(order)
+    shuffled = translate_lines(model, tok, [lines[i] for i in order], SearchOptions(**opts))
+    unshuffled = [None] * len(lines)
+    for pos, i in enumerate(order):
+        unshuffled[i] = shuffled[pos]
+    for a, b, c in zip(big, small, unshuffled, strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b] == [t for t, _ in c]
+        assert [s for _, s in a] == pytest.approx([s for _, s in b], abs=1e-4)
+        assert [s for _, s in a] == pytest.approx([s for _, s in c], abs=1e-4)
+
+
+def test_nbest_format_sorted_and_scores_from_search(models, tmp_path, capsys):
+    rng = random.Random(4)
+    lines = [_sentence(rng) for _ in range(20)]
+    out = _run(["-m", models["a"], "-i", _write(tmp_path / "in.txt", lines), "--beam", "4",
+                "--nbest", "3", "--max-len-b", "6", "--quiet"], capsys)
+    assert len(out) == 3 * len(lines)
+    model, tok, _ = load_model(models["a"])
+    expected = translate_lines(model, tok, lines, SearchOptions(beam=4, nbest=3, max_len_b=6))
+    for i, nbest in enumerate(expected):
+        rows = [line.split("\t") for line in out[3 * i : 3 * i + 3]]
+        assert [int(r[0]) for r in rows] == [i, i, i]
+        scores = [float(r[2]) for r in rows]
+        assert scores == sorted(scores, reverse=True)
+        assert [r[1] for r in rows] == [t for t, _ in nbest]
+        assert scores == pytest.approx([s for _, s in nbest], abs=1e-4)
+
+
+def test_beam_one_is_greedy_on_the_command_line(models, tmp_path, capsys):
+    rng = random.Random(5)
+    path = _write(tmp_path / "in.txt", [_sentence(rng) for _ in range(30)])
+    beam1 = _run(["-m", models["a"], "-i", path, "--beam", "1", "--quiet"], capsys)
+    model, tok, _ = load_model(models["a"])
+    from mt.search import beam_search
+
+    lines = Path(path).read_text().splitlines()
+    from mt.batching import pad
+
+    hyps = beam_search(model, pad(tok.encode_src(lines)), beam_size=1)
+    assert beam1 == tok.decode_tgt([h[0].tokens for h in hyps])
+
+
+def test_packed_float32_model_decodes_like_the_plain_one(models):
+    model, tok, _ = load_model(models["a"])
+    packed = prepare_model(load_model(models["a"])[0], "float32", "cpu", pack_min_features=0)
+    assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    rng = random.Random(9)
+    lines = [_sentence(rng) for _ in range(30)]
+    opts = SearchOptions(beam=3, nbest=3, max_len_a=0, max_len_b=6)
+    for a, b in zip(translate_lines(model, tok, lines, opts),
+                    translate_lines(packed, tok, lines, opts), strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert [s for _, s in a] == pytest.approx([s for _, s in b], abs=1e-4)
+
+
+def test_invalid_utf8_names_the_line_and_replace_works(models, tmp_path, capsys):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"the dog\nthe \xff cat\n")
+    with pytest.raises(SystemExit) as err:
+        main(["-m", models["a"], "-i", str(path), *FAST])
+    assert f"{path}:2" in str(err.value) and "UTF-8" in str(err.value)
+    assert len(_run(["-m", models["a"], "-i", str(path), "--errors", "replace", *FAST],
+                    capsys)) == 2
+
+
+def test_missing_or_corrupt_model_is_a_one_line_error(models, tmp_path):
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(os.urandom(300))
+    truncated = tmp_path / "truncated.pt"
+    data = Path(models["a"]).read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    inp = _write(tmp_path / "in.txt", ["the dog"])
+    for path in (tmp_path / "missing.pt", corrupt, truncated):
+        with pytest.raises(SystemExit) as err:
+            main(["-m", str(path), "-i", inp, *FAST])
+        message = str(err.value)
+        assert str(path) in message and "\n" not in message
+
+
+def test_ensemble_of_one_model_twice_is_the_model(models, tmp_path, capsys):
+    rng = random.Random(6)
+    path = _write(tmp_path / "in.txt", [_sentence(rng) for _ in range(30)])
+    fast = ["--beam", "3", "--max-len-a", "0", "--max-len-b", "6", "--quiet"]
+    single = _run(["-m", models["a"], "-i", path, *fast], capsys)
+    twice = _run(["-m", models["a"], models["a"], "-i", path, *fast], capsys)
+    assert single == twice
+    mixed = _run(["-m", models["a"], "-m", models["b"], "-i", path, *fast], capsys)
+    assert len(mixed) == 30
+    with pytest.raises(SystemExit, match="share"):
+        main(["-m", models["a"], models["other_vocab"], "-i", path, "--quiet"])
+
+
+def test_alignment_links_words_of_both_sides(models, tmp_path, capsys):
+    rng = random.Random(7)
+    lines = [_sentence(rng) for _ in range(40)] + ["", " ".join(["big red dog"] * 40)]
+    out = _run(["-m", models["a"], "-i", _write(tmp_path / "in.txt", lines), "--beam", "2",
+                "--alignment", "--max-len-b", "8", "--quiet"], capsys)
+    plain = _run(["-m", models["a"], "-i", str(tmp_path / "in.txt"), "--beam", "2",
+                  "--max-len-b", "8", "--quiet"], capsys)
+    assert len(out) == len(lines)
+    for src, line, text in zip(lines, out, plain, strict=True):
+        hyp, links = line.split(" ||| ")
+        assert hyp == text
+        pairs = [tuple(map(int, p.split("-"))) for p in links.split()]
+        assert all(0 <= i < len(src.split()) for i, _ in pairs)
+        # every target word is linked (each target token has one source token)
+        assert {j for _, j in pairs} == set(range(len(hyp.split())))
+
+
+def test_dtype_prefix_and_seeded_sampling(models, tmp_path, capsys):
+    rng = random.Random(8)
+    lines = [_sentence(rng) for _ in range(30)]
+    path = _write(tmp_path / "in.txt", lines)
+    fast = ["--max-len-a", "0", "--max-len-b", "6", "--quiet"]
+    f32 = _run(["-m", models["a"], "-i", path, "--beam", "2", *fast], capsys)
+    bf16 = _run(["-m", models["a"], "-i", path, "--beam", "2", "--dtype", "bfloat16", *fast],
+                capsys)
+    assert len(bf16) == len(f32)
+    assert sum(a == b for a, b in zip(f32, bf16, strict=True)) >= len(f32) // 2
+    prefixes = [rng.choice(WORDS) + " " + rng.choice(WORDS) if i % 3 else "" for i in range(30)]
+    pre = _run(["-m", models["a"], "-i", path, "--prefix-file",
+                _write(tmp_path / "prefix.txt", prefixes), "--max-len-b", "6", "--quiet"],
+               capsys)
+    for p, hyp in zip(prefixes, pre, strict=True):
+        assert hyp.startswith(p)
+    sample = ["-m", models["a"], "-i", path, "--sampling", "--top-k", "20", *fast]
+    s1 = _run([*sample, "--seed", "1"], capsys)
+    assert s1 == _run([*sample, "--seed", "1"], capsys)
+    assert s1 != _run([*sample, "--seed", "2"], capsys)
+
+
+def test_interactive_prompt(models, monkeypatch, capsys):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal("the dog runs\n\nred ball\n"))
+    out = _run(["-m", models["a"], "--beam", "2", *FAST], capsys)
+    model, tok, _ = load_model(models["a"])
+    opts = SearchOptions(beam=2, max_len_a=0, max_len_b=4, min_len=1)
+    assert out == [n[0][0] for n in translate_lines(model, tok, ["the dog runs", "", "red ball"],
+                                                       opts)]
+
+
+def test_console_script_keeps_stdout_for_translations(models):
+    script = Path(sys.executable).with_name("translate")
+    proc = subprocess.run([str(script), "-m", models["a"], "--beam", "2", *FAST[:-1]],
+                          input="the dog\n\nthe cat sees a ball\n", capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[0] and lines[2] and lines[3] == ""
+    assert "translated 3 lines" in proc.stderr  # logs went to stderr
