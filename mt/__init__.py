@@ -1,7 +1,11 @@
 """mt: neural machine translation with a readable Transformer.
 
 The package follows the path from raw text to BLEU, one module per stage:
-``tokenizer`` -> ``data`` -> ``model`` -> ``search`` -> ``train`` -> ``translate`` -> ``evaluate``.
+``tokenizer`` -> ``data`` (read corpora) -> ``batching`` (encode, filter, token batches) ->
+``model`` -> ``search`` -> ``train`` -> ``translate`` -> ``evaluate`` (with ``testsets`` and
+``report``). ``checkpoint`` saves and loads self-contained models; ``export`` / ``import_hf``
+(CLIs in ``interop``) move them to and from Hugging Face Marian and CTranslate2; ``demo``
+generates the default corpus.
 """
 
 __version__ = "0.1.0"

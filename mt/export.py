@@ -39,25 +39,25 @@ def marian_names(cfg: ModelConfig) -> Iterator[tuple[str, list[str]]]:
     """(mt module, [Marian modules]) for every per-layer Linear/LayerNorm; a fused mt matrix maps to
     several Marian ones, whose rows it stacks in this order."""
     for i in range(cfg.encoder_layers):
-        mt, hf = f"encoder_layers.{i}.", f"model.encoder.layers.{i}."
-        yield mt + "self_attn.qkv_proj", [hf + f"self_attn.{p}_proj" for p in "qkv"]
-        yield mt + "self_attn.out_proj", [hf + "self_attn.out_proj"]
-        yield mt + "attn_sub.norm", [hf + "self_attn_layer_norm"]
-        yield mt + "ffn.fc1", [hf + "fc1"]
-        yield mt + "ffn.fc2", [hf + "fc2"]
-        yield mt + "ffn_sub.norm", [hf + "final_layer_norm"]
+        yield from _layer_names(f"encoder_layers.{i}.", f"model.encoder.layers.{i}.", "attn_sub")
     for i in range(cfg.decoder_layers):
-        mt, hf = f"decoder_layers.{i}.", f"model.decoder.layers.{i}."
-        yield mt + "self_attn.qkv_proj", [hf + f"self_attn.{p}_proj" for p in "qkv"]
-        yield mt + "self_attn.out_proj", [hf + "self_attn.out_proj"]
-        yield mt + "self_sub.norm", [hf + "self_attn_layer_norm"]
+        yield from _layer_names(f"decoder_layers.{i}.", f"model.decoder.layers.{i}.", "self_sub",
+                                cross=True)
+
+
+def _layer_names(mt: str, hf: str, self_norm: str,
+                 cross: bool = False) -> Iterator[tuple[str, list[str]]]:
+    yield mt + "self_attn.qkv_proj", [hf + f"self_attn.{p}_proj" for p in "qkv"]
+    yield mt + "self_attn.out_proj", [hf + "self_attn.out_proj"]
+    yield mt + self_norm + ".norm", [hf + "self_attn_layer_norm"]
+    if cross:
         yield mt + "cross_attn.q_proj", [hf + "encoder_attn.q_proj"]
         yield mt + "cross_attn.kv_proj", [hf + "encoder_attn.k_proj", hf + "encoder_attn.v_proj"]
         yield mt + "cross_attn.out_proj", [hf + "encoder_attn.out_proj"]
         yield mt + "cross_sub.norm", [hf + "encoder_attn_layer_norm"]
-        yield mt + "ffn.fc1", [hf + "fc1"]
-        yield mt + "ffn.fc2", [hf + "fc2"]
-        yield mt + "ffn_sub.norm", [hf + "final_layer_norm"]
+    yield mt + "ffn.fc1", [hf + "fc1"]
+    yield mt + "ffn.fc2", [hf + "fc2"]
+    yield mt + "ffn_sub.norm", [hf + "final_layer_norm"]
 
 
 def check_marian(cfg: ModelConfig) -> None:
@@ -120,6 +120,32 @@ def hf_config(cfg: ModelConfig) -> dict:
     )
 
 
+def hf_model(model: Transformer):
+    """A ``transformers.MarianMTModel`` holding ``model``'s weights (its own default generation
+    settings; ``export_hf`` replaces them with mt's search defaults).
+
+    Raises:
+        ValueError: naming every model option Marian cannot express.
+    """
+    check_marian(model.cfg)
+    from transformers import MarianConfig, MarianMTModel
+
+    hf = MarianMTModel(MarianConfig(**hf_config(model.cfg)))
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
+    missing = [k for k in missing if not k.endswith("embed_positions.weight")]
+    if missing or unexpected:  # a mapping bug, not a user error
+        raise RuntimeError(f"Marian weight names do not match: missing {missing}, "
+                           f"unexpected {unexpected}")
+    return hf
+
+
+def placeholder_vocabulary(size: int) -> list[str]:
+    """Token strings for a model without a tokenizer (benchmarks on random weights): mt's special
+    pieces at their ids, then ``t4``, ``t5``, ... so that id i is entry i."""
+    return [SPECIAL_PIECES[i] for i in range(len(SPECIAL_PIECES))] + [
+        f"t{i}" for i in range(len(SPECIAL_PIECES), size)]
+
+
 def _vocab(proto: bytes) -> dict[str, int]:
     import sentencepiece as spm
 
@@ -137,16 +163,10 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLi
     Raises:
         ValueError: naming every model option Marian cannot express.
     """
-    check_marian(model.cfg)
-    from transformers import GenerationConfig, MarianConfig, MarianMTModel
+    from transformers import GenerationConfig
 
     cfg = model.cfg
-    hf = MarianMTModel(MarianConfig(**hf_config(cfg)))
-    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
-    missing = [k for k in missing if not k.endswith("embed_positions.weight")]
-    if missing or unexpected:  # a mapping bug, not a user error
-        raise RuntimeError(f"Marian weight names do not match: missing {missing}, "
-                           f"unexpected {unexpected}")
+    hf = hf_model(model)
     # What mt's search does: never PAD or BOS, EOS at the length limit, its default beam.
     hf.generation_config = GenerationConfig(
         decoder_start_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -174,8 +194,12 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLi
 
 # ------------------------------------------------------------------------------ export: CTranslate2
 
-def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer):
-    """A ``ctranslate2.specs.TransformerSpec`` holding the model's weights (any norm/positions)."""
+def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer | None = None):
+    """A ``ctranslate2.specs.TransformerSpec`` holding the model's weights (any norm/positions).
+
+    The vocabularies are the tokenizer's pieces in id order, or ``placeholder_vocabulary`` of the
+    model's sizes without a tokenizer. The weights are copies: CTranslate2 edits arrays in place.
+    """
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg = model.cfg
@@ -184,7 +208,7 @@ def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer):
     pre = cfg.norm == "pre"
     spec = transformer_spec.TransformerSpec.from_config(
         (cfg.encoder_layers, cfg.decoder_layers), cfg.heads, pre_norm=pre, activation=activation)
-    sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().float().cpu().numpy().copy() for k, v in model.state_dict().items()}
 
     def linear(s, name: str) -> None:
         s.weight, s.bias = sd[name + ".weight"], sd[name + ".bias"]
@@ -204,7 +228,7 @@ def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer):
         stack.scale_embeddings = model.embed_scale
         pos = getattr(model, positions)
         stack.position_encodings.encodings = (
-            pos.table.weight if pos.learned else pos.table).detach().float().cpu().numpy()
+            pos.table.weight if pos.learned else pos.table).detach().float().cpu().numpy().copy()
     if pre:
         norm(spec.encoder.layer_norm, "encoder_norm")
         norm(spec.decoder.layer_norm, "decoder_norm")
@@ -232,19 +256,25 @@ def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer):
     spec.config.unk_token = SPECIAL_PIECES[UNK_ID]
     spec.config.bos_token = spec.config.decoder_start_token = SPECIAL_PIECES[BOS_ID]
     spec.config.eos_token = SPECIAL_PIECES[EOS_ID]
-    src_vocab = list(_vocab(tokenizer.src_proto))
+    if tokenizer is None:
+        src_vocab = placeholder_vocabulary(cfg.src_vocab_size)
+        tgt_vocab = placeholder_vocabulary(cfg.tgt_vocab_size)
+    else:
+        src_vocab = list(_vocab(tokenizer.src_proto))
+        tgt_vocab = src_vocab if tokenizer.joint else list(_vocab(tokenizer.tgt_proto))
     spec.register_source_vocabulary(src_vocab)
-    spec.register_target_vocabulary(
-        src_vocab if tokenizer.joint else list(_vocab(tokenizer.tgt_proto)))
+    spec.register_target_vocabulary(tgt_vocab)
     return spec
 
 
-def export_ctranslate2(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLike,
-                       quantization: str | None = None) -> Path:
+def export_ctranslate2(model: Transformer, tokenizer: Tokenizer | None,
+                       out_dir: str | os.PathLike, quantization: str | None = None) -> Path:
     """Writes a CTranslate2 model directory plus ``spm.model`` (or ``src.model``/``tgt.model``),
     replacing ``out_dir`` if it exists.
 
     Args:
+        tokenizer: None writes no SentencePiece model and names tokens by
+            ``placeholder_vocabulary`` (benchmarks on random weights).
         quantization: CTranslate2's weight type (int8, int8_float32, float16, ...); None keeps fp32.
     """
     from ctranslate2.converters.converter import Converter
@@ -255,9 +285,9 @@ def export_ctranslate2(model: Transformer, tokenizer: Tokenizer, out_dir: str | 
 
     out = Path(out_dir)
     _SpecConverter().convert(str(out), quantization=quantization, force=True)
-    if tokenizer.joint:
+    if tokenizer is not None and tokenizer.joint:
         (out / "spm.model").write_bytes(tokenizer.src_proto)
-    else:
+    elif tokenizer is not None:
         (out / "src.model").write_bytes(tokenizer.src_proto)
         (out / "tgt.model").write_bytes(tokenizer.tgt_proto)
     return out

@@ -3,9 +3,10 @@
 One random transformer_base (6+6 layers, d 512, FFN 2048, 8 heads, 8k joint vocabulary, post-norm,
 sinusoidal positions, tied embeddings) is built in mt, then copied into a MarianMTModel of the same
 architecture (q/k/v split out of mt's fused projections, final_logits_bias zero) and into a
-CTranslate2 TransformerSpec (whose fused qkv / kv layout is mt's own). Before timing, each copy is
-checked against mt: the logits of a teacher-forced forward (HF, to 1e-4) and the greedy output of
-one sentence (HF and CTranslate2).
+CTranslate2 TransformerSpec (whose fused qkv / kv layout is mt's own), both by ``mt.export``.
+Before timing, each copy is checked against mt: the logits of a teacher-forced forward (HF, to
+1e-4), CT2's log-probabilities of a given target (1e-3) and the greedy output of one sentence (HF
+and CTranslate2).
 
 Every system decodes the same random sources with beam 4, batches of 32 and exactly ``--tgt-len``
 decoder steps per sentence (EOS forbidden before, forced at the end; HF min_new_tokens =
@@ -31,7 +32,8 @@ import time
 import torch
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
-from mt.model import build_model, sinusoids
+from mt.export import export_ctranslate2, hf_model, placeholder_vocabulary
+from mt.model import build_model
 from mt.search import beam_search, greedy_search
 from mt.translate import prepare_model
 
@@ -60,135 +62,6 @@ def pad(seqs: list[list[int]]) -> torch.Tensor:
     return out
 
 
-# -- Hugging Face Marian
-
-
-def to_marian(model):
-    """A MarianMTModel with mt's weights (same architecture, q/k/v split out of the fused ones)."""
-    from transformers import MarianConfig, MarianMTModel
-
-    c = model.cfg
-    config = MarianConfig(
-        vocab_size=c.tgt_vocab_size, decoder_vocab_size=c.tgt_vocab_size, d_model=c.d_model,
-        encoder_layers=c.encoder_layers, decoder_layers=c.decoder_layers,
-        encoder_attention_heads=c.heads, decoder_attention_heads=c.heads,
-        encoder_ffn_dim=c.ffn_dim, decoder_ffn_dim=c.ffn_dim, activation_function=c.activation,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        max_position_embeddings=c.max_positions, scale_embedding=True, pad_token_id=PAD_ID,
-        eos_token_id=EOS_ID, bos_token_id=BOS_ID, decoder_start_token_id=BOS_ID,
-        forced_eos_token_id=None, share_encoder_decoder_embeddings=True, tie_word_embeddings=True)
-    hf = MarianMTModel(config).eval()
-    m = hf.model
-
-    def copy_linear(dst, weight, bias):
-        dst.weight.copy_(weight)
-        dst.bias.copy_(bias)
-
-    def copy_attention(dst, src_attn):
-        if src_attn.self_attention:
-            ws, bs = src_attn.qkv_proj.weight.chunk(3), src_attn.qkv_proj.bias.chunk(3)
-        else:
-            kw, vw = src_attn.kv_proj.weight.chunk(2)
-            kb, vb = src_attn.kv_proj.bias.chunk(2)
-            ws = (src_attn.q_proj.weight, kw, vw)
-            bs = (src_attn.q_proj.bias, kb, vb)
-        for name, w, b in zip(("q_proj", "k_proj", "v_proj"), ws, bs, strict=True):
-            copy_linear(getattr(dst, name), w, b)
-        copy_linear(dst.out_proj, src_attn.out_proj.weight, src_attn.out_proj.bias)
-
-    def copy_norm(dst, src_norm):
-        copy_linear(dst, src_norm.weight, src_norm.bias)
-
-    with torch.no_grad():
-        for emb in (m.shared, m.encoder.embed_tokens, m.decoder.embed_tokens, hf.lm_head):
-            emb.weight.copy_(model.tgt_embed.weight)
-        hf.final_logits_bias.zero_()
-        table = sinusoids(c.max_positions, c.d_model)
-        m.encoder.embed_positions.weight.copy_(table)
-        m.decoder.embed_positions.weight.copy_(table)
-        for dst, src_layer in zip(m.encoder.layers, model.encoder_layers, strict=True):
-            copy_attention(dst.self_attn, src_layer.self_attn)
-            copy_norm(dst.self_attn_layer_norm, src_layer.attn_sub.norm)
-            copy_linear(dst.fc1, src_layer.ffn.fc1.weight, src_layer.ffn.fc1.bias)
-            copy_linear(dst.fc2, src_layer.ffn.fc2.weight, src_layer.ffn.fc2.bias)
-            copy_norm(dst.final_layer_norm, src_layer.ffn_sub.norm)
-        for dst, src_layer in zip(m.decoder.layers, model.decoder_layers, strict=True):
-            copy_attention(dst.self_attn, src_layer.self_attn)
-            copy_norm(dst.self_attn_layer_norm, src_layer.self_sub.norm)
-            copy_attention(dst.encoder_attn, src_layer.cross_attn)
-            copy_norm(dst.encoder_attn_layer_norm, src_layer.cross_sub.norm)
-            copy_linear(dst.fc1, src_layer.ffn.fc1.weight, src_layer.ffn.fc1.bias)
-            copy_linear(dst.fc2, src_layer.ffn.fc2.weight, src_layer.ffn.fc2.bias)
-            copy_norm(dst.final_layer_norm, src_layer.ffn_sub.norm)
-    return hf
-
-
-# -- CTranslate2
-
-
-def vocabulary(size: int) -> list[str]:
-    return ["<pad>", "<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(4, size)]
-
-
-def to_ctranslate2(model, directory: str, quantization: str | None) -> None:
-    """Writes a CTranslate2 model with mt's weights (CT2 fuses qkv and kv exactly like mt)."""
-    import ctranslate2.specs.common_spec as common
-    from ctranslate2.specs import transformer_spec
-
-    c = model.cfg
-    spec = transformer_spec.TransformerSpec.from_config(
-        (c.encoder_layers, c.decoder_layers), c.heads, pre_norm=c.norm == "pre",
-        activation=common.Activation.RELU)
-
-    def arr(t):
-        return t.detach().float().numpy().copy()  # CT2 may edit arrays in place
-
-    def linear(dst, module):
-        dst.weight = arr(module.weight)
-        if module.bias is not None:
-            dst.bias = arr(module.bias)
-
-    def norm(dst, module):
-        dst.gamma, dst.beta = arr(module.weight), arr(module.bias)
-
-    table = arr(sinusoids(c.max_positions, c.d_model))
-    for stack in (spec.encoder, spec.decoder):
-        stack.scale_embeddings = True  # by sqrt(d_model)
-        stack.position_encodings.encodings = table
-    spec.encoder.embeddings[0].weight = arr(model.src_embed.weight)
-    spec.decoder.embeddings.weight = arr(model.tgt_embed.weight)
-    spec.decoder.projection.weight = arr(model.output_proj.weight)
-    spec.decoder.projection.bias = arr(torch.zeros(c.tgt_vocab_size))
-    for dst, layer in zip(spec.encoder.layer, model.encoder_layers, strict=True):
-        linear(dst.self_attention.linear[0], layer.self_attn.qkv_proj)
-        linear(dst.self_attention.linear[1], layer.self_attn.out_proj)
-        norm(dst.self_attention.layer_norm, layer.attn_sub.norm)
-        linear(dst.ffn.linear_0, layer.ffn.fc1)
-        linear(dst.ffn.linear_1, layer.ffn.fc2)
-        norm(dst.ffn.layer_norm, layer.ffn_sub.norm)
-    for dst, layer in zip(spec.decoder.layer, model.decoder_layers, strict=True):
-        linear(dst.self_attention.linear[0], layer.self_attn.qkv_proj)
-        linear(dst.self_attention.linear[1], layer.self_attn.out_proj)
-        norm(dst.self_attention.layer_norm, layer.self_sub.norm)
-        linear(dst.attention.linear[0], layer.cross_attn.q_proj)
-        linear(dst.attention.linear[1], layer.cross_attn.kv_proj)
-        linear(dst.attention.linear[2], layer.cross_attn.out_proj)
-        norm(dst.attention.layer_norm, layer.cross_sub.norm)
-        linear(dst.ffn.linear_0, layer.ffn.fc1)
-        linear(dst.ffn.linear_1, layer.ffn.fc2)
-        norm(dst.ffn.layer_norm, layer.ffn_sub.norm)
-    tokens = vocabulary(c.tgt_vocab_size)
-    spec.register_source_vocabulary(tokens)
-    spec.register_target_vocabulary(tokens)
-    spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = "<s>", "</s>", "<unk>"
-    spec.config.decoder_start_token = "<s>"
-    spec.config.layer_norm_epsilon = 1e-5
-    spec.validate()
-    spec.optimize(quantization=quantization)
-    os.makedirs(directory, exist_ok=True)
-    spec.save(directory)
-
-
 # -- checks and timing
 
 
@@ -208,14 +81,14 @@ def check_equivalence(model, hf, ct2_dir: str, src: list[int], threads: int) -> 
     hf_tokens = [t for t in hf_out[1:] if t not in (EOS_ID, PAD_ID)]
     translator = ctranslate2.Translator(ct2_dir, device="cpu", compute_type="float32",
                                         intra_threads=threads)
-    vocab = vocabulary(model.cfg.tgt_vocab_size)
-    ct2 = translator.translate_batch([[vocab[t] for t in src]], beam_size=1,
+    vocab = placeholder_vocabulary(model.cfg.tgt_vocab_size)
+    pieces = [vocab[t] for t in src[:-1]]  # CT2 appends the source EOS itself
+    ct2 = translator.translate_batch([pieces], beam_size=1,
                                      max_decoding_length=21)[0].hypotheses[0]
     ct2_tokens = [vocab.index(t) for t in ct2]
     # CT2 scores a given target: its token log-probabilities against mt's teacher-forced ones.
     target = greedy[:12]
-    scored = translator.score_batch([[vocab[t] for t in src]],
-                                    [[vocab[t] for t in target]])[0].log_probs  # + EOS
+    scored = translator.score_batch([pieces], [[vocab[t] for t in target]])[0].log_probs  # + EOS
     with torch.inference_mode():
         lp = torch.log_softmax(model(torch.tensor([src]), torch.tensor([[BOS_ID] + target])), -1)
     ours_lp = lp[0].gather(1, torch.tensor(target + [EOS_ID])[:, None])[:, 0]
@@ -257,12 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     srcs = sources(n, args.vocab, seed=1)
     batches = [srcs[i : i + args.batch] for i in range(0, n, args.batch)]
     warm = [srcs[:4]]  # a small batch, so that lazy initialisation is not timed
-    hf = to_marian(model)
+    hf = hf_model(model).eval()
     tmp = tempfile.TemporaryDirectory()
     ct2_dirs = {}
     for q in ("float32", "int8"):
         ct2_dirs[q] = f"{tmp.name}/ct2-{q}"
-        to_ctranslate2(model, ct2_dirs[q], None if q == "float32" else q)
+        export_ctranslate2(model, None, ct2_dirs[q], None if q == "float32" else q)
     report = {"config": {k: v for k, v in vars(args).items() if k != "out"},
               "model": "transformer_base (6+6, d512, ffn2048, 8 heads), random weights",
               "torch": torch.__version__, "load_average_before": os.getloadavg(),
@@ -293,13 +166,14 @@ def main(argv: list[str] | None = None) -> None:
 
         translator = ctranslate2.Translator(ct2_dirs[q], device="cpu", compute_type=q,
                                             inter_threads=1, intra_threads=args.threads)
-        vocab = vocabulary(args.vocab)
+        vocab = placeholder_vocabulary(args.vocab)
 
         def fn(warmup):
             for b in warm if warmup else batches:
                 res = translator.translate_batch(
-                    [[vocab[t] for t in s] for s in b], beam_size=beam, max_batch_size=args.batch,
-                    min_decoding_length=steps, max_decoding_length=steps, length_penalty=1.0)
+                    [[vocab[t] for t in s[:-1]] for s in b],  # CT2 appends the source EOS
+                    beam_size=beam, max_batch_size=args.batch, min_decoding_length=steps,
+                    max_decoding_length=steps, length_penalty=1.0)
                 assert warmup or {len(r.hypotheses[0]) for r in res} == {steps}
         return fn
 

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mt.batching import collate, token_batches  # noqa: E402
-from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig  # noqa: E402
+from mt.config import EOS_ID, PAD_ID, ModelConfig  # noqa: E402
+from mt.export import hf_config  # noqa: E402
 from mt.model import build_model, count_parameters  # noqa: E402
 
 SIZES = {
@@ -57,19 +58,10 @@ def make_batches(n_batches: int, max_tokens: int, vocab: int, seed: int):
 
 
 def marian_like(cfg: ModelConfig):
+    """A randomly initialised MarianMTModel of ``cfg``'s architecture (``mt.export``'s mapping)."""
     from transformers import MarianConfig, MarianMTModel
 
-    hf_cfg = MarianConfig(
-        vocab_size=cfg.tgt_vocab_size, decoder_vocab_size=cfg.tgt_vocab_size,
-        d_model=cfg.d_model, encoder_layers=cfg.encoder_layers, decoder_layers=cfg.decoder_layers,
-        encoder_attention_heads=cfg.heads, decoder_attention_heads=cfg.heads,
-        encoder_ffn_dim=cfg.ffn_dim, decoder_ffn_dim=cfg.ffn_dim, dropout=cfg.dropout,
-        attention_dropout=cfg.attention_dropout, activation_dropout=cfg.activation_dropout,
-        activation_function=cfg.activation, max_position_embeddings=cfg.max_positions,
-        scale_embedding=True, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
-        pad_token_id=PAD_ID, eos_token_id=EOS_ID, decoder_start_token_id=BOS_ID,
-    )
-    return MarianMTModel(hf_cfg)
+    return MarianMTModel(MarianConfig(**hf_config(cfg)))
 
 
 def step_fn(name: str, model, optimizer, dtype, device):
