@@ -251,6 +251,8 @@ class Trainer:
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
         if (self.ckpt_dir / "last.pt").exists():
             self._resume(self.ckpt_dir / "last.pt")
+            if self.history and self.history[-1]["step"] == self.step:
+                self.validated_step = self.step  # a finished run restarted: do not validate again
 
     def _init_from(self, path: str) -> None:
         ckpt = checkpoint.load(path)
@@ -388,6 +390,7 @@ class Trainer:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if not finite.item():
             self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()  # the schedule follows the step counter, skipped steps included
             return None
         self.scaler.unscale_(self.optimizer)
         if self.cfg.optim.clip_norm > 0:
@@ -593,7 +596,11 @@ def _as_python_state(state):
 
 
 def finish(trainer: Trainer) -> None:
-    """Averaging, test-set BLEU with the best model, and what to run next (rank 0 only)."""
+    """Averaging, test-set BLEU of best.pt (and averaged.pt), and what to run next (rank 0 only).
+
+    Which of the two to use is the user's call on the valid split; both test scores are printed so
+    that nothing is chosen on the test set here.
+    """
     cfg, run_dir = trainer.cfg, trainer.run_dir
     ckpt_dir = trainer.ckpt_dir
     if cfg.trainer.average_last > 1:
@@ -601,25 +608,33 @@ def finish(trainer: Trainer) -> None:
         if len(paths) > 1:
             checkpoint.save_atomic(checkpoint.average(paths), ckpt_dir / "averaged.pt")
             log.info("averaged %d checkpoints -> %s", len(paths), ckpt_dir / "averaged.pt")
-    best = ckpt_dir / "best.pt"
     if cfg.trainer.test_at_end and cfg.data.test:
         from mt.data import split_files
         from mt.evaluate import score
         from mt.translate import SearchOptions, translate_lines
 
         test = load_split(cfg.data, cfg.data.test)
-        model, tok, _ = checkpoint.load_model(best, trainer.device)
+        src, ref = list(test["src"]), list(test["tgt"])
         opts = SearchOptions(beam=cfg.trainer.beam_size, lenpen=cfg.trainer.lenpen)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            hyps = [n[0][0] for n in translate_lines(model, tok, list(test["src"]), opts)]
-        seconds = time.perf_counter() - start
-        result = score(hyps, list(test["tgt"]))
-        (run_dir / f"{cfg.data.test}.hyp").write_text("".join(h + "\n" for h in hyps))
-        with open(run_dir / "test.json", "w") as f:
-            json.dump({**result, "checkpoint": str(best), "seconds": seconds}, f, indent=2)
-        print(f"test BLEU = {result['bleu']:.2f}  chrF = {result['chrf']:.2f}  "
-              f"({result['sentences']} sentences, {result['bleu_signature']})")
+        report = {}
+        for name in ("best", "averaged"):
+            path = ckpt_dir / f"{name}.pt"
+            if not path.exists():
+                continue
+            model, tok, _ = checkpoint.load_model(path, trainer.device)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                hyps = [n[0][0] for n in translate_lines(model, tok, src, opts)]
+            seconds = time.perf_counter() - start
+            result = score(hyps, ref)
+            suffix = "" if name == "best" else ".averaged"
+            (run_dir / f"{cfg.data.test}{suffix}.hyp").write_text("".join(h + "\n" for h in hyps))
+            report[name] = {**result, "checkpoint": str(path), "seconds": seconds}
+            label = "test BLEU" if name == "best" else "test BLEU of averaged.pt"
+            print(f"{label} = {result['bleu']:.2f}  chrF = {result['chrf']:.2f}  "
+                  f"({result['sentences']} sentences, {result['bleu_signature']})")
+        with open(run_dir / "test.json", "w") as f:  # best.pt's scores at the top level
+            json.dump({**report["best"], "averaged": report.get("averaged")}, f, indent=2)
         if cfg.data.source != "hub":
             src_file = split_files(cfg.data, cfg.data.test)[0]
             print(f"try: translate -m {run_dir} -i {src_file}")
@@ -635,9 +650,11 @@ def hydra_main(dcfg: DictConfig) -> float | None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Each torchrun process resolved ${now} itself; they must share rank 0's directory.
         setup_distributed(cfg.trainer.device)
-        shared = [str(run_dir)]
+        # Interpolations such as data.dir=${hydra:runtime.output_dir}/data differ the same way, so
+        # the whole resolved config comes from rank 0 too.
+        shared = [str(run_dir), cfg]
         dist.broadcast_object_list(shared, src=0)
-        run_dir = Path(shared[0])
+        run_dir, cfg = Path(shared[0]), shared[1]
     trainer = Trainer(cfg, run_dir)
     best = trainer.fit()
     if trainer.rank == 0:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -424,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     p.add_argument("--beam", type=int, default=5, help="beam size; 1 = greedy (default: 5)")
     p.add_argument("--nbest", type=int, default=1,
-                   help="print N lines per input line: 'index<TAB>translation<TAB>score'")
+                   help="print up to N lines per input line, 'index<TAB>translation<TAB>score' "
+                        "(an empty line or one translated in pieces has one)")
     p.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty alpha")
     p.add_argument("--max-len-a", type=float, default=1.5,
                    help="at most a * source tokens + b output tokens (EOS included)")
@@ -496,6 +499,11 @@ def main(argv: list[str] | None = None) -> None:
                          f"{args.beam}")
     if args.sampling and args.temperature <= 0:
         raise SystemExit(f"translate: --temperature must be positive, got {args.temperature}")
+    if args.output is not None:  # fail before the work, not after it
+        parent = Path(args.output).resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise SystemExit(f"translate: {args.output}: cannot write there (no such writable "
+                             "directory)")
     interactive = args.input in (None, "-") and sys.stdin.isatty()
     try:
         lines = [] if interactive else _read_input(args.input, args.errors)
@@ -539,7 +547,10 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     log.info("translated %d lines in %.1f s (%.1f lines/s)", len(lines), seconds,
              len(lines) / max(seconds, 1e-9))
-    out = sys.stdout if args.output is None else open(args.output, "w", encoding="utf-8")
+    try:
+        out = sys.stdout if args.output is None else open(args.output, "w", encoding="utf-8")
+    except OSError as err:
+        raise SystemExit(f"translate: {args.output}: cannot write ({err.strerror})") from None
     try:
         for i, (r, a) in enumerate(zip(results, aligns, strict=True)):
             out.write("".join(s + "\n" for s in _format(i, _texts(tokenizer, r), a, args.nbest)))
