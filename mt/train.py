@@ -22,6 +22,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return choices[precision]
 
 
-def lr_lambda(cfg) -> callable:
+def lr_lambda(cfg) -> Callable[[int], float]:
     """Multiplier of optim.lr at a given step (1-based), for LambdaLR."""
     warmup = max(1, cfg.optim.warmup_steps)
 
