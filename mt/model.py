@@ -99,23 +99,11 @@ class MultiHeadAttention(nn.Module):
         k, v = self.kv_proj(memory).chunk(2, dim=-1)
         return self.split_heads(k), self.split_heads(v)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-               decoding: bool = False) -> Tensor:
-        """q (B, H, Lq, K), k/v (B, H, Lk, K), mask broadcastable to (B, H, Lq, Lk) -> (B, Lq, D)
-
-        ``decoding``: an incremental step (one query per hypothesis, no dropout, no causal mask).
-        """
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        """q (B, H, Lq, K), k/v (B, H, Lk, K), mask broadcastable to (B, H, Lq, Lk) -> (B, Lq, D)"""
         dropout = self.dropout if self.training else 0.0
-        if decoding:
-            # Decoding: a few queries per row. Two small matmuls and a softmax cost less here than
-            # the fused kernel's set-up (measured 1.3x on a whole bf16 beam-search step on CPU).
-            scores = (q @ k.transpose(-1, -2)) * (q.size(-1) ** -0.5)  # (B, H, Lq, Lk)
-            if mask is not None:
-                scores = scores.masked_fill(~mask, -torch.inf)
-            out = torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                 is_causal=causal)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                             is_causal=causal)
         b, _, length, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, length, -1))
 
@@ -185,22 +173,54 @@ class EncoderLayer(nn.Module):
 class KVCache:
     """Per-layer decoder state for incremental decoding.
 
-    Self-attention keys/values live in buffers preallocated for ``max_len`` steps and filled one
-    step at a time, one row per hypothesis. Cross-attention keys/values are computed once from the
-    encoder output and kept once per *sentence*: the ``beams`` consecutive rows of a sentence share
-    them (their queries are attended together, as a block), so beams never copy them.
-    ``reorder(index, beams)`` selects hypothesis rows: beams follow their parents with it, and
-    finished sentences leave the batch with it.
+    Self-attention keys/values of every layer live in one tensor ``self_kv`` of shape
+    (T, layers, 2, R, H, K), position first: a new step writes one contiguous slab per layer, and
+    a beam reorder moves the filled positions of all layers with a single ``index_select`` into a
+    second buffer (double buffering), one pass over the cache instead of a gather and a copy per
+    layer. Attention reads a layer's keys as a strided (R, H, t, K) view, which
+    ``scaled_dot_product_attention`` takes without copying. The time axis starts short and doubles
+    when full (up to ``max_len``), so a generous length budget costs no memory until it is used.
+
+    Cross-attention keys/values are computed once from the encoder output and kept once per
+    *sentence* (keys transposed, ready for the product with the queries): the ``beams`` consecutive
+    rows of a sentence share them (their queries are attended together, as a block), so beams never
+    copy them. ``reorder(index, beams)`` selects hypothesis rows: beams follow their parents with
+    it, and finished sentences leave the batch with it.
     """
 
-    def __init__(self, self_k: list[Tensor], self_v: list[Tensor], cross_k: list[Tensor],
-                 cross_v: list[Tensor], src_mask: Tensor) -> None:
-        self.self_k, self.self_v = self_k, self_v  # each (R, H, max_len, K), R = N * beams
-        self.cross_k, self.cross_v = cross_k, cross_v  # each (N, H, S, K), one per sentence
-        self.src_mask = src_mask  # (N, 1, 1, S)
+    def __init__(self, layers: int, rows: int, heads: int, head_dim: int, max_len: int,
+                 cross_k: list[Tensor], cross_v: list[Tensor], src_mask: Tensor,
+                 dtype: torch.dtype) -> None:
+        self.max_len = max_len  # target positions this cache may hold
         self.length = 0  # target positions filled so far
         self.beams = 1  # consecutive rows per sentence
-        self.rows = src_mask.size(0)
+        self.rows = rows
+        capacity = min(max_len, 32)
+        self._storage = src_mask.new_empty(capacity * layers * 2 * rows * heads * head_dim,
+                                           dtype=dtype)
+        self.self_kv = self._storage.view(capacity, layers, 2, rows, heads, head_dim)
+        self._spare: Tensor | None = None  # the other buffer of the double buffering
+        self.cross_k, self.cross_v = cross_k, cross_v  # (N, H, K, S) and (N, H, S, K) per layer
+        self.src_mask = src_mask  # (N, 1, 1, S)
+
+    def append(self, layer: int, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """Stores the new step's keys/values kv (2, R, H, K) of ``layer``; returns the layer's keys
+        and values so far, each (R, H, t + 1, K)."""
+        t = self.length
+        if t == self.self_kv.size(0):
+            self._grow()
+        self.self_kv[t, layer] = kv
+        filled = self.self_kv[: t + 1, layer]  # (t + 1, 2, R, H, K)
+        return filled[:, 0].permute(1, 2, 0, 3), filled[:, 1].permute(1, 2, 0, 3)
+
+    def _grow(self) -> None:
+        """Doubles the time axis (capped at max_len); called when a step finds it full."""
+        old = self.self_kv
+        capacity = min(2 * old.size(0), self.max_len)
+        self._storage = old.new_empty(capacity * old[0].numel())
+        self.self_kv = self._storage.view(capacity, *old.shape[1:])
+        self.self_kv[: self.length] = old[: self.length]
+        self._spare = None
 
     def reorder(self, index: Tensor, beams: int = 1) -> None:
         """Keeps hypothesis rows ``index`` (R',) in that order; R' may be smaller or larger than R.
@@ -210,28 +230,25 @@ class KVCache:
             beams: rows per sentence after the reorder. Each run of ``beams`` consecutive entries
                 of ``index`` must come from one sentence (beam search's parents do).
 
-        Beam search calls this every step, so it copies as little as it can: keeping a prefix
-        ``0..R'-1`` (nothing changed, or the last rows finished) only takes views; otherwise the
-        self-attention buffers are rewritten in place, and only their ``length`` filled steps.
-        New ``max_len`` buffers are allocated only when the batch grows (sentences into beams).
-        Cross-attention keys/values move only when sentences leave or are reordered.
+        Keeping a prefix ``0..R'-1`` (nothing changed, or the last rows finished) only takes
+        views. Otherwise the filled steps are gathered into the spare buffer, which then becomes
+        the cache. Cross-attention keys/values move only when sentences leave or are reordered.
         """
         m, n = index.numel(), self.length
         sentences = index.view(-1, beams)[:, 0] // self.beams  # (N',) source sentence per group
         self.beams, self.rows = beams, m
-        if m <= self.self_rows and torch.equal(index, torch.arange(m, device=index.device)):
-            for buffers in (self.self_k, self.self_v):
-                buffers[:] = [buf[:m] for buf in buffers]
+        kv = self.self_kv
+        if m <= kv.size(3) and torch.equal(index, torch.arange(m, device=index.device)):
+            self.self_kv = kv[:, :, :, :m]
         else:
-            for buffers in (self.self_k, self.self_v):
-                for i, buf in enumerate(buffers):
-                    if m > buf.size(0):
-                        buffers[i] = buf.new_empty((m,) + buf.shape[1:])
-                    else:
-                        buffers[i] = buf[:m]
-                    # The right side is gathered into a new tensor before the write, so rows that
-                    # move onto each other's place are read before they are overwritten.
-                    buffers[i][:, :, :n] = buf[:, :, :n].index_select(0, index)
+            shape = (kv.size(0), kv.size(1), 2, m, kv.size(4), kv.size(5))
+            size = math.prod(shape)
+            if self._spare is None or self._spare.numel() < size:
+                self._spare = kv.new_empty(size)
+            target = self._spare[:size].view(shape)
+            torch.index_select(kv[:n], 3, index, out=target[:n])
+            self._storage, self._spare = self._spare, self._storage
+            self.self_kv = target
         k = sentences.numel()
         if k <= self.src_mask.size(0) and torch.equal(sentences,
                                                       torch.arange(k, device=index.device)):
@@ -242,15 +259,6 @@ class KVCache:
             for buffers in (self.cross_k, self.cross_v):
                 buffers[:] = [buf.index_select(0, sentences) for buf in buffers]
             self.src_mask = self.src_mask.index_select(0, sentences)
-
-    @property
-    def self_rows(self) -> int:
-        return self.self_k[0].size(0) if self.self_k else self.rows
-
-    @property
-    def max_len(self) -> int:
-        """Target positions the self-attention buffers have room for."""
-        return self.self_k[0].size(2) if self.self_k else 0
 
     @property
     def batch_size(self) -> int:
@@ -278,24 +286,24 @@ class DecoderLayer(nn.Module):
         return self.ffn_sub.output(y, self.ffn(self.ffn_sub.input(y)))
 
     def step(self, y: Tensor, cache: KVCache, i: int) -> Tensor:
-        """One target position y (B, 1, D) for layer i, appending its keys/values to the cache."""
-        t = cache.length
+        """One target position y (R, 1, D) for layer i, appending its keys/values to the cache."""
         attn = self.self_attn
-        h = self.self_sub.input(y)
-        q, k, v = (attn.split_heads(x) for x in attn.qkv_proj(h).chunk(3, dim=-1))
-        cache.self_k[i][:, :, t : t + 1] = k
-        cache.self_v[i][:, :, t : t + 1] = v
-        out = attn.attend(q, cache.self_k[i][:, :, : t + 1], cache.self_v[i][:, :, : t + 1],
-                          None, False, decoding=True)
-        y = self.self_sub.output(y, out)
-        h = self.cross_sub.input(y)
-        q = self.cross_attn.split_heads(self.cross_attn.q_proj(h))  # (R, H, 1, K)
-        if cache.beams > 1:  # the beams of a sentence query its keys together: (N, H, beams, K)
-            r, heads, _, hd = q.shape
-            q = q.view(r // cache.beams, cache.beams, heads, hd).transpose(1, 2)
-        out = self.cross_attn.attend(q, cache.cross_k[i], cache.cross_v[i], cache.src_mask, False,
-                                     decoding=True)
-        y = self.cross_sub.output(y, out.reshape(y.shape))  # (N, beams, D) -> (R, 1, D)
+        r, heads, hd = y.size(0), attn.heads, attn.head_dim
+        qkv = attn.qkv_proj(self.self_sub.input(y)).view(r, 3, heads, hd)
+        k, v = cache.append(i, qkv[:, 1:].transpose(0, 1))  # each (R, H, t + 1, K)
+        # The fused kernel reads the cache's strided views as they are (no copy).
+        out = F.scaled_dot_product_attention(qkv[:, 0, :, None], k, v)  # (R, H, 1, K)
+        y = self.self_sub.output(y, attn.out_proj(out.view(r, 1, -1)))
+        cross = self.cross_attn
+        q = cross.q_proj(self.cross_sub.input(y))  # (R, 1, D)
+        # The beams of a sentence query its keys together: (N, H, beams, K).
+        q = q.view(r // cache.beams, cache.beams, heads, hd).transpose(1, 2)
+        # A few queries per sentence: two small products and a softmax cost less than the fused
+        # kernel's set-up here (measured on CPU, float32 and bfloat16).
+        scores = (q @ cache.cross_k[i]) * hd**-0.5  # (N, H, beams, S)
+        scores = scores.masked_fill(~cache.src_mask, -torch.inf)
+        out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ cache.cross_v[i]
+        y = self.cross_sub.output(y, cross.out_proj(out.transpose(1, 2).reshape(r, 1, -1)))
         return self.ffn_sub.output(y, self.ffn(self.ffn_sub.input(y)))
 
 
@@ -409,17 +417,13 @@ class Transformer(nn.Module):
         return self.decode(tgt_in, memory, src_mask)
 
     def init_cache(self, memory: Tensor, src_mask: Tensor, max_len: int) -> KVCache:
-        """Empty self-attention buffers for ``max_len`` steps, every layer's cross keys/values."""
-        b = memory.size(0)
-        heads, hd = self.cfg.heads, self.cfg.d_model // self.cfg.heads
-        shape = (b, heads, max_len, hd)
+        """An empty cache for up to ``max_len`` target steps, with every layer's cross-attention
+        keys/values computed from memory (B, S, D)."""
         cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder_layers]
-        n = len(self.decoder_layers)
-        return KVCache(
-            [memory.new_empty(shape) for _ in range(n)],
-            [memory.new_empty(shape) for _ in range(n)],
-            [k for k, _ in cross], [v for _, v in cross], src_mask,
-        )
+        return KVCache(len(self.decoder_layers), memory.size(0), self.cfg.heads,
+                       self.cfg.d_model // self.cfg.heads, max_len,
+                       [k.transpose(-1, -2).contiguous() for k, _ in cross],
+                       [v.contiguous() for _, v in cross], src_mask, memory.dtype)
 
     def decode_step(self, tokens: Tensor, cache: KVCache) -> Tensor:
         """Next-token logits for the last tokens (B,) given the cache -> (B, V); advances it."""

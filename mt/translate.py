@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from mt.config import EOS_ID
+from mt.inference import DTYPES, load_models
 from mt.search import (
     Ensemble,
     Hypothesis,
@@ -32,9 +33,6 @@ from mt.search import (
 )
 
 log = logging.getLogger("mt.translate")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class SearchOptions:
@@ -344,72 +342,6 @@ def _read_input(path: str | None, errors: str) -> list[str]:
     except OSError as err:
         raise InputError(f"{path}: cannot read ({err.strerror})") from None
     return _decode_lines(data, path, errors)
-
-
-class PackedLinear(torch.nn.Module):
-    """An inference-only nn.Linear whose weight is stored in oneDNN's blocked layout.
-
-    On CPU, float32 matrix products with a few hundred rows (a decoding step) run about 1.5-2x
-    faster from a pre-packed weight than through the default GEMM, which re-packs the weight on
-    every call. bfloat16 already takes the oneDNN path, so only float32 models are packed.
-    """
-
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        bias = linear.bias.detach() if linear.bias is not None else weight.new_zeros(
-            self.out_features)
-        self.weight = weight.to_mkldnn()  # plain attributes: never trained, never saved
-        self.bias = bias.float().to_mkldnn()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten.mkldnn_linear(x.to_mkldnn(), self.weight, self.bias).to_dense()
-
-
-def prepare_model(model: torch.nn.Module, dtype: str = "float32", device: str = "cpu",
-                  pack: bool = True, pack_min_features: int = 256) -> torch.nn.Module:
-    """Readies a loaded model for decoding: casts it to ``dtype``; on CPU, float32 linear layers
-    with at least ``pack_min_features`` inputs and outputs are pre-packed (PackedLinear; a packed
-    call has a fixed cost of some 50 us, which only larger layers earn back). The result is for
-    inference only (no training, no saving)."""
-    model = model.to(DTYPES[dtype]).eval()
-    if not (pack and dtype == "float32" and torch.device(device).type == "cpu"
-            and torch.backends.mkldnn.is_available()):
-        return model
-    for module in list(model.modules()):
-        for name, child in module.named_children():
-            if type(child) is torch.nn.Linear and min(child.in_features,
-                                                       child.out_features) >= pack_min_features:
-                setattr(module, name, PackedLinear(child))
-    return model
-
-
-def load_models(paths: list[str], device: str, dtype: str = "float32", pack: bool = True):
-    """Loads one model or an ensemble, ready to decode (see prepare_model); returns (model or
-    Ensemble, tokenizer, checkpoint paths).
-
-    Raises:
-        ValueError: with the file's name, for a missing, corrupt or incompatible model.
-    """
-    from mt.checkpoint import load_model
-
-    models, tokenizer, names = [], None, []
-    for path in paths:
-        try:
-            model, tok, ckpt = load_model(path, device)
-        except (FileNotFoundError, ValueError) as err:
-            raise ValueError(str(err)) from None
-        except (RuntimeError, KeyError, TypeError) as err:  # weights that do not fit the config
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ValueError(f"{path}: not a loadable mt model ({first})") from None
-        if tokenizer is not None and tok.fingerprint != tokenizer.fingerprint:
-            raise ValueError(f"{ckpt['path']}: its tokenizer differs from {names[0]}'s; ensemble "
-                             "members must share the vocabulary")
-        tokenizer = tokenizer or tok
-        models.append(prepare_model(model, dtype, device, pack))
-        names.append(ckpt["path"])
-    return (models[0] if len(models) == 1 else Ensemble(models)), tokenizer, names
 
 
 def build_parser() -> argparse.ArgumentParser:

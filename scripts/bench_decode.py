@@ -33,9 +33,9 @@ import torch
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
 from mt.export import export_ctranslate2, hf_model, placeholder_vocabulary
+from mt.inference import prepare_model
 from mt.model import build_model
 from mt.search import beam_search, greedy_search
-from mt.translate import prepare_model
 
 SYSTEMS = ("mt-float32", "mt-bfloat16", "mt-float32-unpacked", "hf-float32", "ct2-float32",
            "ct2-int8")
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         return fn
 
     runners = {
-        # What `translate --dtype ...` decodes with (mt.translate.prepare_model).
+        # What `translate --dtype ...` decodes with (mt.inference.prepare_model).
         "mt-float32": lambda: run_mt(prepare_model(copy.deepcopy(model), "float32")),
         "mt-bfloat16": lambda: run_mt(prepare_model(copy.deepcopy(model), "bfloat16")),
         "mt-float32-unpacked": lambda: run_mt(model),  # nn.Linear as trained: the GEMM's gain

@@ -14,9 +14,10 @@ import torch
 
 from mt.checkpoint import load_model, model_state, save_atomic
 from mt.config import ModelConfig, TokenizerConfig
+from mt.inference import PackedFeedForward, PackedLinear, prepare_model
 from mt.model import build_model
 from mt.tokenizer import train_tokenizer
-from mt.translate import PackedLinear, SearchOptions, main, prepare_model, translate_lines
+from mt.translate import SearchOptions, main, translate_lines
 
 WORDS = ("the a dog cat man woman child ball park street red blue small big runs walks sees "
          "holds plays sits near under with on in at").split()
@@ -137,7 +138,7 @@ def test_beam_one_is_greedy_on_the_command_line(models, tmp_path, capsys):
 
 def test_packed_float32_model_decodes_like_the_plain_one(models):
     model, tok, _ = load_model(models["a"])
-    packed = prepare_model(load_model(models["a"])[0], "float32", "cpu", pack_min_features=0)
+    packed = prepare_model(load_model(models["a"])[0], "float32", "cpu")
     assert any(isinstance(m, PackedLinear) for m in packed.modules())
     rng = random.Random(9)
     lines = [_sentence(rng) for _ in range(30)]
@@ -146,6 +147,30 @@ def test_packed_float32_model_decodes_like_the_plain_one(models):
                     translate_lines(packed, tok, lines, opts), strict=True):
         assert [t for t, _ in a] == [t for t, _ in b]
         assert [s for _, s in a] == pytest.approx([s for _, s in b], abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_model_computes_the_plain_models_function(models, dtype):
+    """Packing (and the ReLU fused into the FFN's first product) changes speed, not the function:
+    teacher-forced logits equal the unpacked model's to rounding."""
+    plain = prepare_model(load_model(models["a"])[0], dtype, "cpu", pack=False)
+    packed = prepare_model(load_model(models["a"])[0], dtype, "cpu")
+    assert any(isinstance(m, PackedFeedForward) for m in packed.modules())
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    tok = load_model(models["a"])[1]
+    rng = random.Random(3)
+    from mt.batching import collate
+
+    src, tgt_in, _ = collate(tok.encode_src([_sentence(rng) for _ in range(8)]),
+                             tok.encode_tgt([_sentence(rng) for _ in range(8)]))
+    with torch.inference_mode():
+        a, b = plain(src, tgt_in).float(), packed(src, tgt_in).float()
+    diff = (a - b).abs()
+    if dtype == "float32":
+        assert diff.max().item() < 1e-4
+    else:  # bf16 products round differently inside oneDNN's blocked kernels
+        assert diff.mean().item() < 0.02 * a.std().item()
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.95
 
 
 def test_invalid_utf8_names_the_line_and_replace_works(models, tmp_path, capsys):
