@@ -176,13 +176,14 @@ def _translate(system: System, test: TestSet, n: int, loaded: dict, args: argpar
                         f"{len(refs[0])}; source and reference must be aligned line by line")
     if n not in loaded:
         from mt.checkpoint import load_model
+        from mt.inference import prepare_model
 
         start = time.perf_counter()
         try:
             model, tokenizer, ckpt = load_model(system.path, args.device)
         except (FileNotFoundError, ValueError) as err:
             raise EvalError(f"-m {system.path}: {err}") from None
-        loaded[n] = (model, tokenizer)
+        loaded[n] = (prepare_model(model, args.dtype, args.device), tokenizer)
         system.info = {"model": ckpt["path"], "config_hash": config_hash(ckpt["model_config"]),
                        "model_config": ckpt["model_config"],
                        "load_seconds": time.perf_counter() - start}
@@ -191,7 +192,7 @@ def _translate(system: System, test: TestSet, n: int, loaded: dict, args: argpar
                          max_len_b=args.max_len_b, batch_tokens=args.batch_tokens)
     log.info("translating %s (%d lines) with %s", test.name, len(sources), system.path)
     hyps, speed = translate_test(model, tokenizer, sources, opts)
-    speed.update(search=asdict(opts), device=args.device)
+    speed.update(search=asdict(opts), device=args.device, dtype=args.dtype)
     log.info("%s: %.1f s, %.0f tokens/s", system.name, speed["decode_seconds"],
              speed["tokens_per_second"])
     if args.output:
@@ -265,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-tokens", type=int, default=4096,
                    help="source tokens per batch, padding included (default: 4096)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="decode in this precision, as translate --dtype (default: float32)")
     g.add_argument("--output", help="write translations here; {test} and {n} (system number) "
                    "are replaced")
     g = p.add_argument_group("output")

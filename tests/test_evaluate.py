@@ -277,7 +277,8 @@ def test_output_pattern_must_separate_systems(files):
               "--output", str(files["tmp"] / "out.txt")])
 
 
-def test_model_translates_and_reports_speed(tmp_path, capsys):
+def _tiny_model_and_test_set(tmp_path: Path) -> tuple[str, str]:
+    """A random 1+1 layer model saved as m.pt, and a 12-line test set; returns (src, ref)."""
     import torch
 
     from mt.checkpoint import model_state, save_atomic
@@ -294,8 +295,26 @@ def test_model_translates_and_reports_speed(tmp_path, capsys):
                       max_positions=64, src_vocab_size=tok.src_vocab_size,
                       tgt_vocab_size=tok.tgt_vocab_size)
     save_atomic(model_state(build_model(cfg).eval(), tok, None), tmp_path / "m.pt")
-    src_file = _write(tmp_path / "test.en", src[:12])
-    ref_file = _write(tmp_path / "test.de", [s.upper() for s in src[:12]])
+    return (_write(tmp_path / "test.en", src[:12]),
+            _write(tmp_path / "test.de", [s.upper() for s in src[:12]]))
+
+
+def test_bfloat16_evaluation_scores_what_translate_writes(tmp_path, capsys):
+    from mt.translate import main as translate_main
+
+    src_file, ref_file = _tiny_model_and_test_set(tmp_path)
+    model = str(tmp_path / "m.pt")
+    out = _run(["-m", model, "--src", src_file, "--ref", ref_file, "--beam", "3", "--max-len-b",
+                "5", "--dtype", "bfloat16", "--output", str(tmp_path / "eval.txt")], capsys)
+    translate_main(["-m", model, "-i", src_file, "-o", str(tmp_path / "tr.txt"), "--beam", "3",
+                    "--max-len-b", "5", "--dtype", "bfloat16", "--quiet"])
+    system = out["tests"][0]["systems"][0]
+    assert system["dtype"] == "bfloat16"
+    assert (tmp_path / "eval.txt").read_text() == (tmp_path / "tr.txt").read_text()
+
+
+def test_model_translates_and_reports_speed(tmp_path, capsys):
+    src_file, ref_file = _tiny_model_and_test_set(tmp_path)
     out = _run(["-m", str(tmp_path / "m.pt"), "--src", src_file, "--ref", ref_file, "--beam", "2",
                 "--max-len-b", "5", "--output", str(tmp_path / "hyp.{n}.txt"),
                 "--json-out", str(tmp_path / "r.json")], capsys)
