@@ -85,10 +85,12 @@ class _Decoder:
     def log_probs(self, tokens: Tensor) -> Tensor:
         """tokens (N,) -> float32 log-probabilities of the next token (N, V)."""
         if len(self.models) == 1:
-            return torch.log_softmax(self.models[0].decode_step(tokens, self.caches[0]).float(), -1)
+            # dtype= reads bf16 logits and writes float32 in one pass (no separate cast)
+            return torch.log_softmax(self.models[0].decode_step(tokens, self.caches[0]), -1,
+                                     dtype=torch.float32)
         total = None
         for m, cache in zip(self.models, self.caches, strict=True):
-            lp = torch.log_softmax(m.decode_step(tokens, cache).float(), -1)
+            lp = torch.log_softmax(m.decode_step(tokens, cache), -1, dtype=torch.float32)
             total = lp if total is None else total.add_(lp)
         return torch.log_softmax(total / len(self.models), -1)
 

@@ -14,7 +14,9 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +52,7 @@ class SearchOptions:
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0  # 1.0: no nucleus cut
     seed: int = 0  # the sampling stream (samples depend on the batching as well)
+    workers: int = 1  # batches searched at once, each on its own thread (see translate_ids)
 
 
 def _pieces(ids: list[int], limit: int) -> list[list[int]]:
@@ -108,26 +111,61 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions, progress
         bar = tqdm(total=len(sources), unit="sent", file=sys.stderr, leave=False)
     lengths = [len(s) for s in sources]
     lens = dict(max_len_a=opts.max_len_a, max_len_b=opts.max_len_b, min_len=opts.min_len)
-    for batch in _batches(lengths, order, opts.batch_tokens):
+
+    def search(batch: list[int]) -> list[list[Hypothesis]]:
         src = pad([sources[i] for i in batch]).to(device)
         pre = [prefixes[i] for i in batch] if prefixes is not None else None
         if opts.sampling:
-            hyps = sample_search(model, src, opts.nbest, opts.lenpen, prefixes=pre,
+            return sample_search(model, src, opts.nbest, opts.lenpen, prefixes=pre,
                                  temperature=opts.temperature, top_k=opts.top_k,
                                  top_p=opts.top_p, generator=generator, **lens)
-        elif opts.beam == 1:
-            hyps = [[h] for h in greedy_search(model, src, lenpen=opts.lenpen, prefixes=pre,
+        if opts.beam == 1:
+            return [[h] for h in greedy_search(model, src, lenpen=opts.lenpen, prefixes=pre,
                                               **lens)]
-        else:
-            hyps = beam_search(model, src, opts.beam, opts.lenpen, opts.nbest, prefixes=pre,
-                               **lens)
-        for i, h in zip(batch, hyps, strict=True):
-            results[i] = h
-        if bar is not None:
-            bar.update(len(batch))
+        return beam_search(model, src, opts.beam, opts.lenpen, opts.nbest, prefixes=pre, **lens)
+
+    batches = list(_batches(lengths, order, opts.batch_tokens))
+    # Sampling draws from one random stream in batch order, so it stays on one thread.
+    workers = 1 if opts.sampling else max(1, min(opts.workers, len(batches)))
+    with worker_threads(workers) as pool:
+        for batch, hyps in zip(batches, pool.map(search, batches), strict=True):
+            for i, h in zip(batch, hyps, strict=True):
+                results[i] = h
+            if bar is not None:
+                bar.update(len(batch))
     if bar is not None:
         bar.close()
     return results
+
+
+@contextmanager
+def worker_threads(workers: int) -> Iterator:
+    """A pool that searches ``workers`` batches at once, each thread running its operators on one
+    core (torch's intra-op threads are set to 1 meanwhile, and restored after).
+
+    A decoding step is hundreds of small operators; splitting each of them over cores costs more
+    in synchronisation than it gains, while whole batches on separate cores scale almost linearly
+    (docs/decoding.md has the measurements). The threads share the model's weights and release
+    the GIL inside every operator.
+    """
+    if workers <= 1:
+        yield _Sequential()
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="mt-search") as pool:
+            yield pool
+    finally:
+        torch.set_num_threads(before)
+
+
+class _Sequential:
+    """The one-worker pool: ``map`` in the calling thread, lazily, like ThreadPoolExecutor's."""
+
+    @staticmethod
+    def map(fn, items):
+        return map(fn, items)
 
 
 @dataclass
@@ -381,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layer for --alignment (Python index; default: penultimate)")
     p.add_argument("--batch-tokens", type=int, default=4096,
                    help="source tokens per batch, padding included")
+    p.add_argument("--workers", type=int, default=1,
+                   help="batches searched at once, one thread and one core each (CPU); on a "
+                        "multi-core CPU, as many as cores is fastest (default: 1)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights and activations; bfloat16 is the fast path on CPUs with "
@@ -461,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
                          max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                          min_len=args.min_len, batch_tokens=args.batch_tokens,
                          sampling=args.sampling, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, seed=args.seed)
+                         top_p=args.top_p, seed=args.seed, workers=args.workers)
     if interactive:
         if prefixes is not None:
             raise SystemExit("translate: --prefix-file needs -i (or piped input)")

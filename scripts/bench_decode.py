@@ -36,6 +36,7 @@ from mt.export import export_ctranslate2, hf_model, placeholder_vocabulary
 from mt.inference import prepare_model
 from mt.model import build_model
 from mt.search import beam_search, greedy_search
+from mt.translate import worker_threads
 
 SYSTEMS = ("mt-float32", "mt-bfloat16", "mt-float32-unpacked", "hf-float32", "ct2-float32",
            "ct2-int8")
@@ -115,19 +116,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="threads per system (torch and CT2 intra-op); on a CPU shared with other "
                         "work, more threads than idle cores make OpenMP spin: keep it low")
+    p.add_argument("--parallel", choices=("intra", "batches"), default="intra",
+                   help="how a system uses --threads cores: intra = one batch at a time, each "
+                        "operator split over the threads; batches = --threads batches at once, one "
+                        "thread each (mt: translate --workers, CT2: inter_threads, HF: the same "
+                        "thread pool as mt)")
     p.add_argument("--repeat", type=int, default=2,
                    help="rounds; each round times every system once (interleaved, so load "
                         "changes on a shared CPU hit all systems alike); the best round counts")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     p.add_argument("--out", default=None, help="JSON file (default: stdout)")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    by_batch = args.parallel == "batches"
+    torch.set_num_threads(1 if by_batch else args.threads)
     torch.set_num_interop_threads(1)
     systems = args.systems.split(",")
     n, steps, beam = args.sentences, args.tgt_len, args.beam
 
     model = base_model(args.vocab, seed=0)
-    srcs = sources(n, args.vocab, seed=1)
+    # Sorted by length, as translate batches (and CT2 with max_batch_size sorts): little padding.
+    srcs = sorted(sources(n, args.vocab, seed=1), key=len, reverse=True)
     batches = [srcs[i : i + args.batch] for i in range(0, n, args.batch)]
     warm = [srcs[:4]]  # a small batch, so that lazy initialisation is not timed
     hf = hf_model(model).eval()
@@ -142,39 +150,50 @@ def main(argv: list[str] | None = None) -> None:
               "checks": check_equivalence(
                   model, hf, ct2_dirs["float32"], srcs[0], args.threads), "systems": {}}
 
+    def each_batch(fn, todo):
+        """fn over the batches: in turn, or --threads at once (translate --workers's pool)."""
+        with worker_threads(args.threads if by_batch else 1) as pool:
+            return list(pool.map(fn, todo))
+
     def run_mt(m):
+        def one(b):
+            hyps = beam_search(m, pad(b), beam_size=beam, lenpen=1.0, max_len_a=0,
+                               max_len_b=steps, min_len=steps - 1)
+            return {len(h[0].tokens) + 1 for h in hyps}  # EOS is a step too
+
         def fn(warmup):
-            lengths = set()
-            for b in warm if warmup else batches:
-                for hyps in beam_search(m, pad(b), beam_size=beam, lenpen=1.0, max_len_a=0,
-                                        max_len_b=steps, min_len=steps - 1):
-                    lengths.add(len(hyps[0].tokens) + 1)  # EOS is a step too
+            lengths = set().union(*each_batch(one, warm if warmup else batches))
             assert warmup or lengths == {steps}, lengths
         return fn
 
     def run_hf(warmup):
-        with torch.inference_mode():
-            for b in warm if warmup else batches:
+        def one(b):
+            with torch.inference_mode():
                 src = pad(b)
                 out = hf.generate(src, attention_mask=src != PAD_ID, num_beams=beam,
                                   do_sample=False, min_new_tokens=steps, max_new_tokens=steps,
                                   early_stopping=True, length_penalty=1.0)
                 assert warmup or out.size(1) == steps + 1, out.shape  # start token + steps
 
+        each_batch(one, warm if warmup else batches)
+
     def run_ct2(q):
         import ctranslate2
 
-        translator = ctranslate2.Translator(ct2_dirs[q], device="cpu", compute_type=q,
-                                            inter_threads=1, intra_threads=args.threads)
+        translator = ctranslate2.Translator(
+            ct2_dirs[q], device="cpu", compute_type=q, inter_threads=args.threads if by_batch
+            else 1, intra_threads=1 if by_batch else args.threads)
         vocab = placeholder_vocabulary(args.vocab)
 
         def fn(warmup):
-            for b in warm if warmup else batches:
-                res = translator.translate_batch(
-                    [[vocab[t] for t in s[:-1]] for s in b],  # CT2 appends the source EOS
-                    beam_size=beam, max_batch_size=args.batch, min_decoding_length=steps,
-                    max_decoding_length=steps, length_penalty=1.0)
-                assert warmup or {len(r.hypotheses[0]) for r in res} == {steps}
+            # One call with every sentence: CT2 sorts them by length (already done) and cuts
+            # max_batch_size batches (the same as mt's), inter_threads of them at once.
+            todo = [s for b in (warm if warmup else batches) for s in b]
+            res = translator.translate_batch(
+                [[vocab[t] for t in s[:-1]] for s in todo],  # CT2 appends the source EOS
+                beam_size=beam, max_batch_size=args.batch, batch_type="examples",
+                min_decoding_length=steps, max_decoding_length=steps, length_penalty=1.0)
+            assert warmup or {len(r.hypotheses[0]) for r in res} == {steps}
         return fn
 
     runners = {

@@ -93,6 +93,10 @@ def test_output_does_not_depend_on_batch_size_or_order(models):
     opts = dict(beam=4, nbest=3, max_len_a=0, max_len_b=6)
     big = translate_lines(model, tok, lines, SearchOptions(batch_tokens=100_000, **opts))
     small = translate_lines(model, tok, lines, SearchOptions(batch_tokens=40, **opts))
+    threads = torch.get_num_threads()
+    workers = translate_lines(model, tok, lines, SearchOptions(batch_tokens=40, workers=3, **opts))
+    assert workers == small  # batches searched on 3 threads: the same texts and scores, in order
+    assert torch.get_num_threads() == threads
     order = list(range(len(lines)))
     random.Random(3).shuffle(order)
     shuffled = translate_lines(model, tok, [lines[i] for i in order], SearchOptions(**opts))
