@@ -116,7 +116,7 @@ class TrainerConfig:
     accumulation: int = 1  # batches per optimizer step
     max_steps: int = 0  # optimizer steps; 0 = no limit
     max_epochs: int = 0  # 0 = no limit
-    max_minutes: float = 0.0  # wall-clock budget for training; 0 = no limit
+    max_minutes: float = 0.0  # wall-clock budget for training, resumed runs included; 0 = none
     validate_every: int = 500  # optimizer steps
     save_every: int = 0  # also write last.pt every N steps between validations; 0 = only then
     log_every: int = 50

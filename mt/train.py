@@ -276,6 +276,7 @@ class Trainer:
         self.best, self.bad_validations, self.history = None, 0, []
         self.skipped_steps, self.bad_steps_in_a_row = 0, 0
         self.validated_step = -1
+        self.seconds_before, self.fit_start = 0.0, None  # training time of earlier runs, this one's
         self.writer = self._tensorboard() if self.rank == 0 else None
         self.ckpt_dir = run_dir / "checkpoints"
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
@@ -303,6 +304,7 @@ class Trainer:
             "step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
             "best": self.best, "bad_validations": self.bad_validations, "history": self.history,
             "skipped_steps": self.skipped_steps,
+            "seconds": self.seconds(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []},
             "world_size": self.world,
@@ -320,6 +322,7 @@ class Trainer:
         self.best, self.bad_validations = state["best"], state["bad_validations"]
         self.history = state["history"]
         self.skipped_steps = state.get("skipped_steps", 0)
+        self.seconds_before = state.get("seconds", 0.0)
         if state["world_size"] == self.world:
             torch.set_rng_state(state["rng"]["torch"])
             random.setstate(_as_python_state(state["rng"]["python"]))
@@ -443,7 +446,13 @@ class Trainer:
                 "optim.clip_norm"
             )
 
-    def should_stop(self, start: float) -> bool:
+    def seconds(self) -> float:
+        """Wall-clock seconds spent in fit(), over every run that resumed this one: the budget of
+        trainer.max_minutes, so a crashed run resumed does not start its clock again."""
+        running = time.perf_counter() - self.fit_start if self.fit_start is not None else 0.0
+        return self.seconds_before + running
+
+    def should_stop(self) -> bool:
         t = self.cfg.trainer
         if t.max_steps and self.step >= t.max_steps:
             return True
@@ -451,7 +460,7 @@ class Trainer:
             return True
         if t.patience and self.bad_validations >= t.patience:
             return True
-        stop = bool(t.max_minutes and (time.perf_counter() - start) / 60 >= t.max_minutes)
+        stop = bool(t.max_minutes and self.seconds() / 60 >= t.max_minutes)
         if self.world > 1:  # every rank must leave the loop at the same step
             flag = torch.tensor([float(stop)], device=self.device)
             dist.all_reduce(flag)
@@ -461,7 +470,7 @@ class Trainer:
     def fit(self) -> float | None:
         t = self.cfg.trainer
         per_step = t.accumulation * self.world
-        start = time.perf_counter()
+        self.fit_start = time.perf_counter()
         self.model.train()
         bar = None
         if self.rank == 0:
@@ -470,7 +479,7 @@ class Trainer:
             bar = tqdm(total=t.max_steps or None, initial=self.step, unit="step", file=sys.stderr,
                        dynamic_ncols=True, mininterval=1.0)
         window = Window(self.device)
-        stopped = self.should_stop(start)
+        stopped = self.should_stop()
         while not stopped:
             batches = self.corpus.batches(t.max_tokens, t.seed, self.epoch)
             steps_in_epoch = len(batches) // per_step
@@ -503,13 +512,13 @@ class Trainer:
                     window.restart()  # tokens/s measures training only
                 elif t.save_every and self.step % t.save_every == 0:
                     self.save(improved=False, step_checkpoint=False)
-                if self.should_stop(start):
+                if self.should_stop():
                     stopped = True
                     break
             if not stopped:
                 self.epoch += 1
                 self.step_in_epoch = 0
-                stopped = self.should_stop(start)
+                stopped = self.should_stop()
         if bar is not None:
             bar.close()
         if self.validated_step != self.step:
