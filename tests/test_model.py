@@ -236,6 +236,27 @@ def test_repeated_reorders_equal_recomputation() -> None:
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
 
+def test_cache_grows_past_its_first_capacity_across_reorders() -> None:
+    """The self-attention cache starts with room for 32 steps and doubles when full: 45 steps,
+    with reorders before, at and after a growth, still equal a full forward pass."""
+    model = tiny_model(norm="post")
+    src, tgt = padded_source([5, 7, 6]), target_in(3, 45)
+    rows = torch.arange(3)
+    reorders = {3: [2, 0, 1, 1], 32: [1, 0, 3, 2], 40: [3, 0]}
+    with torch.no_grad():
+        memory, src_mask = model.encode(src)
+        cache = model.init_cache(memory, src_mask, 45)
+        assert cache.self_kv.size(0) < 45  # the growth is exercised
+        for t in range(45):
+            if t in reorders:
+                index = torch.tensor(reorders[t])
+                cache.reorder(index)
+                rows = rows[index]
+            logits = model.decode_step(tgt[rows, t], cache)
+        expected = model(src[rows], tgt[rows])[:, -1]
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
 def test_decode_step_past_max_len_raises() -> None:
     model = tiny_model()
     src = padded_source([4, 2])
