@@ -54,9 +54,13 @@ class PackedFeedForward(nn.Module):
 
 
 def can_pack(dtype: str, device: str) -> bool:
-    """oneDNN packing applies to float32 and bfloat16 models on a CPU built with oneDNN."""
-    return (dtype in ("float32", "bfloat16") and torch.device(device).type == "cpu"
-            and torch.backends.mkldnn.is_available())
+    """oneDNN packing applies to float32 models on a CPU build with oneDNN, and to bfloat16 ones
+    where oneDNN has bf16 kernels (AVX512 and newer)."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == "bfloat16":
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == "float32"
 
 
 def prepare_model(model: nn.Module, dtype: str = "float32", device: str = "cpu",

@@ -427,8 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations; bfloat16 is the fast path on CPUs with "
                         "AVX512-BF16/AMX and on GPUs")
     p.add_argument("--no-pack", action="store_true",
-                   help="keep float32 linear layers as they are on CPU (default: pre-packed "
-                        "for oneDNN, faster)")
+                   help="keep linear layers as they are on CPU (default: pre-packed for oneDNN, "
+                        "faster)")
     p.add_argument("--errors", choices=("strict", "replace"), default="strict",
                    help="invalid UTF-8 input: stop with the line number, or replace it")
     p.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
