@@ -157,6 +157,16 @@ def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**values)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type for counts such as ``--workers``: an integer of at least 1."""
+    import argparse
+
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def register_configs() -> None:
     """Registers the root schema so conf/train.yaml can name it in its defaults list."""
     from hydra.core.config_store import ConfigStore

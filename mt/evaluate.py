@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mt.config import positive_int
 from mt.report import METRICS, compare, render, score_system
 from mt.testsets import (
     EvalError,
@@ -189,7 +190,8 @@ def _translate(system: System, test: TestSet, n: int, loaded: dict, args: argpar
                        "load_seconds": time.perf_counter() - start}
     model, tokenizer = loaded[n]
     opts = SearchOptions(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
-                         max_len_b=args.max_len_b, batch_tokens=args.batch_tokens)
+                         max_len_b=args.max_len_b, batch_tokens=args.batch_tokens,
+                         workers=args.workers)
     log.info("translating %s (%d lines) with %s", test.name, len(sources), system.path)
     hyps, speed = translate_test(model, tokenizer, sources, opts)
     speed.update(search=asdict(opts), device=args.device, dtype=args.dtype)
@@ -266,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-tokens", type=int, default=4096,
                    help="source tokens per batch, padding included (default: 4096)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
+    g.add_argument("--workers", type=positive_int, default=1,
+                   help="batches translated at once, one core each, as translate --workers")
+    # The names of mt.inference.DTYPES, spelt out so that --help does not import torch.
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="decode in this precision, as translate --dtype (default: float32)")
     g.add_argument("--output", help="write translations here; {test} and {n} (system number) "

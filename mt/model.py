@@ -171,15 +171,17 @@ class EncoderLayer(nn.Module):
 
 
 class KVCache:
-    """Per-layer decoder state for incremental decoding.
+    """The decoder's state for incremental decoding, every layer's.
 
     Self-attention keys/values of every layer live in one tensor ``self_kv`` of shape
     (T, layers, 2, R, H, K), position first: a new step writes one contiguous slab per layer, and
     a beam reorder moves the filled positions of all layers with a single ``index_select`` into a
     second buffer (double buffering), one pass over the cache instead of a gather and a copy per
     layer. Attention reads a layer's keys as a strided (R, H, t, K) view, which
-    ``scaled_dot_product_attention`` takes without copying. The time axis starts short and doubles
-    when full (up to ``max_len``), so a generous length budget costs no memory until it is used.
+    ``scaled_dot_product_attention`` takes without copying. The time axis starts at
+    ``FIRST_CAPACITY`` steps and doubles when full (up to ``max_len``), so a generous length budget
+    costs no memory until it is used. The buffer is allocated at the first step, in the dtype of
+    the keys themselves (under autocast they are bf16 while the encoder output is float32).
 
     Cross-attention keys/values are computed once from the encoder output and kept once per
     *sentence* (keys transposed, ready for the product with the queries): the ``beams`` consecutive
@@ -188,17 +190,17 @@ class KVCache:
     it, and finished sentences leave the batch with it.
     """
 
+    FIRST_CAPACITY = 32  # target steps the first buffer holds; most sentences need no growth
+
     def __init__(self, layers: int, rows: int, heads: int, head_dim: int, max_len: int,
-                 cross_k: list[Tensor], cross_v: list[Tensor], src_mask: Tensor,
-                 dtype: torch.dtype) -> None:
+                 cross_k: list[Tensor], cross_v: list[Tensor], src_mask: Tensor) -> None:
         self.max_len = max_len  # target positions this cache may hold
         self.length = 0  # target positions filled so far
         self.beams = 1  # consecutive rows per sentence
         self.rows = rows
-        capacity = min(max_len, 32)
-        self._storage = src_mask.new_empty(capacity * layers * 2 * rows * heads * head_dim,
-                                           dtype=dtype)
-        self.self_kv = self._storage.view(capacity, layers, 2, rows, heads, head_dim)
+        self.step_shape = (layers, 2, rows, heads, head_dim)  # one position of self_kv
+        self.self_kv: Tensor | None = None  # (T, layers, 2, R, H, K), allocated at the first step
+        self._storage: Tensor | None = None  # the flat buffer self_kv views
         self._spare: Tensor | None = None  # the other buffer of the double buffering
         self.cross_k, self.cross_v = cross_k, cross_v  # (N, H, K, S) and (N, H, S, K) per layer
         self.src_mask = src_mask  # (N, 1, 1, S)
@@ -207,20 +209,24 @@ class KVCache:
         """Stores the new step's keys/values kv (2, R, H, K) of ``layer``; returns the layer's keys
         and values so far, each (R, H, t + 1, K)."""
         t = self.length
-        if t == self.self_kv.size(0):
+        if self.self_kv is None:
+            self._allocate(min(self.max_len, self.FIRST_CAPACITY), kv)
+        elif t == self.self_kv.size(0):
             self._grow()
         self.self_kv[t, layer] = kv
         filled = self.self_kv[: t + 1, layer]  # (t + 1, 2, R, H, K)
         return filled[:, 0].permute(1, 2, 0, 3), filled[:, 1].permute(1, 2, 0, 3)
 
+    def _allocate(self, capacity: int, like: Tensor) -> None:
+        self._storage = like.new_empty(capacity * math.prod(self.step_shape))
+        self.self_kv = self._storage.view(capacity, *self.step_shape)
+        self._spare = None
+
     def _grow(self) -> None:
         """Doubles the time axis (capped at max_len); called when a step finds it full."""
         old = self.self_kv
-        capacity = min(2 * old.size(0), self.max_len)
-        self._storage = old.new_empty(capacity * old[0].numel())
-        self.self_kv = self._storage.view(capacity, *old.shape[1:])
+        self._allocate(min(2 * old.size(0), self.max_len), old)
         self.self_kv[: self.length] = old[: self.length]
-        self._spare = None
 
     def reorder(self, index: Tensor, beams: int = 1) -> None:
         """Keeps hypothesis rows ``index`` (R',) in that order; R' may be smaller or larger than R.
@@ -237,11 +243,14 @@ class KVCache:
         m, n = index.numel(), self.length
         sentences = index.view(-1, beams)[:, 0] // self.beams  # (N',) source sentence per group
         self.beams, self.rows = beams, m
+        self.step_shape = self.step_shape[:2] + (m,) + self.step_shape[3:]
         kv = self.self_kv
-        if m <= kv.size(3) and torch.equal(index, torch.arange(m, device=index.device)):
+        if kv is None:
+            pass  # nothing stored yet: the first step allocates for the new rows
+        elif m <= kv.size(3) and torch.equal(index, torch.arange(m, device=index.device)):
             self.self_kv = kv[:, :, :, :m]
         else:
-            shape = (kv.size(0), kv.size(1), 2, m, kv.size(4), kv.size(5))
+            shape = (kv.size(0), *self.step_shape)
             size = math.prod(shape)
             if self._spare is None or self._spare.numel() < size:
                 self._spare = kv.new_empty(size)
@@ -298,8 +307,9 @@ class DecoderLayer(nn.Module):
         q = cross.q_proj(self.cross_sub.input(y))  # (R, 1, D)
         # The beams of a sentence query its keys together: (N, H, beams, K).
         q = q.view(r // cache.beams, cache.beams, heads, hd).transpose(1, 2)
-        # A few queries per sentence: two small products and a softmax cost less than the fused
-        # kernel's set-up here (measured on CPU, float32 and bfloat16).
+        # A block of a few queries per sentence over its own keys: two small products and a softmax
+        # cost less here than the fused kernel's set-up, which pays off for self-attention's many
+        # rows (measured on CPU, float32 and bfloat16).
         scores = (q @ cache.cross_k[i]) * hd**-0.5  # (N, H, beams, S)
         scores = scores.masked_fill(~cache.src_mask, -torch.inf)
         out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ cache.cross_v[i]
@@ -423,7 +433,7 @@ class Transformer(nn.Module):
         return KVCache(len(self.decoder_layers), memory.size(0), self.cfg.heads,
                        self.cfg.d_model // self.cfg.heads, max_len,
                        [k.transpose(-1, -2).contiguous() for k, _ in cross],
-                       [v.contiguous() for _, v in cross], src_mask, memory.dtype)
+                       [v.contiguous() for _, v in cross], src_mask)
 
     def decode_step(self, tokens: Tensor, cache: KVCache) -> Tensor:
         """Next-token logits for the last tokens (B,) given the cache -> (B, V); advances it."""

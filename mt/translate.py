@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from mt.config import EOS_ID
+from mt.config import EOS_ID, positive_int
 from mt.inference import DTYPES, load_models
 from mt.search import (
     Ensemble,
@@ -84,7 +85,9 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions, progress
     """Searches every source (ids ending in EOS); returns n-best lists in input order.
 
     Batches are formed from length-sorted sources (longest first, so memory peaks early) and each
-    holds at most ``opts.batch_tokens`` source tokens, padding included.
+    holds at most ``opts.batch_tokens`` source tokens, padding included. On CPU, ``opts.workers``
+    batches are searched at once, one thread each (so that many batches' activations and caches
+    are in memory together); the results do not depend on it.
 
     Args:
         model: a Transformer, or an Ensemble.
@@ -125,8 +128,12 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions, progress
         return beam_search(model, src, opts.beam, opts.lenpen, opts.nbest, prefixes=pre, **lens)
 
     batches = list(_batches(lengths, order, opts.batch_tokens))
-    # Sampling draws from one random stream in batch order, so it stays on one thread.
-    workers = 1 if opts.sampling else max(1, min(opts.workers, len(batches)))
+    if opts.workers < 1:
+        raise ValueError(f"workers must be at least 1, got {opts.workers}")
+    # Sampling draws from one random stream in batch order, so it stays on one thread; a GPU
+    # runs one batch at a time anyway.
+    parallel = not opts.sampling and device.type == "cpu"
+    workers = min(opts.workers, len(batches)) if parallel else 1
     with worker_threads(workers) as pool:
         for batch, hyps in zip(batches, pool.map(search, batches), strict=True):
             for i, h in zip(batch, hyps, strict=True):
@@ -138,10 +145,22 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions, progress
     return results
 
 
+class _Sequential:
+    """The one-worker pool: ``map`` in the calling thread, lazily, like ThreadPoolExecutor's."""
+
+    @staticmethod
+    def map(fn, items):
+        return map(fn, items)
+
+
+_THREADS_LOCK = threading.Lock()
+_THREADS_USERS = [0, 0]  # pools open now, torch's thread count before the first of them
+
+
 @contextmanager
-def worker_threads(workers: int) -> Iterator:
+def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor | _Sequential]:
     """A pool that searches ``workers`` batches at once, each thread running its operators on one
-    core (torch's intra-op threads are set to 1 meanwhile, and restored after).
+    core (torch's intra-op threads are set to 1 while any such pool is open, then restored).
 
     A decoding step is hundreds of small operators; splitting each of them over cores costs more
     in synchronisation than it gains, while whole batches on separate cores scale almost linearly
@@ -151,21 +170,19 @@ def worker_threads(workers: int) -> Iterator:
     if workers <= 1:
         yield _Sequential()
         return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    with _THREADS_LOCK:  # torch's thread count is process-wide: the first pool saves it
+        if _THREADS_USERS[0] == 0:
+            _THREADS_USERS[1] = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _THREADS_USERS[0] += 1
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="mt-search") as pool:
             yield pool
     finally:
-        torch.set_num_threads(before)
-
-
-class _Sequential:
-    """The one-worker pool: ``map`` in the calling thread, lazily, like ThreadPoolExecutor's."""
-
-    @staticmethod
-    def map(fn, items):
-        return map(fn, items)
+        with _THREADS_LOCK:  # and the last one restores it
+            _THREADS_USERS[0] -= 1
+            if _THREADS_USERS[0] == 0:
+                torch.set_num_threads(_THREADS_USERS[1])
 
 
 @dataclass
@@ -419,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layer for --alignment (Python index; default: penultimate)")
     p.add_argument("--batch-tokens", type=int, default=4096,
                    help="source tokens per batch, padding included")
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--workers", type=positive_int, default=1,
                    help="batches searched at once, one thread and one core each (CPU); on a "
                         "multi-core CPU, as many as cores is fastest (default: 1)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")

@@ -24,22 +24,20 @@ echo "training, averaging and the test decode took $(( ($(date +%s) - start) / 6
 say "tokenizer: $run/tokenizer"
 cat "$run/tokenizer/tokenizer.json"
 
-pair=$(python -c "
-import sys, yaml
-cfg = yaml.safe_load(open(sys.argv[1]))['data']
-print(cfg['src_lang'] + '-' + cfg['tgt_lang'])" "$run/.hydra/config.yaml")
-beam=$(python -c "
-import sys, yaml
-t = yaml.safe_load(open(sys.argv[1]))['trainer']
-print(t['beam_size'], t['lenpen'])" "$run/.hydra/config.yaml")
-read -r beam_size lenpen <<< "$beam"
+# The language pair, the search and the device of the run, from its composed config.
+read -r pair beam_size lenpen device <<< "$(python -c "
+import sys, torch, yaml
+cfg = yaml.safe_load(open(sys.argv[1]))
+d, t = cfg['data'], cfg['trainer']
+gpu = t['device'] == 'cuda' or (t['device'] == 'auto' and torch.cuda.is_available())
+print(d['src_lang'] + '-' + d['tgt_lang'], t['beam_size'], t['lenpen'], 'cuda' if gpu else 'cpu')" "$run/.hydra/config.yaml")"
 
 for split in multi30k_valid multi30k_test2016; do
   for ckpt in best averaged; do
     [[ -f "$run/checkpoints/$ckpt.pt" ]] || continue
     say mt-eval -m "$run/checkpoints/$ckpt.pt" --test "$split" --langpair "$pair" \
-      --beam "$beam_size" --lenpen "$lenpen" --quiet
+      --beam "$beam_size" --lenpen "$lenpen" --device "$device" --quiet
     mt-eval -m "$run/checkpoints/$ckpt.pt" --test "$split" --langpair "$pair" \
-      --beam "$beam_size" --lenpen "$lenpen" --quiet
+      --beam "$beam_size" --lenpen "$lenpen" --device "$device" --quiet
   done
 done

@@ -18,6 +18,7 @@ from torch import nn
 from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
 from mt.model import (
     FeedForward,
+    KVCache,
     MultiHeadAttention,
     PositionalEncoding,
     Transformer,
@@ -246,7 +247,7 @@ def test_cache_grows_past_its_first_capacity_across_reorders() -> None:
     with torch.no_grad():
         memory, src_mask = model.encode(src)
         cache = model.init_cache(memory, src_mask, 45)
-        assert cache.self_kv.size(0) < 45  # the growth is exercised
+        assert cache.self_kv is None and KVCache.FIRST_CAPACITY < 45  # growth is exercised
         for t in range(45):
             if t in reorders:
                 index = torch.tensor(reorders[t])
@@ -255,6 +256,22 @@ def test_cache_grows_past_its_first_capacity_across_reorders() -> None:
             logits = model.decode_step(tgt[rows, t], cache)
         expected = model(src[rows], tgt[rows])[:, -1]
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_cache_takes_the_dtype_of_the_keys_under_autocast() -> None:
+    """Under CPU bf16 autocast the encoder output is float32 but the keys are bf16: the cache is
+    bf16 (a float32 one would be cast back for attention at every step), and decoding matches the
+    float32 model closely."""
+    model = tiny_model(seed=3)
+    src, tgt = padded_source([6, 4], seed=7), target_in(2, 5, seed=8)
+    with torch.no_grad():
+        reference = model(src, tgt)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            memory, src_mask = model.encode(src)
+            cache = model.init_cache(memory, src_mask, 5)
+            steps = torch.stack([model.decode_step(tgt[:, t], cache) for t in range(5)], dim=1)
+    assert memory.dtype == torch.float32 and cache.self_kv.dtype == torch.bfloat16
+    assert (steps.float() - reference).abs().max().item() < 0.1
 
 
 def test_decode_step_past_max_len_raises() -> None:

@@ -86,7 +86,7 @@ def test_cosine_schedule_reaches_min_lr():
 
 
 def test_label_smoothed_loss_matches_its_definition():
-    from mt.train import label_smoothed_nll
+    from mt.loss import label_smoothed_nll
 
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 7)
@@ -103,7 +103,7 @@ def test_label_smoothed_loss_matches_its_definition():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_label_smoothed_loss_gradient_equals_cross_entropy(dtype):
     """The hand-written backward gives autograd's gradient of F.cross_entropy."""
-    from mt.train import label_smoothed_nll
+    from mt.loss import label_smoothed_nll
 
     torch.manual_seed(0)
     logits = torch.randn(3, 5, 11).to(dtype).requires_grad_()
