@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mt.batching import collate, token_batches  # noqa: E402
 from mt.config import EOS_ID, PAD_ID, ModelConfig  # noqa: E402
+from mt.loss import label_smoothed_nll  # noqa: E402
 from mt.model import build_model, count_parameters  # noqa: E402
 
 SIZES = {
@@ -70,8 +71,11 @@ def step_fn(name: str, model, optimizer, dtype, device):
                                decoder_attention_mask=tgt_in != PAD_ID).logits
             else:
                 logits = model(src, tgt_in)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt_out.view(-1),
-                               ignore_index=PAD_ID, label_smoothing=0.1)
+        if name.startswith("hf"):
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt_out.view(-1),
+                                   ignore_index=PAD_ID, label_smoothing=0.1)
+        else:  # what mt-train computes: the same loss, with its hand-written gradient
+            loss = label_smoothed_nll(logits, tgt_out, 0.1)[0] / (tgt_out != PAD_ID).sum()
         loss.backward()
         optimizer.step()
         return loss.detach()
