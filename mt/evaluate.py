@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def _translate(system: System, test: TestSet, n: int, loaded: dict, args: argparse.Namespace,
                refs: list[list[str]]) -> tuple[list[str], dict]:
-    from mt.translate import SearchOptions
+    from mt.translate import SearchOptions, default_workers
 
     if not test.src:
         raise EvalError(f"test set {test.name}: no source file to translate with -m "
@@ -191,7 +191,7 @@ def _translate(system: System, test: TestSet, n: int, loaded: dict, args: argpar
     model, tokenizer = loaded[n]
     opts = SearchOptions(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
                          max_len_b=args.max_len_b, batch_tokens=args.batch_tokens,
-                         workers=args.workers)
+                         workers=args.workers or default_workers(args.device))
     log.info("translating %s (%d lines) with %s", test.name, len(sources), system.path)
     hyps, speed = translate_test(model, tokenizer, sources, opts)
     speed.update(search=asdict(opts), device=args.device, dtype=args.dtype)
@@ -268,8 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-tokens", type=int, default=4096,
                    help="source tokens per batch, padding included (default: 4096)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
-    g.add_argument("--workers", type=positive_int, default=1,
-                   help="batches translated at once, one core each, as translate --workers")
+    g.add_argument("--workers", type=positive_int, default=None,
+                   help="batches translated at once, one core each, as translate --workers "
+                        "(default: one per core on CPU)")
     # The names of mt.inference.DTYPES, spelt out so that --help does not import torch.
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="decode in this precision, as translate --dtype (default: float32)")

@@ -153,6 +153,12 @@ class _Sequential:
         return map(fn, items)
 
 
+def default_workers(device: str) -> int:
+    """Batches to search at once: one per core torch may use on a CPU (2.3x one batch split over
+    2 cores for bf16 beam search, docs/decoding.md), one on a GPU."""
+    return torch.get_num_threads() if torch.device(device).type == "cpu" else 1
+
+
 _THREADS_LOCK = threading.Lock()
 _THREADS_USERS = [0, 0]  # pools open now, torch's thread count before the first of them
 
@@ -436,9 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layer for --alignment (Python index; default: penultimate)")
     p.add_argument("--batch-tokens", type=int, default=4096,
                    help="source tokens per batch, padding included")
-    p.add_argument("--workers", type=positive_int, default=1,
-                   help="batches searched at once, one thread and one core each (CPU); on a "
-                        "multi-core CPU, as many as cores is fastest (default: 1)")
+    p.add_argument("--workers", type=positive_int, default=None,
+                   help="batches searched at once, one thread and one core each (CPU); default: "
+                        "one per core torch may use on CPU, 1 on a GPU")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights and activations; bfloat16 is the fast path on CPUs with "
@@ -519,7 +525,8 @@ def main(argv: list[str] | None = None) -> None:
                          max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                          min_len=args.min_len, batch_tokens=args.batch_tokens,
                          sampling=args.sampling, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, seed=args.seed, workers=args.workers)
+                         top_p=args.top_p, seed=args.seed,
+                         workers=args.workers or default_workers(args.device))
     if interactive:
         if prefixes is not None:
             raise SystemExit("translate: --prefix-file needs -i (or piped input)")
