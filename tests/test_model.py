@@ -17,6 +17,7 @@ from torch import nn
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
 from mt.model import (
+    Dropout,
     FeedForward,
     KVCache,
     MultiHeadAttention,
@@ -24,6 +25,7 @@ from mt.model import (
     Transformer,
     build_model,
     count_parameters,
+    explicit_attention,
     sinusoids,
 )
 
@@ -416,6 +418,58 @@ def test_attention_matches_the_textbook_formula() -> None:
     manual = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, lq, 16)
     expected = attn.out_proj(manual)
     torch.testing.assert_close(attn.attend(q, key, v, mask, False), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_explicit_attention_equals_the_fused_kernel(causal: bool) -> None:
+    """The matmul-softmax-matmul path taken for bf16 on CPU computes what SDPA computes, padded
+    keys and the causal mask included (compared in float32, where both are exact)."""
+    torch.manual_seed(0)
+    b, h, length, k = 3, 2, 6, 8
+    q, key, v = (torch.randn(b, h, length, k) for _ in range(3))
+    mask = None if causal else (torch.arange(length) < torch.tensor([6, 4, 1])[:, None])[:, None,
+                                                                                           None]
+    expected = F.scaled_dot_product_attention(q, key, v, attn_mask=mask, is_causal=causal)
+    torch.testing.assert_close(explicit_attention(q, key, v, mask, causal, 0.0), expected,
+                               atol=ATOL, rtol=0)
+
+
+def test_bf16_cpu_training_takes_the_explicit_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under CPU bf16 autocast no attention goes to the fused kernel (slow there), and the
+    gradients match float32 to bf16 accuracy."""
+    model = tiny_model(encoder_layers=2, decoder_layers=2).train()
+    src, tgt = padded_source([5, 3]), target_in(2, 4)
+    model(src, tgt).float().square().mean().backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("fused attention called in bf16 on CPU")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", refuse)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(src, tgt)
+    out.float().square().mean().backward()
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    reference = torch.cat([g.flatten() for g in reference])
+    assert (grad - reference).norm() <= 0.05 * reference.norm()
+
+
+def test_dropout_keeps_the_expectation_and_masks_the_gradient() -> None:
+    """The CPU dropout zeroes a fraction p, scales the rest by 1/(1-p), and lets the gradient
+    through exactly where it kept the input."""
+    torch.manual_seed(0)
+    drop = Dropout(0.3).train()
+    x = torch.ones(400, 500, requires_grad=True)
+    y = drop(x)
+    zeros = (y == 0).float().mean().item()
+    assert abs(zeros - 0.3) < 0.01
+    torch.testing.assert_close(y[y != 0], torch.full_like(y[y != 0], 1 / 0.7))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, y.detach())
+    assert drop.eval()(x) is x
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert drop.train()(x.bfloat16()).dtype == torch.bfloat16
 
 
 @NORMS
