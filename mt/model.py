@@ -93,7 +93,9 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cau
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, -torch.inf)
-    weights = F.dropout(scores.softmax(dim=-1), dropout) if dropout else scores.softmax(dim=-1)
+    weights = scores.softmax(dim=-1)
+    if dropout:
+        weights = F.dropout(weights, dropout)
     return torch.matmul(weights, v)
 
 
