@@ -86,9 +86,16 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return choices[precision]
 
 
-def lr_lambda(cfg) -> Callable[[int], float]:
-    """Multiplier of optim.lr at a given step (1-based), for LambdaLR."""
+def lr_lambda(cfg, seconds: Callable[[], float] | None = None) -> Callable[[int], float]:
+    """Multiplier of optim.lr at a given step (1-based), for LambdaLR.
+
+    `cosine` decays to optim.min_lr when the first of the run's budgets ends: trainer.max_steps,
+    or trainer.max_minutes of training time read from `seconds()`. A time budget is turned into a
+    step budget at every step from the pace so far (steps x budget / elapsed), so a recipe that
+    trains "for 60 minutes" anneals fully on a fast machine and on a slow one alike.
+    """
     warmup = max(1, cfg.optim.warmup_steps)
+    budget = cfg.trainer.max_minutes * 60 if seconds is not None else 0.0
 
     def inverse_sqrt(step: int) -> float:
         step = max(step, 1)
@@ -98,8 +105,11 @@ def lr_lambda(cfg) -> Callable[[int], float]:
         step = max(step, 1)
         if step < warmup:
             return step / warmup
-        total = max(cfg.trainer.max_steps, warmup + 1)
-        progress = min(1.0, (step - warmup) / (total - warmup))
+        total = cfg.trainer.max_steps or math.inf
+        elapsed = seconds() if budget else 0.0
+        if elapsed > 0:
+            total = min(total, step * budget / elapsed)
+        progress = min(1.0, (step - warmup) / max(total - warmup, 1e-9))
         floor = cfg.optim.min_lr / cfg.optim.lr
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -110,6 +120,9 @@ def lr_lambda(cfg) -> Callable[[int], float]:
     if cfg.optim.schedule not in schedules:
         raise ValueError(f"optim.schedule must be one of {sorted(schedules)}, "
                          f"got {cfg.optim.schedule!r}")
+    if cfg.optim.schedule == "cosine" and not (cfg.trainer.max_steps or cfg.trainer.max_minutes):
+        raise ValueError("optim.schedule=cosine decays over a budget: set trainer.max_steps or "
+                         "trainer.max_minutes")
     return schedules[cfg.optim.schedule]
 
 
@@ -212,7 +225,11 @@ class Trainer:
         log.info("model %s: %s parameters\n%s", cfg.model.name, f"{count_parameters(self.model):,}",
                  OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
         self.optimizer = build_optimizer(self.model, cfg, self.device)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        # Training seconds of earlier runs (resumed) and this one's start; `elapsed` is the clock
+        # every rank agrees on, read by the time-budgeted schedule.
+        self.seconds_before, self.fit_start, self.elapsed = 0.0, None, 0.0
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg, seconds=lambda: self.elapsed))
         self.amp_dtype = autocast_dtype(cfg.trainer.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type,
                                            enabled=self.amp_dtype == torch.float16)
@@ -228,7 +245,6 @@ class Trainer:
         self.best, self.bad_validations, self.history = None, 0, []
         self.skipped_steps, self.bad_steps_in_a_row = 0, 0
         self.validated_step = -1
-        self.seconds_before, self.fit_start = 0.0, None  # training time of earlier runs, this one's
         self.writer = self._tensorboard() if self.rank == 0 else None
         self.ckpt_dir = run_dir / "checkpoints"
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
@@ -274,7 +290,7 @@ class Trainer:
         self.best, self.bad_validations = state["best"], state["bad_validations"]
         self.history = state["history"]
         self.skipped_steps = state.get("skipped_steps", 0)
-        self.seconds_before = state.get("seconds", 0.0)
+        self.seconds_before = self.elapsed = state.get("seconds", 0.0)
         if state["world_size"] == self.world:
             torch.set_rng_state(state["rng"]["torch"])
             random.setstate(_as_python_state(state["rng"]["python"]))
@@ -412,12 +428,13 @@ class Trainer:
             return True
         if t.patience and self.bad_validations >= t.patience:
             return True
-        stop = bool(t.max_minutes and self.seconds() / 60 >= t.max_minutes)
-        if self.world > 1:  # every rank must leave the loop at the same step
-            flag = torch.tensor([float(stop)], device=self.device)
-            dist.all_reduce(flag)
-            stop = bool(flag.item())
-        return stop
+        elapsed = self.seconds()
+        if self.world > 1:  # every rank must see the same clock: same stop step, same lr
+            clock = torch.tensor([elapsed], dtype=torch.float64, device=self.device)
+            dist.all_reduce(clock, op=dist.ReduceOp.MAX)
+            elapsed = clock.item()
+        self.elapsed = elapsed
+        return bool(t.max_minutes and elapsed / 60 >= t.max_minutes)
 
     def fit(self) -> float | None:
         t = self.cfg.trainer

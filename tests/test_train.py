@@ -85,6 +85,34 @@ def test_cosine_schedule_reaches_min_lr():
     assert f(110) == pytest.approx(0.1)
 
 
+def test_cosine_schedule_anneals_over_a_time_budget():
+    """With trainer.max_minutes the decay ends when the time does, at the pace measured so far."""
+    import math
+
+    from mt.train import lr_lambda
+
+    cfg = compose(["optim.schedule=cosine", "optim.warmup_steps=10", "trainer.max_minutes=1",
+                   "optim.lr=1e-3", "optim.min_lr=1e-4"])
+    clock = {"s": 30.0}
+    f = lr_lambda(cfg, seconds=lambda: clock["s"])
+    assert f(5) == pytest.approx(0.5)  # warmup ignores the clock
+    # step 60 after 30 of 60 s: the budget is 120 steps, so 50 of the 110 decay steps are done
+    assert f(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 50 / 110)))
+    clock["s"] = 60.0
+    assert f(60) == pytest.approx(0.1)  # time is up: min_lr
+    cfg.trainer.max_steps = 35  # the step budget ends first
+    clock["s"] = 1.0
+    assert f(35) == pytest.approx(0.1)
+
+
+def test_cosine_schedule_needs_a_budget():
+    from mt.train import lr_lambda
+
+    with pytest.raises(ValueError, match="trainer.max_steps or trainer.max_minutes"):
+        lr_lambda(compose(["optim.schedule=cosine", "trainer.max_steps=0",
+                           "trainer.max_minutes=0"]))
+
+
 def test_label_smoothed_loss_matches_its_definition():
     from mt.loss import label_smoothed_nll
 
