@@ -176,17 +176,20 @@ def _translate(system: System, test: TestSet, n: int, loaded: dict, args: argpar
         raise EvalError(f"{test.src} has {len(sources)} lines but {test.refs[0]} has "
                         f"{len(refs[0])}; source and reference must be aligned line by line")
     if n not in loaded:
-        from mt.checkpoint import load_model
-        from mt.inference import prepare_model
+        from mt.inference import load_models
 
         start = time.perf_counter()
+        paths = [p for p in system.path.split(",") if p]  # a,b,c: one system, an ensemble
         try:
-            model, tokenizer, ckpt = load_model(system.path, args.device)
-        except (FileNotFoundError, ValueError) as err:
+            model, tokenizer, names = load_models(paths, args.device, args.dtype)
+        except ValueError as err:
             raise EvalError(f"-m {system.path}: {err}") from None
-        loaded[n] = (prepare_model(model, args.dtype, args.device), tokenizer)
-        system.info = {"model": ckpt["path"], "config_hash": config_hash(ckpt["model_config"]),
-                       "model_config": ckpt["model_config"],
+        loaded[n] = (model, tokenizer)
+        configs = [m.cfg for m in getattr(model, "models", [model])]
+        system.info = {"model": ",".join(names),
+                       "config_hash": ",".join(config_hash(dict(vars(c))) for c in configs),
+                       "model_config": dict(vars(configs[0])) if len(configs) == 1
+                       else [dict(vars(c)) for c in configs],
                        "load_seconds": time.perf_counter() - start}
     model, tokenizer = loaded[n]
     opts = SearchOptions(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
@@ -226,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
         "system given is the baseline of the paired tests.")
     g = p.add_argument_group("systems (several allowed, in any mix)")
     g.add_argument("-m", "--model", nargs="+", action=_AddSystem, default=None,
-                   help="run directory or checkpoint; translates each test set's source")
+                   help="run directory or checkpoint; translates each test set's source. "
+                   "Comma-separated paths (a.pt,b.pt) are one system: their ensemble")
     g.add_argument("--hyp", nargs="+", action=_AddSystem, default=None,
                    help="hypothesis file (detokenized, one line per sentence); with several "
                    "test sets put {test} in the path")

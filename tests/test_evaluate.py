@@ -331,3 +331,26 @@ def test_model_translates_and_reports_speed(tmp_path, capsys):
     ref = Path(ref_file).read_text().splitlines()
     assert system["scores"]["bleu"]["score"] == pytest.approx(evaluate.score(hyps, ref)["bleu"])
     assert json.loads((tmp_path / "r.json").read_text())["tests"] == out["tests"]
+
+
+def test_comma_separated_models_are_one_ensemble_system(tmp_path, capsys):
+    """-m a.pt,b.pt scores the ensemble that `translate -m a.pt b.pt` writes, as one system."""
+    import torch
+
+    from mt.checkpoint import load_model, model_state, save_atomic
+    from mt.translate import main as translate_main
+
+    src_file, ref_file = _tiny_model_and_test_set(tmp_path)
+    model, tok, _ = load_model(str(tmp_path / "m.pt"), "cpu")
+    torch.manual_seed(1)
+    model.reset_parameters()  # a second member with other weights
+    save_atomic(model_state(model, tok, None), tmp_path / "m2.pt")
+    a, b = str(tmp_path / "m.pt"), str(tmp_path / "m2.pt")
+    out = _run(["-m", f"{a},{b}", a, "--src", src_file, "--ref", ref_file, "--beam", "3",
+                "--max-len-b", "5", "--output", str(tmp_path / "eval.{n}.txt")], capsys)
+    translate_main(["-m", a, b, "-i", src_file, "-o", str(tmp_path / "tr.txt"), "--beam", "3",
+                    "--max-len-b", "5", "--quiet"])
+    ensemble, single = out["tests"][0]["systems"]
+    assert ensemble["model"] == f"{a},{b}" and len(ensemble["model_config"]) == 2
+    assert (tmp_path / "eval.1.txt").read_text() == (tmp_path / "tr.txt").read_text()
+    assert (tmp_path / "eval.1.txt").read_text() != (tmp_path / "eval.2.txt").read_text()
