@@ -88,6 +88,11 @@ class DataConfig:
     hub_config: str | None = None  # e.g. de-en
     max_valid_sentences: int = 0  # 0 = all; BLEU during training on the first N valid pairs
     num_proc: int = 0  # processes that encode the corpus; 0 = 1 below 200k pairs, else all cores
+    # subword regularization (Kudo, 2018): each epoch, each side of each training pair takes one of
+    # its subword_nbest best segmentations, with probability ~ P(segmentation)^subword_alpha.
+    # 0 = off (the one best). Unigram tokenizers; the candidates are held in memory.
+    subword_alpha: float = 0.0
+    subword_nbest: int = 64
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
 

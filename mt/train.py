@@ -22,6 +22,7 @@ import os
 import random
 import sys
 import time
+from array import array
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -151,7 +152,7 @@ class Corpus:
     def __init__(self, cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> None:
         from dataclasses import replace
 
-        from mt.batching import EncodedPairs, encode_split
+        from mt.batching import EncodedPairs, SampledPairs, encode_split
 
         data = cfg.data
         if rank != 0:
@@ -175,7 +176,15 @@ class Corpus:
         if not len(self.pairs):
             raise ValueError(f"no training pair of {data.dir} survived filtering "
                              f"({self.pairs.report}); see data.filter")
-        self.src_lens, self.tgt_lens = self.pairs.src_lens, self.pairs.tgt_lens
+        if data.subword_alpha > 0:
+            start, kept = time.perf_counter(), train.select(self.pairs.rows)
+            self.pairs = SampledPairs(self.pairs, kept["src"], kept["tgt"], self.tokenizer,
+                                      data.subword_alpha, data.subword_nbest, rules.max_tokens)
+            if rank == 0:
+                log.info("subword regularization: alpha %g over the %d best segmentations, "
+                         "%.1f candidates per sentence on average (found in %.1f s)",
+                         data.subword_alpha, data.subword_nbest,
+                         len(self.pairs.src.scores) / len(self.pairs), time.perf_counter() - start)
         valid = load_split(data, data.valid)
         n = data.max_valid_sentences or len(valid)
         self.valid_src, self.valid_tgt = list(valid["src"][:n]), list(valid["tgt"][:n])
@@ -192,6 +201,14 @@ class Corpus:
             directory,
             lambda: sample_texts(train, tok_cfg.input_sentence_size, seed, tok_cfg.joint),
             tok_cfg, seed)
+
+    @property
+    def src_lens(self) -> array:
+        return self.pairs.src_lens
+
+    @property
+    def tgt_lens(self) -> array:  # with subword regularization: of the epoch last batched
+        return self.pairs.tgt_lens
 
     def batches(self, max_tokens: int, seed: int, epoch: int) -> list[list[int]]:
         return self.pairs.batches(max_tokens, seed, epoch)

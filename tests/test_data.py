@@ -13,6 +13,8 @@ import pytest  # noqa: E402
 
 from mt.batching import (  # noqa: E402
     EncodedPairs,
+    SampledPairs,
+    Segmentations,
     collate,
     encode_split,
     filter_lengths,
@@ -239,6 +241,76 @@ def test_encoded_pairs_match_in_memory_encoding(encoded):
     src_t, tgt_in, tgt_out = got
     assert bool((tgt_in[:, 0] == BOS_ID).all()) and int((tgt_out == EOS_ID).sum()) == len(batch)
     assert bool(((src_t == PAD_ID) | (src_t >= 0)).all())
+
+
+def _sampled(encoded, nbest: int, alpha: float = 0.5):
+    pairs, ds, tok, enc = encoded
+    cfg = FilterConfig(min_tokens=1, max_tokens=40, max_ratio=2.5)
+    data = EncodedPairs(enc, cfg)
+    kept = ds.select(data.rows)
+    return data, SampledPairs(data, kept["src"], kept["tgt"], tok, alpha, nbest, cfg.max_tokens)
+
+
+def _same(a, b) -> bool:
+    return all(x.shape == y.shape and bool((x == y).all()) for x, y in zip(a, b, strict=True))
+
+
+def test_subword_sampling_of_one_best_is_the_encoded_corpus(encoded):
+    data, sampled = _sampled(encoded, nbest=1)
+    assert list(sampled.src_lens) == list(data.src_lens)
+    for epoch in (0, 1):
+        batches = sampled.batches(300, seed=3, epoch=epoch)
+        assert batches == data.batches(300, seed=3, epoch=epoch)
+        assert all(_same(sampled.collate(b), data.collate(b)) for b in batches)
+
+
+def test_subword_sampling_changes_per_epoch_keeps_the_text_and_repeats(encoded):
+    pairs, ds, tok, _ = encoded
+    data, sampled = _sampled(encoded, nbest=8)
+    everything = list(range(len(sampled)))
+    seen = []
+    for epoch in (0, 1, 0):
+        batches = sampled.batches(300, seed=3, epoch=epoch)
+        assert sorted(i for b in batches for i in b) == everything
+        assert all(sum(max(sampled.src_lens[i], sampled.tgt_lens[i] + 1) for i in b) <= 300 * len(b)
+                   for b in batches)
+        src, tgt_in, tgt_out = sampled.collate(everything)
+        seen.append((src, tgt_out))
+        def text(ids):
+            return tok.src.decode([[t for t in row if t not in (PAD_ID, EOS_ID)] for row in ids])
+
+        assert text(src.tolist()) == [pairs[r][0] for r in data.rows]
+        assert text(tgt_out.tolist()) == [pairs[r][1] for r in data.rows]  # joint vocabulary
+        shifted = np.where(tgt_out[:, :-1] == EOS_ID, PAD_ID, tgt_out[:, :-1])  # y + PAD
+        assert bool((tgt_in[:, 0] == BOS_ID).all()) and (tgt_in[:, 1:].numpy() == shifted).all()
+        assert max(sampled.src_lens) <= 41 and max(sampled.tgt_lens) <= 40
+    assert _same(seen[0], seen[2])  # the same (seed, epoch): the same segmentations (resume)
+    changed = (seen[0][0].shape != seen[1][0].shape or bool((seen[0][0] != seen[1][0]).any()))
+    assert changed  # another epoch: other segmentations
+    assert sum(sampled.src_lens) > sum(data.src_lens)  # the best segmentation is the shortest-ish
+
+
+def test_subword_sampling_draws_with_probability_p_to_the_alpha(encoded):
+    tok = encoded[2]
+    seg = Segmentations(tok.src, ["w12 w34 Größe w5"] * 4000, nbest=4, max_tokens=99, add_eos=True)
+    scores = seg.scores[:4]
+    assert len(seg.scores) == 4 * 4000 and bool((np.diff(scores) <= 1e-9).all())  # nbest order
+    for alpha in (0.2, 1.0):
+        chosen, _ = seg.pick(alpha, np.random.default_rng(0))
+        freq = np.bincount(chosen - seg.first[:-1], minlength=4) / 4000
+        want = np.exp(alpha * (scores - scores.max()))
+        assert np.abs(freq - want / want.sum()).max() < 0.03
+    chosen, lens = seg.pick(0.5, None)
+    assert (chosen == seg.first[:-1]).all()
+    assert list(lens[:1]) == [len(tok.encode_src(["w12 w34 Größe w5"])[0])]
+
+
+def test_subword_sampling_needs_a_unigram_model(encoded):
+    pairs = encoded[0]
+    bpe = train_tokenizer([s for s, _ in pairs], [t for _, t in pairs],
+                          TokenizerConfig(vocab_size=90, model_type="bpe"))
+    with pytest.raises(ValueError, match="data.subword_alpha needs a unigram"):
+        Segmentations(bpe.src, ["w1 w2"], nbest=4, max_tokens=10, add_eos=False)
 
 
 def test_encoding_cache_is_reused_and_keyed_by_tokenizer(encoded):

@@ -168,9 +168,12 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
 
 
-def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_dir, tokenizer_dir):
+@pytest.mark.parametrize("data", [[], ["data.subword_alpha=0.5", "data.subword_nbest=8"]],
+                         ids=["one-segmentation", "subword-sampling"])
+def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_dir, tokenizer_dir,
+                                                             data):
     steps = ["trainer.max_steps=14", "trainer.validate_every=7", "trainer.save_every=2",
-             "trainer.test_at_end=false"]
+             "trainer.test_at_end=false", *data]
     full = tmp_path / "full"
     run_train(tmp_path, full, corpus_dir, tokenizer_dir, *steps)
 
@@ -196,6 +199,7 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
 
     resumed = run_train(tmp_path, killed, corpus_dir, tokenizer_dir, *steps)
     assert "resumed" in resumed.stderr
+    assert ("subword regularization" in resumed.stderr) == bool(data)
     a, b = weights(full), weights(killed)
     assert a.keys() == b.keys()
     for name in a:
