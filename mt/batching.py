@@ -289,7 +289,6 @@ class Segmentations:
         piece_scores = np.array([sp.get_score(i) for i in range(sp.get_piece_size())])
         cum = np.concatenate([[0.0], np.cumsum(piece_scores[self.ids])])
         self.scores = cum[self.offsets[1:]] - cum[self.offsets[:-1]]  # log P of each candidate
-        self._eos = int(add_eos)
 
     def pick(self, alpha: float, rng: np.random.Generator | None) -> tuple[np.ndarray, array]:
         """One candidate per sentence (the best when ``rng`` is None) and its length, EOS included.
@@ -406,5 +405,8 @@ def pad(seqs: list[list[int]]) -> Tensor:
 
 def collate(src_ids: list[list[int]], tgt_ids: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
     """(src (B, S) ending in EOS, tgt_in (B, T) = BOS + y, tgt_out (B, T) = y + EOS)."""
-    return (pad(src_ids), pad([[BOS_ID] + t for t in tgt_ids]),
-            pad([t + [EOS_ID] for t in tgt_ids]))
+    def flat(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        lens = np.fromiter(map(len, seqs), np.int64, len(seqs))
+        return np.fromiter((i for s in seqs for i in s), np.int64, int(lens.sum())), lens
+
+    return collate_flat(*flat(src_ids), *flat(tgt_ids))
