@@ -229,7 +229,9 @@ def load_or_train(
     if (directory / META_FILE).exists():
         meta = json.loads((directory / META_FILE).read_text())
         made = meta.get("config", {})
-        differ = sorted(k for k, v in wanted["config"].items() if k in made and made[k] != v)
+        # path says where the tokenizer lives, not how it was made: pointing at it is no change
+        differ = sorted(k for k, v in wanted["config"].items()
+                        if k in made and made[k] != v and k != "path")
         if differ:
             changes = ", ".join(f"{k}={made[k]!r} (now {wanted['config'][k]!r})" for k in differ)
             log.warning("reusing the tokenizer in %s, trained with different settings: %s",

@@ -114,6 +114,12 @@ def test_load_or_train_reuses_a_complete_directory(tmp_path, caplog):
         other = load_or_train(tmp_path / "tok", texts, TokenizerConfig(vocab_size=200), seed=1)
     assert calls == [1] and other.fingerprint == first.fingerprint
     assert "vocab_size=100 (now 200)" in caplog.text
+    # naming the directory in data.tokenizer.path is not a different setting
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mt.tokenizer"):
+        load_or_train(tmp_path / "tok", texts, TokenizerConfig(vocab_size=100,
+                                                               path=str(tmp_path / "tok")), seed=1)
+    assert "different settings" not in caplog.text
     # a directory without tokenizer.json is incomplete (interrupted): trained again
     (tmp_path / "tok" / META_FILE).unlink()
     load_or_train(tmp_path / "tok", texts, cfg, seed=1)
