@@ -260,6 +260,36 @@ def test_cache_grows_past_its_first_capacity_across_reorders() -> None:
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("capacity", [32, 2], ids=["no-growth", "growth"])
+def test_beam_reorders_attend_only_along_each_rows_ancestry(monkeypatch, capacity: int) -> None:
+    """Beams share their sentence's key slots and are masked to their own ancestry: after beam
+    expansion, parent reorders (a beam taking another's history), a sentence leaving and a
+    re-expansion, every row's logits equal a full forward pass on the tokens it was fed."""
+    monkeypatch.setattr(KVCache, "FIRST_CAPACITY", capacity)
+    model = tiny_model(norm="pre")
+    src = padded_source([5, 7, 6])
+    g = torch.Generator().manual_seed(5)
+    # (index, beams) before each step; None: no reorder
+    plan = [None, ([0, 0, 0, 1, 1, 1, 2, 2, 2], 3), ([2, 2, 0, 3, 4, 5, 8, 6, 6], 3), None,
+            ([3, 3, 5, 6, 7, 8], 3), ([1, 1, 4, 3], 2), None]
+    sentence = torch.arange(3)  # source sentence of each row
+    fed = torch.empty(3, 0, dtype=torch.long)  # tokens each row has been fed, in its ancestry
+    with torch.no_grad():
+        memory, src_mask = model.encode(src)
+        cache = model.init_cache(memory, src_mask, len(plan))
+        for step in plan:
+            if step is not None:
+                index = torch.tensor(step[0])
+                cache.reorder(index, step[1])
+                sentence, fed = sentence[index], fed[index]
+            tokens = torch.randint(4, VOCAB, (fed.size(0),), generator=g)
+            logits = model.decode_step(tokens, cache)
+            fed = torch.cat([fed, tokens[:, None]], dim=1)
+        expected = model(src[sentence], fed)[:, -1]  # fed[:, 0] stands in for BOS
+    assert cache.self_mask is not None  # the masked path ran
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
 def test_cache_takes_the_dtype_of_the_keys_under_autocast() -> None:
     """Under CPU bf16 autocast the encoder output is float32 but the keys are bf16: the cache is
     bf16 (a float32 one would be cast back for attention at every step), and decoding matches the
