@@ -248,7 +248,7 @@ class KVCache:
     (keys transposed, ready for the product with the queries).
     """
 
-    FIRST_CAPACITY = 32  # steps the first buffer holds per beam; most sentences need no growth
+    FIRST_CAPACITY = 32  # steps a buffer makes room for at the current beams before it grows
 
     def __init__(self, layers: int, rows: int, heads: int, head_dim: int, max_len: int,
                  cross_k: list[Tensor], cross_v: list[Tensor], src_mask: Tensor) -> None:
@@ -269,8 +269,9 @@ class KVCache:
         b, first = self.beams, self.slots
         n = self.rows // b
         if self.self_kv is not None and first + b > self.self_kv.size(4):
-            more = b * min(self.FIRST_CAPACITY, self.max_len - self.length)
-            self._resize(max(2 * self.self_kv.size(4), first + more))
+            # double, but no further than the slots the remaining steps can fill
+            self._resize(min(max(2 * self.self_kv.size(4), self._wanted()),
+                             first + b * (self.max_len - self.length)))
         own = first + torch.arange(b, device=self.src_mask.device).repeat(n)  # (R,)
         own = own[:, None]
         self.ancestors = own if self.ancestors is None else torch.cat([self.ancestors, own], 1)
@@ -297,6 +298,10 @@ class KVCache:
         filled = self.self_kv[layer, :, :, :, : first + b]
         return filled[0].transpose(-1, -2), filled[1]
 
+    def _wanted(self) -> int:
+        """Slots for ``FIRST_CAPACITY`` more steps at the current beams (within max_len)."""
+        return self.slots + self.beams * min(self.FIRST_CAPACITY, self.max_len - self.length)
+
     def _resize(self, capacity: int, sentences: Tensor | None = None) -> None:
         """A new buffer of ``capacity`` slots with the filled ones copied (of ``sentences``)."""
         old = self.self_kv[:, :, :, :, : self.slots]
@@ -321,18 +326,26 @@ class KVCache:
         sentences = index.view(-1, beams)[:, 0] // self.beams  # (N',) source sentence per group
         if self.ancestors is not None:
             self.ancestors = self.ancestors[index]
+        more_beams = beams > self.beams
         self.beams, self.rows = beams, index.numel()
+        # Beam search's first step runs one row per sentence: make room for its beams now, while
+        # one slot is filled, not a few steps later with the whole cache to copy.
+        capacity = None if self.self_kv is None else self.self_kv.size(4)
+        if more_beams and capacity is not None and self._wanted() > capacity:
+            capacity = self._wanted()
         k = sentences.numel()
         if k <= self.src_mask.size(0) and torch.equal(sentences,
                                                       torch.arange(k, device=index.device)):
             if self.self_kv is not None:
                 self.self_kv = self.self_kv[:, :, :k]
+                if capacity > self.self_kv.size(4):
+                    self._resize(capacity)
             for buffers in (self.cross_k, self.cross_v):
                 buffers[:] = [buf[:k] for buf in buffers]
             self.src_mask = self.src_mask[:k]
         else:
             if self.self_kv is not None:
-                self._resize(self.self_kv.size(4), sentences)
+                self._resize(capacity, sentences)
             for buffers in (self.cross_k, self.cross_v):
                 buffers[:] = [buf.index_select(0, sentences) for buf in buffers]
             self.src_mask = self.src_mask.index_select(0, sentences)
