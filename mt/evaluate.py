@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batches translated at once, one core each, as translate --workers "
                         "(default: one per core on CPU)")
     # The names of mt.inference.DTYPES, spelt out so that --help does not import torch.
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "int8"), default="float32",
                    help="decode in this precision, as translate --dtype (default: float32)")
     g.add_argument("--output", help="write translations here; {test} and {n} (system number) "
                    "are replaced")

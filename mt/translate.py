@@ -448,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights and activations; bfloat16 is the fast path on CPUs with "
-                        "AVX512-BF16/AMX and on GPUs")
+                        "AVX512-BF16/AMX and on GPUs; int8: int8 linear layers (CPU only)")
     p.add_argument("--no-pack", action="store_true",
                    help="keep linear layers as they are on CPU (default: pre-packed for oneDNN, "
                         "faster)")

@@ -38,8 +38,8 @@ from mt.model import build_model
 from mt.search import beam_search, greedy_search
 from mt.translate import worker_threads
 
-SYSTEMS = ("mt-float32", "mt-bfloat16", "mt-float32-unpacked", "hf-float32", "ct2-float32",
-           "ct2-int8")
+SYSTEMS = ("mt-float32", "mt-bfloat16", "mt-int8", "mt-float32-unpacked", "hf-float32",
+           "ct2-float32", "ct2-int8")
 
 
 def base_model(vocab: int, seed: int) -> torch.nn.Module:
@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         # What `translate --dtype ...` decodes with (mt.inference.prepare_model).
         "mt-float32": lambda: run_mt(prepare_model(copy.deepcopy(model), "float32")),
         "mt-bfloat16": lambda: run_mt(prepare_model(copy.deepcopy(model), "bfloat16")),
+        "mt-int8": lambda: run_mt(prepare_model(copy.deepcopy(model), "int8")),
         "mt-float32-unpacked": lambda: run_mt(model),  # nn.Linear as trained: the GEMM's gain
         "hf-float32": lambda: run_hf,
         "ct2-float32": lambda: run_ct2("float32"),
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
     report["load_average_after"] = os.getloadavg()
     speed = {k: v["tokens_per_s"] for k, v in report["systems"].items()}
-    pairs = [("mt-float32", "ct2-float32"), ("mt-bfloat16", "ct2-int8"),
+    pairs = [("mt-float32", "ct2-float32"), ("mt-bfloat16", "ct2-int8"), ("mt-int8", "ct2-int8"),
              ("mt-float32", "hf-float32"), ("mt-bfloat16", "mt-float32"),
              ("mt-float32", "mt-float32-unpacked")]
     report["ratios"] = {f"{a} / {b}": round(speed[a] / speed[b], 2) for a, b in pairs

@@ -191,6 +191,34 @@ def test_packed_model_computes_the_plain_models_function(models, dtype):
         assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.95
 
 
+def test_int8_model_computes_nearly_the_float32_function(models, tmp_path, capsys):
+    """--dtype int8 swaps every linear layer for a dynamically quantized one: teacher-forced logits
+    stay close to float32's (quantization error only), a GPU is refused in one sentence, and the
+    CLI keeps one output line per input line."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    plain = prepare_model(load_model(models["a"])[0], "float32", "cpu", pack=False)
+    int8 = prepare_model(load_model(models["a"])[0], "int8", "cpu")
+    assert not any(type(m) is torch.nn.Linear for m in int8.modules())
+    assert any(isinstance(m, DynamicLinear) for m in int8.modules())
+    tok = load_model(models["a"])[1]
+    rng = random.Random(5)
+    from mt.batching import collate
+
+    src, tgt_in, _ = collate(tok.encode_src([_sentence(rng) for _ in range(8)]),
+                             tok.encode_tgt([_sentence(rng) for _ in range(8)]))
+    with torch.inference_mode():
+        a, b = plain(src, tgt_in), int8(src, tgt_in)
+    assert (a - b).abs().mean().item() < 0.05 * a.std().item()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.9
+    with pytest.raises(ValueError, match="CPU only"):
+        prepare_model(load_model(models["a"])[0], "int8", "cuda")
+    path = tmp_path / "in.txt"
+    path.write_text("the dog\n\nthe cat sees the dog\n")
+    out = _run(["-m", models["a"], "-i", str(path), "--dtype", "int8", *FAST], capsys)
+    assert len(out) == 3 and out[1] == "" and out[0] and out[2]
+
+
 def test_invalid_utf8_names_the_line_and_replace_works(models, tmp_path, capsys):
     path = tmp_path / "bad.txt"
     path.write_bytes(b"the dog\nthe \xff cat\n")
