@@ -323,7 +323,11 @@ class KVCache:
         Rows only re-index ``ancestors``. Keys and values (self- and cross-attention) move only
         when sentences leave or are reordered, and not when the kept ones are a prefix.
         """
-        sentences = index.view(-1, beams)[:, 0] // self.beams  # (N',) source sentence per group
+        groups = index.view(-1, beams) // self.beams  # source sentence of every new row
+        if beams > 1 and not bool((groups == groups[:, :1]).all()):
+            raise ValueError(f"KVCache.reorder: each run of {beams} rows of the index must come "
+                             "from one sentence (they share its keys)")
+        sentences = groups[:, 0]  # (N',) source sentence per group
         if self.ancestors is not None:
             self.ancestors = self.ancestors[index]
         more_beams = beams > self.beams

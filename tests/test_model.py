@@ -290,6 +290,18 @@ def test_beam_reorders_attend_only_along_each_rows_ancestry(monkeypatch, capacit
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
 
+def test_reorder_refuses_beams_drawn_from_two_sentences() -> None:
+    """The beams of a group share one sentence's keys: a group mixing sentences is an error, not a
+    silently wrong attention."""
+    model = tiny_model()
+    with torch.no_grad():
+        cache = model.init_cache(*model.encode(padded_source([4, 5])), 4)
+        model.decode_step(torch.full((2,), BOS_ID), cache)
+        cache.reorder(torch.tensor([0, 0, 1, 1]), 2)  # fine: one sentence per group
+        with pytest.raises(ValueError, match="one sentence"):
+            cache.reorder(torch.tensor([0, 2, 1, 3]), 2)  # rows 0 and 2: sentences 0 and 1
+
+
 def test_cache_takes_the_dtype_of_the_keys_under_autocast() -> None:
     """Under CPU bf16 autocast the encoder output is float32 but the keys are bf16: the cache is
     bf16 (a float32 one would be cast back for attention at every step), and decoding matches the
