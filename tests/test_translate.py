@@ -165,6 +165,18 @@ def test_packed_float32_model_decodes_like_the_plain_one(models):
         assert [s for _, s in a] == pytest.approx([s for _, s in b], abs=1e-4)
 
 
+def _teacher_forced(models, seed: int, *prepared) -> list[torch.Tensor]:
+    """Each prepared model's teacher-forced logits on the same 8 random sentence pairs."""
+    from mt.batching import collate
+
+    tok = load_model(models["a"])[1]
+    rng = random.Random(seed)
+    src, tgt_in, _ = collate(tok.encode_src([_sentence(rng) for _ in range(8)]),
+                             tok.encode_tgt([_sentence(rng) for _ in range(8)]))
+    with torch.inference_mode():
+        return [model(src, tgt_in) for model in prepared]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_model_computes_the_plain_models_function(models, dtype):
     """Packing (and the ReLU fused into the FFN's first product) changes speed, not the function:
@@ -175,14 +187,7 @@ def test_packed_model_computes_the_plain_models_function(models, dtype):
     packed = prepare_model(load_model(models["a"])[0], dtype, "cpu")
     assert any(isinstance(m, PackedFeedForward) for m in packed.modules())
     assert not any(type(m) is torch.nn.Linear for m in packed.modules())
-    tok = load_model(models["a"])[1]
-    rng = random.Random(3)
-    from mt.batching import collate
-
-    src, tgt_in, _ = collate(tok.encode_src([_sentence(rng) for _ in range(8)]),
-                             tok.encode_tgt([_sentence(rng) for _ in range(8)]))
-    with torch.inference_mode():
-        a, b = plain(src, tgt_in).float(), packed(src, tgt_in).float()
+    a, b = (logits.float() for logits in _teacher_forced(models, 3, plain, packed))
     diff = (a - b).abs()
     if dtype == "float32":
         assert diff.max().item() < 1e-4
@@ -201,14 +206,7 @@ def test_int8_model_computes_nearly_the_float32_function(models, tmp_path, capsy
     int8 = prepare_model(load_model(models["a"])[0], "int8", "cpu")
     assert not any(type(m) is torch.nn.Linear for m in int8.modules())
     assert any(isinstance(m, DynamicLinear) for m in int8.modules())
-    tok = load_model(models["a"])[1]
-    rng = random.Random(5)
-    from mt.batching import collate
-
-    src, tgt_in, _ = collate(tok.encode_src([_sentence(rng) for _ in range(8)]),
-                             tok.encode_tgt([_sentence(rng) for _ in range(8)]))
-    with torch.inference_mode():
-        a, b = plain(src, tgt_in), int8(src, tgt_in)
+    a, b = _teacher_forced(models, 5, plain, int8)
     assert (a - b).abs().mean().item() < 0.05 * a.std().item()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.9
     with pytest.raises(ValueError, match="CPU only"):
