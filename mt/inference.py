@@ -24,7 +24,7 @@ class PackedLinear(nn.Module):
 
     ``F.linear`` hands the weight to the GEMM in its plain layout, which the GEMM re-packs on every
     call; for the hundred-odd rows of a decoding step that re-packing is a large share of the work.
-    Packed once here, a bfloat16 product runs up to 2x faster (AMX), a float32 one about 10%.
+    Packed once here, a bfloat16 product runs up to 2x faster, a float32 one about 10%.
     ``activation="relu"`` applies the ReLU inside the same call.
     """
 

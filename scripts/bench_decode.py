@@ -14,6 +14,11 @@ max_new_tokens; CT2 min/max_decoding_length), so all do the same work; speed is 
 (steps x sentences) per second, the best of ``--repeat`` runs. Needs the ``bench`` extra
 (transformers, ctranslate2).
 
+For each mt system the JSON also gives ``linear_only``: the same linear-layer calls that its search
+made, replayed alone on the same cores, i.e. its speed if everything around the matrix products
+were free. ``targets`` puts the issue's speed targets next to that ceiling: a target above it
+cannot be met by cheaper bookkeeping, only by less or faster arithmetic.
+
     python scripts/bench_decode.py --out bench_decode.json
 """
 
@@ -66,6 +71,29 @@ def pad(seqs: list[list[int]]) -> torch.Tensor:
 # -- checks and timing
 
 
+def record_linear_calls(model: torch.nn.Module, decode) -> list[tuple[torch.nn.Module, int]]:
+    """Every linear-layer call (module, rows) that ``decode()`` makes, in order."""
+    calls: list[tuple[torch.nn.Module, int]] = []
+    linears = [m for m in model.modules() if hasattr(m, "out_features")
+               and not any(hasattr(c, "out_features") for c in m.children())]
+    hooks = [m.register_forward_hook(lambda m, args, out: calls.append(
+                 (m, args[0].numel() // m.in_features))) for m in linears]
+    try:
+        decode()
+    finally:
+        for h in hooks:
+            h.remove()
+    return calls
+
+
+def replay_linear_calls(calls: list[tuple[torch.nn.Module, torch.Tensor]]) -> None:
+    """The same linear-layer calls alone, on inputs of their shapes: what a search would cost if
+    everything around its matrix products were free."""
+    with torch.inference_mode():
+        for m, x in calls:
+            m(x)
+
+
 def check_equivalence(model, hf, ct2_dir: str, src: list[int], threads: int) -> dict:
     """HF logits match mt's (teacher-forced, 1e-4), so do CT2's token log-probabilities (1e-3);
     HF's and CT2's greedy outputs equal mt's."""
@@ -104,6 +132,34 @@ def check_equivalence(model, hf, ct2_dir: str, src: list[int], threads: int) -> 
                          f"\nct2  {ct2_tokens}")
     return {"hf_max_logit_diff": diff, "ct2_max_logprob_diff": ct2_diff,
             "greedy_tokens_equal": k, "greedy_distinct_tokens": len(set(greedy))}
+
+
+def linear_only(models: dict, batches: list, steps: int, beam: int, each_batch,
+                repeat: int) -> dict:
+    """Per mt system, the speed its search would have if only its linear layers took time (the
+    same calls, replayed alone, on the same cores), and the linear layers' FLOPs per target token:
+    the ceiling that no bookkeeping around the matrix products can lift."""
+    out = {}
+    tokens = sum(map(len, batches)) * steps
+    for name, m in models.items():
+        calls = [record_linear_calls(m, lambda b=b, m=m: beam_search(
+                     m, pad(b), beam_size=beam, lenpen=1.0, max_len_a=0, max_len_b=steps,
+                     min_len=steps - 1)) for b in batches]
+        flops = sum(2 * rows * mod.in_features * mod.out_features for c in calls for mod, rows in c)
+        dtype = next(m.parameters()).dtype  # the embeddings': float32 in an int8 model
+        inputs = {(mod.in_features, rows): torch.randn(rows, mod.in_features, dtype=dtype)
+                  for c in calls for mod, rows in set(c)}
+        calls = [[(mod, inputs[mod.in_features, rows]) for mod, rows in c] for c in calls]
+
+        def replay() -> float:
+            start = time.perf_counter()
+            each_batch(replay_linear_calls, calls)  # noqa: B023 (called in this iteration)
+            return time.perf_counter() - start
+        seconds = min(replay() for _ in range(repeat))
+        out[name] = {"tokens_per_s": round(tokens / seconds, 1),
+                     "gflop_per_s": round(flops / seconds / 1e9, 1),
+                     "linear_mflop_per_target_token": round(flops / tokens / 1e6, 1)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,12 +252,14 @@ def main(argv: list[str] | None = None) -> None:
             assert warmup or {len(r.hypotheses[0]) for r in res} == {steps}
         return fn
 
+    # What `translate --dtype ...` decodes with (mt.inference.prepare_model); -unpacked: nn.Linear
+    # as trained, which shows what packing the weights for the GEMM gains.
+    mt_models = {f"mt-{d}": (lambda d=d: prepare_model(copy.deepcopy(model), d))
+                 for d in ("float32", "bfloat16", "int8")}
+    mt_models["mt-float32-unpacked"] = lambda: model
+    mt_models = {name: make() for name, make in mt_models.items() if name in systems}
     runners = {
-        # What `translate --dtype ...` decodes with (mt.inference.prepare_model).
-        "mt-float32": lambda: run_mt(prepare_model(copy.deepcopy(model), "float32")),
-        "mt-bfloat16": lambda: run_mt(prepare_model(copy.deepcopy(model), "bfloat16")),
-        "mt-int8": lambda: run_mt(prepare_model(copy.deepcopy(model), "int8")),
-        "mt-float32-unpacked": lambda: run_mt(model),  # nn.Linear as trained: the GEMM's gain
+        **{name: (lambda m=m: run_mt(m)) for name, m in mt_models.items()},
         "hf-float32": lambda: run_hf,
         "ct2-float32": lambda: run_ct2("float32"),
         "ct2-int8": lambda: run_ct2("int8"),
@@ -222,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             "seconds": [round(s, 3) for s in seconds]}
         print(f"{name:12s} {report['systems'][name]['tokens_per_s']:8.1f} target tokens/s",
               file=sys.stderr)
+    report["linear_only"] = linear_only(mt_models, batches, steps, beam, each_batch, args.repeat)
     report["load_average_after"] = os.getloadavg()
     speed = {k: v["tokens_per_s"] for k, v in report["systems"].items()}
     pairs = [("mt-float32", "ct2-float32"), ("mt-bfloat16", "ct2-int8"), ("mt-int8", "ct2-int8"),
@@ -229,6 +288,17 @@ def main(argv: list[str] | None = None) -> None:
              ("mt-float32", "mt-float32-unpacked")]
     report["ratios"] = {f"{a} / {b}": round(speed[a] / speed[b], 2) for a, b in pairs
                         if a in speed and b in speed and not math.isclose(speed[b], 0)}
+    ceiling = {k: v["tokens_per_s"] for k, v in report["linear_only"].items()}
+    for name, tokens in ceiling.items():
+        print(f"{name:12s} {tokens:8.1f} target tokens/s with only its linear layers "
+              f"({report['linear_only'][name]['gflop_per_s']} GFLOP/s)", file=sys.stderr)
+    # The issue's targets next to what the linear layers alone allow: a target above its
+    # ceiling cannot be met by cheaper bookkeeping, only by less or faster arithmetic.
+    report["targets"] = {
+        f"{a} >= {x}x {b}": {"needs": round(x * speed[b], 1), "has": speed[a],
+                             "linear_only_ceiling": ceiling.get(a)}
+        for a, x, b in (("mt-float32", 1.5, "ct2-float32"), ("mt-bfloat16", 2.0, "ct2-int8"))
+        if a in speed and b in speed}
     text = json.dumps(report, indent=2)
     if args.out:
         with open(args.out, "w") as f:

@@ -1,0 +1,53 @@
+"""The benchmark scripts' own accounting, checked on a tiny model: a ceiling computed from the
+wrong FLOPs or from missed layers would mislead every comparison made with it."""
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from mt.config import EOS_ID, ModelConfig
+from mt.inference import prepare_model
+from mt.model import build_model
+from mt.search import beam_search
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
+
+
+def _bench_decode():
+    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recorded_linear_calls_count_every_matrix_product_of_a_beam_search():
+    """Known answer: the FLOPs of the linear layers that beam search runs, by hand, for float32,
+    bfloat16 and int8 models alike (an int8 layer is a different module type)."""
+    bench = _bench_decode()
+    d, f, vocab, enc, dec, beam, steps = 32, 64, 40, 2, 3, 3, 5
+    torch.manual_seed(0)
+    cfg = ModelConfig(encoder_layers=enc, decoder_layers=dec, d_model=d, ffn_dim=f, heads=2,
+                      dropout=0.0, max_positions=64, src_vocab_size=vocab, tgt_vocab_size=vocab)
+    model = build_model(cfg).eval()
+    src = torch.tensor([[5, 6, 7, 8, 9, EOS_ID], [10, 11, 12, EOS_ID, 0, 0]])
+    n, s = src.shape
+
+    # Encoder: every padded position through self-attention (qkv + out) and the FFN; each decoder
+    # layer projects the encoder output to cross-attention keys and values once. Decoder: the
+    # first step has one row per sentence, the others one per beam; per layer q/k/v + out,
+    # cross-attention q + out, FFN; then the output layer.
+    macs = n * s * enc * (4 * d * d + 2 * d * f) + n * s * dec * 2 * d * d
+    per_row = dec * (4 * d * d + 2 * d * d + 2 * d * f) + d * vocab
+    macs += (n + n * beam * (steps - 1)) * per_row
+    for dtype in ("float32", "bfloat16", "int8"):
+        m = prepare_model(copy.deepcopy(model), dtype)
+        calls = bench.record_linear_calls(m, lambda m=m: beam_search(
+            m, src, beam_size=beam, lenpen=1.0, max_len_a=0, max_len_b=steps, min_len=steps - 1))
+        flops = sum(2 * rows * mod.in_features * mod.out_features for mod, rows in calls)
+        assert flops == 2 * macs, dtype
+        # and the replay runs those very modules on inputs of their shapes
+        inputs = [(mod, torch.randn(rows, mod.in_features, dtype=next(m.parameters()).dtype))
+                  for mod, rows in calls]
+        bench.replay_linear_calls(inputs)
