@@ -20,12 +20,19 @@ were free. ``targets`` puts the issue's speed targets next to that ceiling: a ta
 cannot be met by cheaper bookkeeping, only by less or faster arithmetic.
 
     python scripts/bench_decode.py --out bench_decode.json
+    python scripts/bench_decode.py --device cuda --batch 32 --out gpu_b32.json
+    python scripts/bench_decode.py --device cuda --batch 256 --sentences 1024 --out gpu_b256.json
+
+On a GPU the systems are mt float32/bfloat16, Hugging Face float32/bfloat16 and CTranslate2
+float32/float16/int8 (when its CUDA wheel loads); the CPU-only paths (mt int8, unpacked) are left
+out unless named in ``--systems``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import os
@@ -44,7 +51,11 @@ from mt.search import beam_search, greedy_search
 from mt.translate import worker_threads
 
 SYSTEMS = ("mt-float32", "mt-bfloat16", "mt-int8", "mt-float32-unpacked", "hf-float32",
-           "ct2-float32", "ct2-int8")
+           "hf-bfloat16", "ct2-float32", "ct2-float16", "ct2-int8")
+CPU_DEFAULT = ("mt-float32", "mt-bfloat16", "mt-int8", "mt-float32-unpacked", "hf-float32",
+               "ct2-float32", "ct2-int8")
+GPU_DEFAULT = ("mt-float32", "mt-bfloat16", "hf-float32", "hf-bfloat16", "ct2-float32",
+               "ct2-float16", "ct2-int8")
 
 
 def base_model(vocab: int, seed: int) -> torch.nn.Module:
@@ -61,11 +72,16 @@ def sources(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(4, vocab, (n_i,), generator=g).tolist() + [EOS_ID] for n_i in lengths]
 
 
-def pad(seqs: list[list[int]]) -> torch.Tensor:
+def pad(seqs: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
     out = torch.full((len(seqs), max(map(len, seqs))), PAD_ID, dtype=torch.long)
     for i, s in enumerate(seqs):
         out[i, : len(s)] = torch.tensor(s)
-    return out
+    return out.to(device)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # -- checks and timing
@@ -135,7 +151,7 @@ def check_equivalence(model, hf, ct2_dir: str, src: list[int], threads: int) -> 
 
 
 def linear_only(models: dict, batches: list, steps: int, beam: int, each_batch,
-                repeat: int) -> dict:
+                repeat: int, device: torch.device) -> dict:
     """Per mt system, the speed its search would have if only its linear layers took time (the
     same calls, replayed alone, on the same cores), and the linear layers' FLOPs per target token:
     the ceiling that no bookkeeping around the matrix products can lift."""
@@ -143,17 +159,20 @@ def linear_only(models: dict, batches: list, steps: int, beam: int, each_batch,
     tokens = sum(map(len, batches)) * steps
     for name, m in models.items():
         calls = [record_linear_calls(m, lambda b=b, m=m: beam_search(
-                     m, pad(b), beam_size=beam, lenpen=1.0, max_len_a=0, max_len_b=steps,
-                     min_len=steps - 1)) for b in batches]
+                     m, pad(b, device), beam_size=beam, lenpen=1.0, max_len_a=0,
+                     max_len_b=steps, min_len=steps - 1)) for b in batches]
         flops = sum(2 * rows * mod.in_features * mod.out_features for c in calls for mod, rows in c)
         dtype = next(m.parameters()).dtype  # the embeddings': float32 in an int8 model
-        inputs = {(mod.in_features, rows): torch.randn(rows, mod.in_features, dtype=dtype)
+        inputs = {(mod.in_features, rows): torch.randn(rows, mod.in_features, dtype=dtype,
+                                                       device=device)
                   for c in calls for mod, rows in set(c)}
         calls = [[(mod, inputs[mod.in_features, rows]) for mod, rows in c] for c in calls]
 
         def replay() -> float:
+            sync(device)
             start = time.perf_counter()
             each_batch(replay_linear_calls, calls)  # noqa: B023 (called in this iteration)
+            sync(device)
             return time.perf_counter() - start
         seconds = min(replay() for _ in range(repeat))
         out[name] = {"tokens_per_s": round(tokens / seconds, 1),
@@ -180,13 +199,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=2,
                    help="rounds; each round times every system once (interleaved, so load "
                         "changes on a shared CPU hit all systems alike); the best round counts")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated subset of {', '.join(SYSTEMS)} (default on CPU: "
+                        f"{', '.join(CPU_DEFAULT)}; on a GPU: {', '.join(GPU_DEFAULT)})")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (HF and CT2 run there too)")
     p.add_argument("--out", default=None, help="JSON file (default: stdout)")
     args = p.parse_args(argv)
     by_batch = args.parallel == "batches"
     torch.set_num_threads(1 if by_batch else args.threads)
     torch.set_num_interop_threads(1)
-    systems = args.systems.split(",")
+    device = torch.device(args.device)
+    systems = (args.systems.split(",") if args.systems
+               else list(GPU_DEFAULT if device.type == "cuda" else CPU_DEFAULT))
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     n, steps, beam = args.sentences, args.tgt_len, args.beam
 
     model = base_model(args.vocab, seed=0)
@@ -197,14 +224,20 @@ def main(argv: list[str] | None = None) -> None:
     hf = hf_model(model).eval()
     tmp = tempfile.TemporaryDirectory()
     ct2_dirs = {}
-    for q in ("float32", "int8"):
+    for q in ("float32", "float16", "int8"):
+        if f"ct2-{q}" not in systems and q != "float32":  # float32: the equivalence check's
+            continue
         ct2_dirs[q] = f"{tmp.name}/ct2-{q}"
         export_ctranslate2(model, None, ct2_dirs[q], None if q == "float32" else q)
     report = {"config": {k: v for k, v in vars(args).items() if k != "out"},
               "model": "transformer_base (6+6, d512, ffn2048, 8 heads), random weights",
               "torch": torch.__version__, "load_average_before": os.getloadavg(),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "checks": check_equivalence(
                   model, hf, ct2_dirs["float32"], srcs[0], args.threads), "systems": {}}
+    hf_models = {"hf-float32": lambda: hf.to(device),
+                 "hf-bfloat16": lambda: copy.deepcopy(hf).to(device, torch.bfloat16)}
+    hf_models = {name: make() for name, make in hf_models.items() if name in systems}
 
     def each_batch(fn, todo):
         """fn over the batches: in turn, or --threads at once (translate --workers's pool)."""
@@ -213,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def run_mt(m):
         def one(b):
-            hyps = beam_search(m, pad(b), beam_size=beam, lenpen=1.0, max_len_a=0,
+            hyps = beam_search(m, pad(b, device), beam_size=beam, lenpen=1.0, max_len_a=0,
                                max_len_b=steps, min_len=steps - 1)
             return {len(h[0].tokens) + 1 for h in hyps}  # EOS is a step too
 
@@ -222,10 +255,10 @@ def main(argv: list[str] | None = None) -> None:
             assert warmup or lengths == {steps}, lengths
         return fn
 
-    def run_hf(warmup):
+    def run_hf(hf, warmup):
         def one(b):
             with torch.inference_mode():
-                src = pad(b)
+                src = pad(b, device)
                 out = hf.generate(src, attention_mask=src != PAD_ID, num_beams=beam,
                                   do_sample=False, min_new_tokens=steps, max_new_tokens=steps,
                                   early_stopping=True, length_penalty=1.0)
@@ -237,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         import ctranslate2
 
         translator = ctranslate2.Translator(
-            ct2_dirs[q], device="cpu", compute_type=q, inter_threads=args.threads if by_batch
+            ct2_dirs[q], device=device.type, compute_type=q, inter_threads=args.threads if by_batch
             else 1, intra_threads=1 if by_batch else args.threads)
         vocab = placeholder_vocabulary(args.vocab)
 
@@ -254,15 +287,15 @@ def main(argv: list[str] | None = None) -> None:
 
     # What `translate --dtype ...` decodes with (mt.inference.prepare_model); -unpacked: nn.Linear
     # as trained, which shows what packing the weights for the GEMM gains.
-    mt_models = {f"mt-{d}": (lambda d=d: prepare_model(copy.deepcopy(model), d))
+    mt_models = {f"mt-{d}": (lambda d=d: prepare_model(copy.deepcopy(model).to(device), d,
+                                                      str(device)))
                  for d in ("float32", "bfloat16", "int8")}
-    mt_models["mt-float32-unpacked"] = lambda: model
+    mt_models["mt-float32-unpacked"] = lambda: copy.deepcopy(model).to(device)
     mt_models = {name: make() for name, make in mt_models.items() if name in systems}
     runners = {
         **{name: (lambda m=m: run_mt(m)) for name, m in mt_models.items()},
-        "hf-float32": lambda: run_hf,
-        "ct2-float32": lambda: run_ct2("float32"),
-        "ct2-int8": lambda: run_ct2("int8"),
+        **{name: (lambda m=m: functools.partial(run_hf, m)) for name, m in hf_models.items()},
+        **{f"ct2-{q}": (lambda q=q: run_ct2(q)) for q in ("float32", "float16", "int8")},
     }
     fns = {name: runners[name]() for name in systems}
     for fn in fns.values():
@@ -270,8 +303,10 @@ def main(argv: list[str] | None = None) -> None:
     times: dict[str, list[float]] = {name: [] for name in systems}
     for _ in range(args.repeat):
         for name, fn in fns.items():
+            sync(device)
             start = time.perf_counter()
             fn(warmup=False)
+            sync(device)
             times[name].append(time.perf_counter() - start)
     for name, seconds in times.items():
         report["systems"][name] = {
@@ -280,11 +315,13 @@ def main(argv: list[str] | None = None) -> None:
             "seconds": [round(s, 3) for s in seconds]}
         print(f"{name:12s} {report['systems'][name]['tokens_per_s']:8.1f} target tokens/s",
               file=sys.stderr)
-    report["linear_only"] = linear_only(mt_models, batches, steps, beam, each_batch, args.repeat)
+    report["linear_only"] = linear_only(mt_models, batches, steps, beam, each_batch, args.repeat,
+                                        device)
     report["load_average_after"] = os.getloadavg()
     speed = {k: v["tokens_per_s"] for k, v in report["systems"].items()}
     pairs = [("mt-float32", "ct2-float32"), ("mt-bfloat16", "ct2-int8"), ("mt-int8", "ct2-int8"),
-             ("mt-float32", "hf-float32"), ("mt-bfloat16", "mt-float32"),
+             ("mt-float32", "hf-float32"), ("mt-bfloat16", "hf-bfloat16"),
+             ("mt-bfloat16", "ct2-float16"), ("mt-bfloat16", "mt-float32"),
              ("mt-float32", "mt-float32-unpacked")]
     report["ratios"] = {f"{a} / {b}": round(speed[a] / speed[b], 2) for a, b in pairs
                         if a in speed and b in speed and not math.isclose(speed[b], 0)}

@@ -1,13 +1,24 @@
-"""Training throughput of mt against Hugging Face MarianMTModel of identical size, side by side.
+"""Training speed and MFU of mt against Hugging Face MarianMTModel of the same size, side by side.
 
-Both models get the same batches (random tokens with a realistic length mix, padded the same way),
-the same Adam optimizer and label smoothing; steps of the two are interleaved so that machine
-noise hits both alike. Reports target tokens/s and source+target tokens/s per system and the
-ratios against Hugging Face float32, as JSON on stdout.
+Both models get the same batches (random tokens with a realistic length mix, length-bucketed and
+padded the same way), the same fused Adam and label smoothing; the systems take turns in blocks of
+``--block`` steps, so machine noise hits all alike, and the device is synchronised only at block
+boundaries (no host sync inside a step; losses are read at the end). Reports target tokens/s,
+source+target tokens/s, model FLOP/s and MFU per system and the ratios against Hugging Face, as
+JSON on stdout.
+
+MFU is model FLOPs over the measured bf16 matrix-product peak of the device (``peak`` in the JSON:
+the best of several large bf16 products). Model FLOPs per step are 6 x the multiply-adds of every
+matrix product a forward pass needs on the batch's real (unpadded) tokens: the linear layers, the
+output layer, and attention (QK^T and AV: self-attention over s^2 and t^2 token pairs per
+sentence, cross-attention over s x t, counted in full as PaLM's MFU does). Padding is not counted,
+so padding waste shows up as lower MFU.
 
     python scripts/bench_train.py --model transformer_small --steps 10
-    python scripts/bench_train.py --model transformer_base --device cuda --steps 50
+    python scripts/bench_train.py --model transformer_big --device cuda --max-tokens 25000 \
+        --steps 50 --systems hf_bf16,mt_bf16,mt_bf16_compile
 
+Systems: hf_fp32, hf_bf16, mt_fp32, mt_bf16, each optionally with ``_compile`` (torch.compile).
 Needs the `bench` extra (transformers).
 """
 
@@ -17,7 +28,6 @@ import argparse
 import json
 import platform
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -56,13 +66,49 @@ def make_batches(n_batches: int, max_tokens: int, vocab: int, seed: int):
     return [collate([src[i] for i in b], [tgt[i] for i in b]) for b in batches]
 
 
+def model_flops(src: torch.Tensor, tgt_in: torch.Tensor, cfg: ModelConfig) -> int:
+    """Training FLOPs of one batch: 6 x the forward pass's multiply-adds on unpadded tokens."""
+    d, f, vocab = cfg.d_model, cfg.ffn_dim, cfg.tgt_vocab_size
+    s = (src != PAD_ID).sum(1).long()
+    t = (tgt_in != PAD_ID).sum(1).long()
+    s_sum, t_sum = int(s.sum()), int(t.sum())
+    linear = (s_sum * cfg.encoder_layers * (4 * d * d + 2 * d * f)
+              + s_sum * cfg.decoder_layers * 2 * d * d  # cross-attention keys and values
+              + t_sum * cfg.decoder_layers * (6 * d * d + 2 * d * f)  # self q/k/v/o, cross q/o
+              + t_sum * d * vocab)
+    attention = 2 * d * (cfg.encoder_layers * int((s * s).sum())
+                         + cfg.decoder_layers * int((t * t).sum() + (s * t).sum()))
+    return 6 * (linear + attention)
+
+
+def measure_peak(device: torch.device) -> float:
+    """The device's bf16 matrix-product speed (FLOP/s): best of a few large square products."""
+    n = 8192 if device.type == "cuda" else 2048
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(6):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        sync(device)
+        best = min(best, (time.perf_counter() - start) / 5)
+    return 2 * n**3 / best
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def step_fn(name: str, model, optimizer, dtype, device):
-    """One training step on a batch -> (loss value)."""
+    """One training step on a batch (already on the device) -> the loss, a device tensor."""
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype is not None
                 else torch.autocast(device.type, enabled=False))
 
     def step(batch):
-        src, tgt_in, tgt_out = (t.to(device) for t in batch)
+        src, tgt_in, tgt_out = batch
         optimizer.zero_grad(set_to_none=True)
         with autocast:
             if name.startswith("hf"):
@@ -87,12 +133,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="transformer_small", choices=sorted(SIZES))
     p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--max-tokens", type=int, default=4096, help="padded tokens per batch")
     p.add_argument("--steps", type=int, default=10, help="timed steps per system")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per system")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per system (compilation)")
+    p.add_argument("--block", type=int, default=5,
+                   help="steps a system runs between two device synchronisations")
     p.add_argument("--device", default="cpu")
     p.add_argument("--systems", default="hf_fp32,mt_fp32,mt_bf16",
-                   help="comma-separated: hf_fp32, hf_bf16, mt_fp32, mt_bf16")
+                   help="comma-separated: hf_fp32, hf_bf16, mt_fp32, mt_bf16, each optionally "
+                        "with _compile")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.0,
                    help="0 (default) makes the loss curves comparable step by step")
@@ -101,71 +150,93 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # what any fp32 GPU baseline would use
+        torch.backends.cudnn.allow_tf32 = True
     cfg = ModelConfig(name=args.model, **SIZES[args.model], dropout=args.dropout,
                       src_vocab_size=args.vocab, tgt_vocab_size=args.vocab, max_positions=256)
     batches = make_batches(args.warmup + args.steps, args.max_tokens, args.vocab, seed=1)
+    flops = [model_flops(b[0], b[1], cfg) for b in batches]
+    batches = [tuple(t.to(device) for t in b) for b in batches]  # the timing is the model's
     systems = {}
     for name in args.systems.split(","):
+        base = name.removesuffix("_compile")
+        if base not in ("hf_fp32", "hf_bf16", "mt_fp32", "mt_bf16"):
+            raise SystemExit(f"--systems: unknown system {name!r}")
         # Every system starts from the same weights (mt's init, copied into Marian through
         # mt.export), so with dropout 0 the loss curves must agree step for step.
         torch.manual_seed(0)
         model = build_model(cfg)
-        if name.startswith("hf"):
+        if base.startswith("hf"):
             from mt.export import hf_model
 
             model = hf_model(model)
         model = model.to(device)
         model.train()
         opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
-                               foreach=True)
-        dtype = torch.bfloat16 if name.endswith("bf16") else None
-        systems[name] = {"step": step_fn(name, model, opt, dtype, device), "times": [],
-                         "losses": [], "params": count_parameters(model)}
+                               fused=True)  # as mt-train (mt.train.build_optimizer)
+        params = count_parameters(model)
+        if name.endswith("_compile"):
+            model = torch.compile(model)
+        dtype = torch.bfloat16 if base.endswith("bf16") else None
+        systems[name] = {"step": step_fn(base, model, opt, dtype, device), "times": [],
+                         "losses": [], "params": params}
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    for i, batch in enumerate(batches):
-        for s in systems.values():  # interleaved: noise hits every system alike
-            sync()
-            start = time.perf_counter()
-            loss = s["step"](batch)
-            sync()
-            if i >= args.warmup:
-                s["times"].append(time.perf_counter() - start)
-                s["losses"].append(float(loss))
-
+    for s in systems.values():  # warm-up (and compilation) before any timing
+        for batch in batches[: args.warmup]:
+            s["step"](batch)
+        sync(device)
     timed = batches[args.warmup :]
+    for first in range(0, len(timed), args.block):  # blocks of steps, systems in turn
+        block = timed[first : first + args.block]
+        for s in systems.values():
+            sync(device)
+            start = time.perf_counter()
+            s["losses"] += [s["step"](batch) for batch in block]
+            sync(device)
+            s["times"].append(time.perf_counter() - start)
+
     tgt_tokens = sum(int((b[2] != PAD_ID).sum()) for b in timed)
     src_tokens = sum(int((b[0] != PAD_ID).sum()) for b in timed)
+    step_flops = sum(flops[args.warmup :])
+    peak = measure_peak(device)
     report = {
         "benchmark": "train_step", "model": args.model, "vocab": args.vocab,
         "max_tokens": args.max_tokens, "steps": args.steps, "device": str(device),
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else platform.processor() or platform.machine()),
         "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(), "systems": {},
+        "peak_bf16_tflops": peak / 1e12, "model_tflop_per_step": step_flops / args.steps / 1e12,
+        "systems": {},
     }
     for name, s in systems.items():
         seconds = sum(s["times"])
         report["systems"][name] = {
             "parameters": s["params"],
             "seconds": seconds,
-            "median_step_s": statistics.median(s["times"]),
             "tgt_tokens_per_s": tgt_tokens / seconds,
             "src_tgt_tokens_per_s": (src_tokens + tgt_tokens) / seconds,
-            "losses": s["losses"],
+            "model_tflops": step_flops / seconds / 1e12,
+            "mfu": step_flops / seconds / peak,
+            "losses": [float(x) for x in s["losses"]],
         }
-    base = report["systems"].get("hf_fp32")
-    if base:
+    for base_name in ("hf_fp32", "hf_bf16"):
+        base = report["systems"].get(base_name)
+        if not base:
+            continue
         for r in report["systems"].values():
-            r["speedup_vs_hf_fp32"] = r["tgt_tokens_per_s"] / base["tgt_tokens_per_s"]
-            r["max_loss_diff_vs_hf_fp32"] = max(
+            r[f"speedup_vs_{base_name}"] = r["tgt_tokens_per_s"] / base["tgt_tokens_per_s"]
+            r[f"max_loss_diff_vs_{base_name}"] = max(
                 abs(a - b) for a, b in zip(r["losses"], base["losses"], strict=True))
     report["note"] = ("losses: label-smoothed CE per step on the same batches from the same "
                       "weights; with dropout 0 an fp32 curve matches hf_fp32 to float rounding, "
-                      "a bf16 one to bf16 rounding")
+                      "a bf16 one to bf16 rounding. mfu: model FLOPs (unpadded tokens) over "
+                      "peak_bf16_tflops")
     text = json.dumps(report, indent=2)
     print(text)
+    for name, r in report["systems"].items():
+        print(f"{name:18s} {r['tgt_tokens_per_s']:10.0f} tgt tok/s  {r['model_tflops']:7.2f} "
+              f"TFLOP/s  MFU {r['mfu']:.1%}", file=sys.stderr)
     if args.out:
         Path(args.out).write_text(text + "\n")
 

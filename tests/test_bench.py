@@ -12,11 +12,11 @@ from mt.inference import prepare_model
 from mt.model import build_model
 from mt.search import beam_search
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-def _bench_decode():
-    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -25,7 +25,7 @@ def _bench_decode():
 def test_recorded_linear_calls_count_every_matrix_product_of_a_beam_search():
     """Known answer: the FLOPs of the linear layers that beam search runs, by hand, for float32,
     bfloat16 and int8 models alike (an int8 layer is a different module type)."""
-    bench = _bench_decode()
+    bench = _script("bench_decode")
     d, f, vocab, enc, dec, beam, steps = 32, 64, 40, 2, 3, 3, 5
     torch.manual_seed(0)
     cfg = ModelConfig(encoder_layers=enc, decoder_layers=dec, d_model=d, ffn_dim=f, heads=2,
@@ -51,3 +51,21 @@ def test_recorded_linear_calls_count_every_matrix_product_of_a_beam_search():
         inputs = [(mod, torch.randn(rows, mod.in_features, dtype=next(m.parameters()).dtype))
                   for mod, rows in calls]
         bench.replay_linear_calls(inputs)
+
+
+def test_training_flops_for_mfu_equal_three_times_a_counted_forward_pass():
+    """Known answer: on a batch without padding, bench_train's model FLOPs are 3x (forward +
+    backward) what torch's FLOP counter counts in one forward pass of the model."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    bench = _script("bench_train")
+    cfg = ModelConfig(encoder_layers=2, decoder_layers=3, d_model=32, ffn_dim=48, heads=4,
+                      dropout=0.0, max_positions=64, src_vocab_size=50, tgt_vocab_size=50)
+    model = build_model(cfg)
+    src = torch.randint(4, 50, (3, 7))
+    tgt_in = torch.randint(4, 50, (3, 5))
+    # The math backend spells attention out in matrix products, which the counter sees.
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(src, tgt_in)
+    assert bench.model_flops(src, tgt_in, cfg) == 3 * counter.get_total_flops()
