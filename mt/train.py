@@ -390,7 +390,8 @@ class Trainer:
 
     # -- the loop
 
-    def train_step(self, micro_batches: list[list[int]], step_tokens: int) -> torch.Tensor:
+    def train_step(self, micro_batches: list[list[int]],
+                   step_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches.
 
         Returns the summed label-smoothed loss and whether it is finite, both device tensors:
@@ -422,6 +423,7 @@ class Trainer:
         # own, which a NaN loss trips as well).
         self.optimizer.found_inf = 1.0 - finite
         self.scaler.step(self.optimizer)
+        self.optimizer.__dict__.pop("found_inf", None)  # no stale flag for any other caller
         self.scaler.update()
         self.scheduler.step()  # the schedule follows the step counter, skipped steps included
         return loss_total, finite.bool()
@@ -435,21 +437,23 @@ class Trainer:
     def _check_bad_steps(self) -> None:
         """Reads the device's count of skipped steps (every max_bad_steps steps, at each log line
         and before any save): warns, and stops a run whose loss stayed NaN/inf too long."""
-        self.since_check = 0
+        steps, self.since_check = self.since_check, 0
         bad, worst = int(self.bad_since_check), int(self.worst_run)
         self.bad_since_check.zero_()
         self.worst_run.copy_(self.bad_run)
         if not bad:
             return
         self.skipped_steps += bad
-        log.warning("step %d: NaN/inf loss in %d of the last steps, update skipped (%d skipped so "
-                    "far)", self.step, bad, self.skipped_steps)
+        log.warning("steps %d-%d: NaN/inf loss in %d of them, update skipped (%d skipped so far)",
+                    self.step - steps + 1, self.step, bad, self.skipped_steps)
         if worst >= self.cfg.trainer.max_bad_steps:
+            last = self.ckpt_dir / "last.pt"
+            saved = (f"last good weights are in {last}" if last.exists()
+                     else "no checkpoint was saved yet")
             raise RuntimeError(
                 f"training diverged: {worst} steps in a row with a NaN/inf loss "
-                f"(trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); last good weights are "
-                f"in {self.ckpt_dir / 'last.pt'}. Lower optim.lr, raise optim.warmup_steps or set "
-                "optim.clip_norm"
+                f"(trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); {saved}. Lower "
+                "optim.lr, raise optim.warmup_steps or set optim.clip_norm"
             )
 
     def seconds(self) -> float:

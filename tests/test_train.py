@@ -262,7 +262,7 @@ def test_nan_loss_skips_the_step_and_stops_a_diverging_run(tmp_path, corpus_dir,
     cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
            f"hydra.run.dir={run_dir}", "optim.lr=inf", "optim.schedule=constant",
            "optim.warmup_steps=1", "trainer.max_steps=30", "trainer.max_bad_steps=3",
-           "trainer.validate_every=100"]
+           "trainer.validate_every=100", "trainer.log_every=50"]  # checks every 3 steps only
     result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode != 0
@@ -270,3 +270,4 @@ def test_nan_loss_skips_the_step_and_stops_a_diverging_run(tmp_path, corpus_dir,
     assert re.search(r"training diverged: [3-6] steps in a row with a NaN/inf loss",
                      result.stderr), result.stderr[-2000:]
     assert "update skipped" in result.stderr
+    assert "no checkpoint was saved yet" in result.stderr
