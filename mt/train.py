@@ -325,13 +325,16 @@ class Trainer:
 
     def save(self, improved: bool, step_checkpoint: bool = True) -> None:
         """last.pt always; step_N.pt (for averaging) and best.pt at validations."""
-        if self.rank != 0:
-            return
+        # Checked on every rank (DDP keeps the weights identical), so that all stop together: under
+        # torchrun the launcher ends the others anyway, under a plain launcher (srun, mpirun)
+        # they would wait at the next barrier for a rank 0 that had raised.
         bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
         if bad:
             raise RuntimeError(f"training diverged: non-finite weights ({', '.join(bad[:3])}); "
                                f"not overwriting {self.ckpt_dir / 'last.pt'}. Lower optim.lr, "
                                "raise optim.warmup_steps or set optim.clip_norm")
+        if self.rank != 0:
+            return
         inference = checkpoint.model_state(self.model, self.corpus.tokenizer, self.config_dict)
         checkpoint.save_atomic({**inference, "trainer": self._trainer_state()},
                                self.ckpt_dir / "last.pt")
