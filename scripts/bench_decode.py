@@ -50,12 +50,11 @@ from mt.model import build_model
 from mt.search import beam_search, greedy_search
 from mt.translate import worker_threads
 
-SYSTEMS = ("mt-float32", "mt-bfloat16", "mt-int8", "mt-float32-unpacked", "hf-float32",
-           "hf-bfloat16", "ct2-float32", "ct2-float16", "ct2-int8")
 CPU_DEFAULT = ("mt-float32", "mt-bfloat16", "mt-int8", "mt-float32-unpacked", "hf-float32",
                "ct2-float32", "ct2-int8")
 GPU_DEFAULT = ("mt-float32", "mt-bfloat16", "hf-float32", "hf-bfloat16", "ct2-float32",
                "ct2-float16", "ct2-int8")
+SYSTEMS = tuple(dict.fromkeys(CPU_DEFAULT + GPU_DEFAULT))  # every system, either default's order
 
 
 def base_model(vocab: int, seed: int) -> torch.nn.Module:
