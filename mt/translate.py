@@ -551,6 +551,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for i, (r, a) in enumerate(zip(results, aligns, strict=True)):
             out.write("".join(s + "\n" for s in _format(i, _texts(tokenizer, r), a, args.nbest)))
+        out.flush()
+    except BrokenPipeError:  # the reader left (`translate ... | head`): stop without a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as Python's docs advise
+        raise SystemExit(1) from None
     finally:
         if out is not sys.stdout:
             out.close()

@@ -315,3 +315,18 @@ def test_console_script_keeps_stdout_for_translations(models):
     lines = proc.stdout.split("\n")
     assert len(lines) == 4 and lines[1] == "" and lines[0] and lines[2] and lines[3] == ""
     assert "translated 3 lines" in proc.stderr  # logs went to stderr
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(models, tmp_path):
+    """`translate ... | head -1`: the output outgrows the pipe, head exits, and translate must stop
+    quietly instead of printing a BrokenPipeError traceback."""
+    script = Path(sys.executable).with_name("translate")
+    src = _write(tmp_path / "in.txt", ["the dog sees a red ball"] * 8000)
+    proc = subprocess.Popen([str(script), "-m", models["a"], "-i", src, "--beam", "1", *FAST],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.stdout.readline()
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
