@@ -17,6 +17,10 @@ every layer's cross-attention keys/values), then ``decode_step`` per token; the 
 from __future__ import annotations
 
 import math
+import platform
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -206,6 +210,55 @@ class EncoderLayer(nn.Module):
         return self.ffn_sub.output(x, self.ffn(self.ffn_sub.input(x)))
 
 
+def _onednn_keeps_float32() -> bool:
+    """Whether oneDNN may run float32 attention products without changing their arithmetic.
+
+    PyTorch sends float32 matrix products to MKL unless ``mkldnn.matmul.fp32_precision`` is
+    "bf16", which hands them to oneDNN and *allows* it to round operands to bfloat16. oneDNN does
+    that only with AMX (and on Arm); on other x86 CPUs it computes in float32, as MKL does up to
+    the order of the sums. It matters because MKL runs its AVX2 code on AMD CPUs: at decoding
+    shapes its batched products ran at 50 GFLOP/s on this project's Zen 5 core, oneDNN's 2-2.5x
+    faster (docs/decoding.md).
+    """
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return (platform.machine().lower() in ("x86_64", "amd64")
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.backends.mkldnn, "matmul")
+            and amx is not None and not amx())
+
+
+ONEDNN_FLOAT32 = _onednn_keeps_float32()
+_onednn_users = 0  # threads inside float32_products_on_onednn (translate --workers)
+_onednn_saved = "none"  # the setting before the first of them entered
+_onednn_lock = threading.Lock()
+
+
+@contextmanager
+def float32_products_on_onednn() -> Iterator[None]:
+    """Within it, float32 matrix products run in oneDNN, where that keeps their arithmetic.
+
+    The switch is process-wide; a count of the threads inside keeps it on until the last leaves
+    (concurrent searches do not turn it off under each other), which puts back what was there.
+    """
+    global _onednn_users, _onednn_saved
+    if not ONEDNN_FLOAT32:
+        yield
+        return
+    matmul = torch.backends.mkldnn.matmul
+    with _onednn_lock:
+        _onednn_users += 1
+        if _onednn_users == 1:
+            _onednn_saved = matmul.fp32_precision
+            matmul.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        with _onednn_lock:
+            _onednn_users -= 1
+            if _onednn_users == 0:
+                matmul.fp32_precision = _onednn_saved
+
+
 def block_attention(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """Decoding attention, one sentence per batch entry: the queries of its beams together.
 
@@ -215,12 +268,18 @@ def block_attention(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None) -> T
     A block of a few queries over a few dozen keys: two small products and a softmax. The fused
     kernel costs more at these shapes: on CPU in bfloat16, with one query per row over the cache,
     replacing it by these products alone made beam search 1.22x faster (transformer_base, batch
-    32 x beam 4, 30 steps, one thread; docs/decoding.md).
+    32 x beam 4, 30 steps, one thread; docs/decoding.md). Keys and values come as dense blocks
+    (the cache's whole capacity), which oneDNN takes without a copy; float32 products go to
+    oneDNN too, where it keeps their arithmetic (``_onednn_keeps_float32``).
     """
-    scores = (q @ k_t) * q.size(-1) ** -0.5
-    if mask is not None:
-        scores = scores.masked_fill(~mask, -torch.inf)
-    out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    # Scaled before the product: a contiguous copy (oneDNN would copy a strided operand, at a
+    # cost larger than the product) and fewer elements to scale than the scores have.
+    q = q * q.size(-1) ** -0.5
+    with float32_products_on_onednn():
+        scores = q @ k_t
+        if mask is not None:
+            scores.masked_fill_(~mask, -torch.inf)
+        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
     n, heads, queries, head_dim = out.shape
     return out.transpose(1, 2).reshape(n * queries, 1, heads * head_dim)
 
@@ -230,25 +289,32 @@ class KVCache:
 
     Everything is kept once per *sentence* and beams never copy it. Row ``r`` of the batch (a
     hypothesis) is beam ``r % beams`` of sentence ``r // beams``. Each step appends one key/value
-    *slot* per row to its sentence's slots, in ``self_kv`` of shape (layers, 2, N, H, slots, K);
-    ``ancestors`` (R, t) records which slot holds each row's own key of each earlier step. A
-    beam-search reorder then only re-indexes ``ancestors`` (a few hundred integers) instead of
-    moving the keys: the beams of a sentence attend together over all of its slots (one small
-    block product), each masked to the slots of its own ancestry. The wasted products are cheap;
-    moving every layer's keys at every step was not (a seventh of a bfloat16 step). Both together
-    made bfloat16 beam search 1.45x faster, float32 1.08x (docs/decoding.md). Sentences
-    leaving the batch, or reordered, are the only time keys move. With one row per sentence every
-    slot is the row's own and no mask is needed (greedy search).
+    *slot* per row to its sentence's slots: keys transposed in ``self_k`` (layers, N, H, K,
+    capacity), values in ``self_v`` (layers, N, H, capacity, K); ``ancestors`` (R, t) records
+    which slot holds each row's own key of each earlier step. A beam-search reorder then only
+    re-indexes ``ancestors`` (a few hundred integers) instead of moving the keys: the beams of a
+    sentence attend together over all of its slots (one small block product), each masked to the
+    slots of its own ancestry. The wasted products are cheap; moving every layer's keys at every
+    step was not (a seventh of a bfloat16 step). Both together made bfloat16 beam search 1.45x
+    faster, float32 1.08x (docs/decoding.md). Sentences leaving the batch, or reordered, are the
+    only time keys move.
 
-    The slot axis starts with room for ``FIRST_CAPACITY`` steps and grows when full; the buffer is
-    allocated at the first step, in the dtype of the keys themselves (under autocast they are bf16
-    while the encoder output is float32).
+    Attention reads every slot of the capacity, unfilled ones masked (they hold zeros, so that
+    their zero weights give exact zeros): each layer's keys and values are then dense blocks,
+    which oneDNN multiplies without first copying them (a slice of the filled slots is strided,
+    and the copy cost more than the product). To keep the unfilled slots few, the capacity starts
+    at ``FIRST_STEPS`` steps and grows by half when full; every growth copies the filled slots
+    once, so the copies add up to about twice the final cache. With one slot per step and
+    sentence (greedy search) and the capacity full, no mask is needed.
 
-    Cross-attention keys/values are computed once from the encoder output, also per sentence
-    (keys transposed, ready for the product with the queries).
+    The buffers are allocated at the first step, in the dtype of the keys themselves (under
+    autocast they are bf16 while the encoder output is float32). Cross-attention keys/values are
+    computed once from the encoder output, also per sentence (keys transposed, ready for the
+    product with the queries).
     """
 
-    FIRST_CAPACITY = 32  # steps a buffer makes room for at the current beams before it grows
+    FIRST_STEPS = 8  # steps the first buffer makes room for at the current beams
+    GROWTH = 1.5  # capacity factor at each growth
 
     def __init__(self, layers: int, rows: int, heads: int, head_dim: int, max_len: int,
                  cross_k: list[Tensor], cross_v: list[Tensor], src_mask: Tensor) -> None:
@@ -258,9 +324,11 @@ class KVCache:
         self.beams = 1  # consecutive rows per sentence
         self.rows = rows
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
-        self.self_kv: Tensor | None = None  # (layers, 2, N, H, capacity, K), at the first step
+        self.self_k: Tensor | None = None  # (layers, N, H, K, capacity), at the first step
+        self.self_v: Tensor | None = None  # (layers, N, H, capacity, K)
+        self.capacity = 0  # slots per sentence the buffers hold (before the first step: 0)
         self.ancestors: Tensor | None = None  # (R, t): slot of each row's key at each step
-        self.self_mask: Tensor | None = None  # (N, 1, beams, slots) this step, None if not needed
+        self.self_mask: Tensor | None = None  # (N, 1, beams, capacity) this step, or None
         self.cross_k, self.cross_v = cross_k, cross_v  # (N, H, K, S) and (N, H, S, K) per layer
         self.src_mask = src_mask  # (N, 1, 1, S)
 
@@ -268,49 +336,55 @@ class KVCache:
         """Claims this step's slots (one per row) and sets the ancestry mask of the step."""
         b, first = self.beams, self.slots
         n = self.rows // b
-        if self.self_kv is not None and first + b > self.self_kv.size(4):
-            # double, but no further than the slots the remaining steps can fill
-            self._resize(min(max(2 * self.self_kv.size(4), self._wanted()),
-                             first + b * (self.max_len - self.length)))
+        if self.self_k is None:
+            self.capacity = max(self.capacity, self._wanted())
+        elif first + b > self.capacity:
+            self._resize(self._wanted(math.ceil(self.GROWTH * self.capacity)))
         own = first + torch.arange(b, device=self.src_mask.device).repeat(n)  # (R,)
         own = own[:, None]
         self.ancestors = own if self.ancestors is None else torch.cat([self.ancestors, own], 1)
-        if first + b == self.length + 1:  # one slot per step and sentence: all its own
+        if first + b == self.length + 1 == self.capacity:  # every slot filled, all the row's own
             self.self_mask = None
         else:
-            mask = torch.zeros(self.rows, first + b, dtype=torch.bool, device=own.device)
-            self.self_mask = mask.scatter_(1, self.ancestors, True).view(n, 1, b, first + b)
+            mask = torch.zeros(self.rows, self.capacity, dtype=torch.bool, device=own.device)
+            self.self_mask = mask.scatter_(1, self.ancestors, True).view(n, 1, b, self.capacity)
 
     def end_step(self) -> None:
         self.length += 1
         self.slots += self.beams
 
     def append(self, layer: int, kv: Tensor) -> tuple[Tensor, Tensor]:
-        """Stores this step's keys/values kv (R, 2, H, K) of ``layer``; returns its keys so far,
-        transposed (N, H, K, slots), and values (N, H, slots, K), every slot of each sentence."""
+        """Stores this step's keys/values kv (R, 2, H, K) of ``layer``; returns its keys,
+        transposed (N, H, K, capacity), and values (N, H, capacity, K), every slot of each
+        sentence (the unfilled ones zero), both dense blocks."""
         b, first = self.beams, self.slots
         n = self.rows // b
-        if self.self_kv is None:
-            capacity = b * min(self.FIRST_CAPACITY, self.max_len)
-            self.self_kv = kv.new_empty(self.layers, 2, n, self.heads, capacity, self.head_dim)
-        new = kv.view(n, b, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        self.self_kv[layer, :, :, :, first : first + b] = new
-        filled = self.self_kv[layer, :, :, :, : first + b]
-        return filled[0].transpose(-1, -2), filled[1]
+        if self.self_k is None:
+            self.self_k = kv.new_zeros(self.layers, n, self.heads, self.head_dim, self.capacity)
+            self.self_v = kv.new_zeros(self.layers, n, self.heads, self.capacity, self.head_dim)
+        new = kv.view(n, b, 2, self.heads, self.head_dim)
+        self.self_k[layer, :, :, :, first : first + b] = new[:, :, 0].permute(0, 2, 3, 1)
+        self.self_v[layer, :, :, first : first + b] = new[:, :, 1].transpose(1, 2)
+        return self.self_k[layer], self.self_v[layer]
 
-    def _wanted(self) -> int:
-        """Slots for ``FIRST_CAPACITY`` more steps at the current beams (within max_len)."""
-        return self.slots + self.beams * min(self.FIRST_CAPACITY, self.max_len - self.length)
+    def _wanted(self, capacity: int = 0) -> int:
+        """``capacity`` slots, but at least ``FIRST_STEPS`` more steps at the current beams, and
+        no more than the remaining steps can fill."""
+        most = self.slots + self.beams * (self.max_len - self.length)
+        return min(max(capacity, self.slots + self.beams * self.FIRST_STEPS), most)
 
     def _resize(self, capacity: int, sentences: Tensor | None = None) -> None:
-        """A new buffer of ``capacity`` slots with the filled ones copied (of ``sentences``)."""
-        old = self.self_kv[:, :, :, :, : self.slots]
+        """New zeroed buffers of ``capacity`` slots with the filled ones copied (of
+        ``sentences``)."""
+        filled = self.slots
+        k, v = self.self_k[..., :filled], self.self_v[:, :, :, :filled]
         if sentences is not None:
-            old = old.index_select(2, sentences)
-        shape = list(old.shape)
-        shape[4] = capacity
-        self.self_kv = old.new_empty(shape)
-        self.self_kv[:, :, :, :, : self.slots] = old
+            k, v = k.index_select(1, sentences), v.index_select(1, sentences)
+        self.self_k = k.new_empty(*k.shape[:-1], capacity)
+        self.self_v = v.new_empty(*v.shape[:3], capacity, v.size(-1))
+        self.self_k[..., :filled], self.self_v[:, :, :, :filled] = k, v
+        self.self_k[..., filled:], self.self_v[:, :, :, filled:] = 0, 0
+        self.capacity = capacity
 
     def reorder(self, index: Tensor, beams: int = 1) -> None:
         """Keeps hypothesis rows ``index`` (R',) in that order; R' may be smaller or larger than R.
@@ -334,21 +408,21 @@ class KVCache:
         self.beams, self.rows = beams, index.numel()
         # Beam search's first step runs one row per sentence: make room for its beams now, while
         # one slot is filled, not a few steps later with the whole cache to copy.
-        capacity = None if self.self_kv is None else self.self_kv.size(4)
-        if more_beams and capacity is not None and self._wanted() > capacity:
-            capacity = self._wanted()
+        capacity = self.capacity
+        if more_beams and self.self_k is not None:
+            capacity = max(capacity, self._wanted())
         k = sentences.numel()
         if k <= self.src_mask.size(0) and torch.equal(sentences,
                                                       torch.arange(k, device=index.device)):
-            if self.self_kv is not None:
-                self.self_kv = self.self_kv[:, :, :k]
-                if capacity > self.self_kv.size(4):
+            if self.self_k is not None:
+                self.self_k, self.self_v = self.self_k[:, :k], self.self_v[:, :k]
+                if capacity > self.capacity:
                     self._resize(capacity)
             for buffers in (self.cross_k, self.cross_v):
                 buffers[:] = [buf[:k] for buf in buffers]
             self.src_mask = self.src_mask[:k]
         else:
-            if self.self_kv is not None:
+            if self.self_k is not None:
                 self._resize(capacity, sentences)
             for buffers in (self.cross_k, self.cross_v):
                 buffers[:] = [buf.index_select(0, sentences) for buf in buffers]

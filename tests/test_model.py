@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -17,15 +18,18 @@ from torch import nn
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
 from mt.model import (
+    ONEDNN_FLOAT32,
     Dropout,
     FeedForward,
     KVCache,
     MultiHeadAttention,
     PositionalEncoding,
     Transformer,
+    block_attention,
     build_model,
     count_parameters,
     explicit_attention,
+    float32_products_on_onednn,
     sinusoids,
 )
 
@@ -240,16 +244,16 @@ def test_repeated_reorders_equal_recomputation() -> None:
 
 
 def test_cache_grows_past_its_first_capacity_across_reorders() -> None:
-    """The self-attention cache starts with room for 32 steps and doubles when full: 45 steps,
-    with reorders before, at and after a growth, still equal a full forward pass."""
+    """The self-attention cache starts with room for a few steps and grows when full: 45 steps,
+    with reorders before, at and after growths, still equal a full forward pass."""
     model = tiny_model(norm="post")
     src, tgt = padded_source([5, 7, 6]), target_in(3, 45)
     rows = torch.arange(3)
     reorders = {3: [2, 0, 1, 1], 32: [1, 0, 3, 2], 40: [3, 0]}
     with torch.no_grad():
         memory, src_mask = model.encode(src)
-        cache = model.init_cache(memory, src_mask, 45)
-        assert cache.self_kv is None and KVCache.FIRST_CAPACITY < 45  # growth is exercised
+        cache = model.init_cache(memory, src_mask, 60)
+        assert cache.self_k is None and KVCache.FIRST_STEPS < 45  # growth is exercised
         for t in range(45):
             if t in reorders:
                 index = torch.tensor(reorders[t])
@@ -258,6 +262,11 @@ def test_cache_grows_past_its_first_capacity_across_reorders() -> None:
             logits = model.decode_step(tgt[rows, t], cache)
         expected = model(src[rows], tgt[rows])[:, -1]
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    # Attention reads every slot of the capacity: the unfilled ones must be exact zeros (garbage
+    # there could be NaN, and a NaN value times a zero weight is NaN).
+    assert cache.capacity > cache.slots
+    assert not cache.self_k[..., cache.slots :].any()
+    assert not cache.self_v[:, :, :, cache.slots :].any()
 
 
 @pytest.mark.parametrize("capacity", [32, 2], ids=["no-growth", "growth"])
@@ -265,7 +274,7 @@ def test_beam_reorders_attend_only_along_each_rows_ancestry(monkeypatch, capacit
     """Beams share their sentence's key slots and are masked to their own ancestry: after beam
     expansion, parent reorders (a beam taking another's history), a sentence leaving and a
     re-expansion, every row's logits equal a full forward pass on the tokens it was fed."""
-    monkeypatch.setattr(KVCache, "FIRST_CAPACITY", capacity)
+    monkeypatch.setattr(KVCache, "FIRST_STEPS", capacity)
     model = tiny_model(norm="pre")
     src = padded_source([5, 7, 6])
     g = torch.Generator().manual_seed(5)
@@ -288,6 +297,28 @@ def test_beam_reorders_attend_only_along_each_rows_ancestry(monkeypatch, capacit
         expected = model(src[sentence], fed)[:, -1]  # fed[:, 0] stands in for BOS
     assert cache.self_mask is not None  # the masked path ran
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_float32_attention_products_on_onednn_stay_float32() -> None:
+    """Where oneDNN takes the float32 attention products it must not round them to bfloat16
+    (its setting only *allows* that): a product at decoding shapes matches float64 to float32
+    accuracy (bfloat16 operands would be off by about 1e-1 here). The setting is put back after
+    the last user leaves, also with nested and concurrent users."""
+    g = torch.Generator().manual_seed(0)
+    q, k_t = torch.randn(256, 4, 64, generator=g), torch.randn(256, 64, 117, generator=g)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    with float32_products_on_onednn():
+        with float32_products_on_onednn():
+            product = q @ k_t
+        if ONEDNN_FLOAT32:
+            assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    error = (product.double() - q.double() @ k_t.double()).abs().max().item()
+    assert error < 1e-4, error
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda _: block_attention(q.view(32, 8, 4, 64), k_t.view(32, 8, 64, 117),
+                                                k_t.view(32, 8, 117, 64), None), range(8)))
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
 
 
 def test_reorder_refuses_beams_drawn_from_two_sentences() -> None:
@@ -314,7 +345,7 @@ def test_cache_takes_the_dtype_of_the_keys_under_autocast() -> None:
             memory, src_mask = model.encode(src)
             cache = model.init_cache(memory, src_mask, 5)
             steps = torch.stack([model.decode_step(tgt[:, t], cache) for t in range(5)], dim=1)
-    assert memory.dtype == torch.float32 and cache.self_kv.dtype == torch.bfloat16
+    assert memory.dtype == torch.float32 and cache.self_k.dtype == torch.bfloat16
     assert (steps.float() - reference).abs().max().item() < 0.1
 
 
