@@ -132,7 +132,7 @@ class TrainerConfig:
     average_last: int = 0  # average the last N step checkpoints at the end (0 = off)
     beam_size: int = 5  # for validation and test BLEU
     lenpen: float = 0.6
-    precision: str = "auto"  # auto (bf16 where fast: CUDA, or a CPU with AMX) | bf16 | fp16 | fp32
+    precision: str = "auto"  # auto (bf16 on CUDA or AVX512-BF16/AMX CPUs) | bf16 | fp16 | fp32
     compile: bool = False
     seed: int = 1
     device: str = "auto"  # auto | cpu | cuda

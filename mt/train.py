@@ -65,7 +65,7 @@ def setup_distributed(device_cfg: str) -> tuple[int, int, torch.device]:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matrix products several times faster than float32."""
+    """AVX512-BF16 or AMX: bf16 matrix products about 2x (AVX512-BF16) to 4.5x (AMX) float32's."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

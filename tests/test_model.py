@@ -321,6 +321,27 @@ def test_float32_attention_products_on_onednn_stay_float32() -> None:
     assert torch.backends.mkldnn.matmul.fp32_precision == before
 
 
+def test_sentences_leaving_reuse_the_caches_memory() -> None:
+    """Dropping sentences moves the cache into the storage it used before the previous move (new
+    memory of tens of MB costs more in page faults than the copy), and decoding stays exact."""
+    model = tiny_model()
+    src, tgt = padded_source([5, 7, 6, 4]), target_in(4, 4)
+    rows = torch.arange(4)
+    with torch.no_grad():
+        cache = model.init_cache(*model.encode(src), 4)
+        model.decode_step(tgt[rows, 0], cache)
+        storages = [cache._storage]  # held, so that freed memory cannot come back by chance
+        for t, index in ((1, [3, 1, 2]), (2, [2, 0]), (3, [1])):  # never a prefix: a move each
+            cache.reorder(torch.tensor(index))
+            rows = rows[index]
+            storages.append(cache._storage)
+            logits = model.decode_step(tgt[rows, t], cache)
+        expected = model(src[rows], tgt[rows])[:, -1]
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    ptr = [storage.data_ptr() for storage in storages]
+    assert ptr[2] == ptr[0] and ptr[3] == ptr[1] != ptr[0]
+
+
 def test_reorder_refuses_beams_drawn_from_two_sentences() -> None:
     """The beams of a group share one sentence's keys: a group mixing sentences is an error, not a
     silently wrong attention."""
