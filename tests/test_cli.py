@@ -97,3 +97,23 @@ def _bleu(report: dict) -> float:
                 if isinstance(item, dict) and (found := _bleu(item)) is not None:
                     return found
     return None
+
+
+def test_bench_translate_decodes_what_translate_decodes(trained_run, corpus_dir, tmp_path):
+    """scripts/bench_translate.py times the search that translate runs: its mt BLEU on the test
+    set equals the one mt-train wrote for the same checkpoint and search (greedy), and the
+    CTranslate2 export of those weights is timed beside it."""
+    pytest.importorskip("ctranslate2")
+    out = tmp_path / "bench.json"
+    cmd = [PYTHON, str(Path(__file__).resolve().parents[1] / "scripts" / "bench_translate.py"),
+           "-m", str(trained_run / "checkpoints" / "averaged.pt"),
+           "-i", str(corpus_dir / "test.en"), "-r", str(corpus_dir / "test.zz"), "--beam", "1",
+           "--threads", "1", "--repeat", "1", "--systems", "mt-float32,ct2-float32",
+           "--out", str(out)]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    expected = json.loads((trained_run / "test.json").read_text())["averaged"]["bleu"]
+    assert report["systems"]["mt-float32"]["bleu"] == round(expected, 2)
+    assert report["systems"]["ct2-float32"]["seconds"] > 0
+    assert set(report["ratios"]) == {"mt-float32 / ct2-float32"}

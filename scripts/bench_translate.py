@@ -1,0 +1,143 @@
+"""Translation speed on real text: mt's ``translate`` against CTranslate2, on a trained model.
+
+``bench_decode.py`` holds every sentence of random weights to a fixed length, so all systems do
+the same work. Real text does not: sentences finish at different steps and leave the batch, and
+lengths vary. This script decodes a real source file with a trained mt checkpoint, through the
+code ``translate`` runs (``mt.translate.translate_ids``), and with the same weights exported to
+CTranslate2 (``mt.export.export_ctranslate2``), at the same beam and length penalty, one batch per
+core in both (mt ``--workers``, CTranslate2 ``inter_threads``). It reports seconds, sentences and
+target tokens per second (model loading excluded), and BLEU when a reference is given, as JSON.
+Rounds are interleaved across systems and the best counts. Needs the ``bench`` extra.
+
+    python scripts/bench_translate.py -m runs/multi30k/checkpoints/averaged.pt \\
+        -i ../shared/data/multi30k/test2016.en -r ../shared/data/multi30k/test2016.de
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import sacrebleu
+import torch
+
+from mt.checkpoint import load_model
+from mt.export import export_ctranslate2
+from mt.inference import load_models
+from mt.translate import SearchOptions, translate_ids
+
+SYSTEMS = ("mt-float32", "mt-bfloat16", "mt-int8", "ct2-float32", "ct2-int8")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("-m", "--model", required=True, help="mt checkpoint file or run directory")
+    p.add_argument("-i", "--input", required=True, help="source text, one sentence per line")
+    p.add_argument("-r", "--reference", help="reference translations (BLEU is reported)")
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--lenpen", type=float, default=0.6)
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help="batches decoded at once, one core each, in every system")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    p.add_argument("--out", help="JSON file (default: stdout)")
+    args = p.parse_args(argv)
+    systems = args.systems.split(",")
+    if unknown := sorted(set(systems) - set(SYSTEMS)):
+        p.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    with open(args.input, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    refs = None
+    if args.reference:
+        with open(args.reference, encoding="utf-8") as f:
+            refs = f.read().splitlines()
+
+    opts = SearchOptions(beam=args.beam, lenpen=args.lenpen, batch_tokens=args.batch_tokens,
+                         workers=args.threads)
+    runs = {}
+    for name in systems:
+        if name.startswith("mt-"):
+            model, tok, _ = load_models([args.model], "cpu", name[3:])
+            ids = tok.encode_src(lines)
+
+            def run(model=model, tok=tok, ids=ids) -> list[str]:
+                hyps = translate_ids(model, ids, opts)
+                return tok.decode_tgt([h[0].tokens for h in hyps])
+
+            runs[name] = run
+    tmp = tempfile.TemporaryDirectory()
+    if any(name.startswith("ct2-") for name in systems):
+        import ctranslate2
+        import sentencepiece as spm
+
+        model, tok, _ = load_model(args.model, "cpu")
+        for name in (n for n in systems if n.startswith("ct2-")):
+            q = name[4:]
+            out = f"{tmp.name}/{q}"
+            export_ctranslate2(model, tok, out, None if q == "float32" else q)
+            joint = Path(out, "spm.model").exists()
+            name_src, name_tgt = ("spm", "spm") if joint else ("src", "tgt")
+            sp_src = spm.SentencePieceProcessor(model_file=f"{out}/{name_src}.model")
+            sp = spm.SentencePieceProcessor(model_file=f"{out}/{name_tgt}.model")
+            translator = ctranslate2.Translator(out, device="cpu", compute_type=q,
+                                                inter_threads=args.threads, intra_threads=1)
+            pieces = [sp_src.encode(line, out_type=str) for line in lines]
+
+            def run(translator=translator, sp=sp, pieces=pieces) -> list[str]:
+                # at least mt's length budget (1.5 x source + 10, EOS included; one limit for
+                # all here), mt's never-emitted PAD/BOS; empty lines give empty outputs in both
+                results = translator.translate_batch(
+                    pieces, beam_size=args.beam, length_penalty=args.lenpen,
+                    max_batch_size=args.batch_tokens, batch_type="tokens",
+                    max_decoding_length=int(1.5 * max(map(len, pieces), default=0)) + 10,
+                    suppress_sequences=[["<pad>"], ["<s>"]])
+                return [sp.decode(r.hypotheses[0]) if r.hypotheses else "" for r in results]
+
+            runs[name] = run
+
+    torch.set_num_threads(args.threads)
+    report = {"config": {k: v for k, v in vars(args).items() if k != "out"},
+              "sentences": len(lines), "torch": torch.__version__, "systems": {}}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    outputs: dict[str, list[str]] = {}
+    for name, run in runs.items():  # warm-up (first-call set-up is not decoding speed)
+        outputs[name] = run()
+    for _ in range(args.repeat):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    for name, out in outputs.items():
+        best = min(times[name])
+        tokens = sum(len(line.split()) for line in out)
+        entry = {"seconds": round(best, 3), "rounds": [round(t, 3) for t in times[name]],
+                 "sentences_per_s": round(len(lines) / best, 1),
+                 "words_per_s": round(tokens / best, 1)}
+        if refs is not None:
+            entry["bleu"] = round(sacrebleu.corpus_bleu(out, [refs]).score, 2)
+        report["systems"][name] = entry
+        print(f"{name:12s} {best:7.2f} s  {entry['sentences_per_s']:8.1f} sentences/s"
+              + (f"  BLEU {entry['bleu']:.2f}" if "bleu" in entry else ""), file=sys.stderr)
+    ratios = {}
+    for a, b in (("mt-float32", "ct2-float32"), ("mt-int8", "ct2-int8"),
+                 ("mt-bfloat16", "ct2-int8")):
+        if a in times and b in times:
+            ratios[f"{a} / {b}"] = round(min(times[b]) / min(times[a]), 2)
+    report["ratios"] = ratios  # speed ratios (> 1: mt faster)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
