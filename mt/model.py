@@ -612,8 +612,12 @@ class Transformer(nn.Module):
                        [k.transpose(-1, -2).contiguous() for k, _ in cross],
                        [v.contiguous() for _, v in cross], src_mask)
 
-    def decode_step(self, tokens: Tensor, cache: KVCache) -> Tensor:
-        """Next-token logits for the last tokens (B,) given the cache -> (B, V); advances it."""
+    def decode_step(self, tokens: Tensor, cache: KVCache, project: bool = True) -> Tensor:
+        """Next-token logits for the last tokens (B,) given the cache -> (B, V); advances it.
+
+        ``project=False`` returns the decoder's final states (B, D) instead, for a caller that
+        applies ``project`` itself (search does, a block of rows at a time).
+        """
         if cache.length >= cache.max_len:
             raise ValueError(
                 f"decode_step at target position {cache.length} is past the cache's "
@@ -624,7 +628,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.decoder_layers):
             y = layer.step(y, cache, i)
         cache.end_step()
-        return self.project(self.decoder_norm(y[:, 0]))
+        y = self.decoder_norm(y[:, 0])
+        return self.project(y) if project else y
 
 
 def build_model(cfg: ModelConfig) -> Transformer:

@@ -73,7 +73,17 @@ def max_positions(model) -> int:
 
 
 class _Decoder:
-    """The incremental state of one search: a cache per model, next-token log-probabilities."""
+    """The incremental state of one search: a cache per model, next-token log-probabilities.
+
+    On a CPU the output layer and the log-softmax run a block of ``ROWS`` hypotheses at a time
+    into one float32 buffer kept for the whole search. A step's logits are large (1,460 rows x
+    8,000 tokens: 47 MB); produced whole, they and the log-probabilities were new memory every
+    step and each passed through RAM, while a block stays in cache. The search then works on the
+    buffer in place. Measured on those shapes (one thread): output layer, log-softmax, beam-score
+    add and top-k 97 ms whole, 43 ms in blocks, as long as the output layer alone.
+    """
+
+    ROWS = 128
 
     def __init__(self, model, src: Tensor, max_len: int) -> None:
         self.models = _members(model)
@@ -81,13 +91,24 @@ class _Decoder:
         for m in self.models:
             memory, src_mask = m.encode(src)
             self.caches.append(m.init_cache(memory, src_mask, max_len))
+        self.buffer: Tensor | None = None  # (rows, V) float32, reused across steps
 
     def log_probs(self, tokens: Tensor) -> Tensor:
-        """tokens (N,) -> float32 log-probabilities of the next token (N, V)."""
+        """tokens (N,) -> float32 log-probabilities of the next token (N, V). The result is the
+        decoder's buffer (valid until the next call), which the caller may modify."""
         if len(self.models) == 1:
-            # dtype= reads bf16 logits and writes float32 in one pass (no separate cast)
-            return torch.log_softmax(self.models[0].decode_step(tokens, self.caches[0]), -1,
-                                     dtype=torch.float32)
+            m = self.models[0]
+            states = m.decode_step(tokens, self.caches[0], project=False)
+            rows = states.size(0)
+            if self.buffer is None or self.buffer.size(0) < rows:
+                self.buffer = states.new_empty(rows, m.cfg.tgt_vocab_size, dtype=torch.float32)
+            out = self.buffer[:rows]
+            block = self.ROWS if states.device.type == "cpu" else max(rows, 1)
+            for i in range(0, rows, block):
+                # dtype= reads bf16 logits and writes float32 in one pass (no separate cast)
+                torch.log_softmax(m.project(states[i : i + block]), -1, dtype=torch.float32,
+                                  out=out[i : i + block])
+            return out
         total = None
         for m, cache in zip(self.models, self.caches, strict=True):
             lp = torch.log_softmax(m.decode_step(tokens, cache), -1, dtype=torch.float32)
@@ -304,7 +325,8 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
         rows = active.repeat_interleave(beams) if step < prefix.steps else None
         _constrain(lprobs, step, min_len, force_eos, prefix, rows)
         vocab = lprobs.size(-1)
-        cand = (scores.unsqueeze(-1) + lprobs.view(n, beams, vocab)).view(n, beams * vocab)
+        # in place: lprobs is the decoder's buffer and is not needed after this
+        cand = lprobs.view(n, beams, vocab).add_(scores.unsqueeze(-1)).view(n, beams * vocab)
         if cand.size(1) < 2 * k:  # a tiny vocabulary at step 0: pad with impossible candidates
             cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=-torch.inf)
         top_scores, top_idx = cand.topk(2 * k, dim=1)  # (n, 2k)

@@ -86,6 +86,30 @@ def test_batch_equals_one_by_one(search):
             assert [h.score for h in hyps] == pytest.approx([h.score for h in alone], abs=1e-4)
 
 
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_log_probs_in_blocks_equal_all_rows_at_once(monkeypatch, search):
+    """The output layer and log-softmax run a block of rows at a time into a buffer reused across
+    steps (and modified in place by the search): blocks of 3 rows, which split sentences and
+    beams and leave a ragged last block as the batch shrinks, give what one block of all rows
+    gives."""
+    from mt import search as search_module
+
+    model, src = _model(), _pad(_sources(9))
+
+    def run():
+        if search == "greedy":
+            return [[h] for h in greedy_search(model, src, max_len_b=8)]
+        return beam_search(model, src, beam_size=4, nbest=3, max_len_b=8)
+
+    monkeypatch.setattr(search_module._Decoder, "ROWS", 10_000)
+    whole = run()
+    monkeypatch.setattr(search_module._Decoder, "ROWS", 3)
+    blocks = run()
+    for a, b in zip(whole, blocks, strict=True):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+
+
 @pytest.mark.parametrize("lenpen", [0.0, 0.6, 1.0])
 def test_nbest_sorted_and_scores_match_forced_rescoring(lenpen):
     model, srcs = _model(), _sources()
