@@ -57,6 +57,16 @@ GPU_DEFAULT = ("mt-float32", "mt-bfloat16", "hf-float32", "hf-bfloat16", "ct2-fl
 SYSTEMS = tuple(dict.fromkeys(CPU_DEFAULT + GPU_DEFAULT))  # every system, either default's order
 
 
+def write_report(report: dict, path: str | None) -> None:
+    """The JSON report to ``path``, or to stdout without one."""
+    text = json.dumps(report, indent=2)
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+
+
 def base_model(vocab: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = ModelConfig(name="transformer_base", encoder_layers=6, decoder_layers=6, d_model=512,
@@ -335,12 +345,7 @@ def main(argv: list[str] | None = None) -> None:
                              "linear_only_ceiling": ceiling.get(a)}
         for a, x, b in (("mt-float32", 1.5, "ct2-float32"), ("mt-bfloat16", 2.0, "ct2-int8"))
         if a in speed and b in speed}
-    text = json.dumps(report, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_report(report, args.out)
     tmp.cleanup()
 
 

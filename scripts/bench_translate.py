@@ -16,7 +16,6 @@ Rounds are interleaved across systems and the best counts. Needs the ``bench`` e
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import sacrebleu
 import torch
+from bench_decode import write_report  # this folder is on sys.path when a script runs
 
 from mt.checkpoint import load_model
 from mt.export import export_ctranslate2
@@ -130,12 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         if a in times and b in times:
             ratios[f"{a} / {b}"] = round(min(times[b]) / min(times[a]), 2)
     report["ratios"] = ratios  # speed ratios (> 1: mt faster)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_report(report, args.out)
     tmp.cleanup()
 
 
