@@ -305,10 +305,14 @@ class KVCache:
     and the copy cost more than the product). To keep the unfilled slots few, the capacity starts
     at ``FIRST_STEPS`` steps and grows by half when full; every growth copies the filled slots
     once, so the copies add up to about twice the final cache. With one slot per step and
-    sentence (greedy search) and the capacity full, no mask is needed. A move (growth, or
-    sentences leaving) writes into the storage the buffers had before the previous move when it
-    is large enough: new memory costs page faults, which in `translate` cost more than the copies
-    (reusing it made a Multi30k test set decode 1.14x faster, docs/decoding.md).
+    sentence (greedy search) and the capacity full, no mask is needed. Sentences that finish stay
+    in the cache (``live`` maps the rows to their sentences; the finished ones get zero queries
+    and their outputs are dropped) until half of it is finished, or a reorder permutes sentences:
+    a move copies the whole cache, and in `translate` some sentence finishes at almost every step
+    (waiting made a Multi30k test set decode 1.09x faster). A move (growth, or sentences leaving)
+    writes into the storage the buffers had before the previous move when it is large enough:
+    new memory costs page faults, which in `translate` cost more than the copies (reusing it made
+    a Multi30k test set decode 1.14x faster, docs/decoding.md).
 
     The buffers are allocated at the first step, in the dtype of the keys themselves (under
     autocast they are bf16 while the encoder output is float32). Cross-attention keys/values are
@@ -329,6 +333,7 @@ class KVCache:
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
         self.self_k: Tensor | None = None  # (layers, N, H, K, capacity), at the first step
         self.self_v: Tensor | None = None  # (layers, N, H, capacity, K)
+        self.live: Tensor | None = None  # cache sentence of each row group; None: all, in order
         self._storage: Tensor | None = None  # the flat memory self_k and self_v are views of
         self._spare: Tensor | None = None  # the storage before the last move, for the next one
         self.capacity = 0  # slots per sentence the buffers hold (before the first step: 0)
@@ -348,11 +353,15 @@ class KVCache:
         own = first + torch.arange(b, device=self.src_mask.device).repeat(n)  # (R,)
         own = own[:, None]
         self.ancestors = own if self.ancestors is None else torch.cat([self.ancestors, own], 1)
-        if first + b == self.length + 1 == self.capacity:  # every slot filled, all the row's own
-            self.self_mask = None
+        if first + b == self.length + 1 == self.capacity and self.live is None:
+            self.self_mask = None  # every slot filled, all the row's own
         else:
             mask = torch.zeros(self.rows, self.capacity, dtype=torch.bool, device=own.device)
-            self.self_mask = mask.scatter_(1, self.ancestors, True).view(n, 1, b, self.capacity)
+            mask = mask.scatter_(1, self.ancestors, True).view(n, 1, b, self.capacity)
+            if self.live is not None:  # finished sentences attend anywhere; their output is dropped
+                full = mask.new_ones(self.src_mask.size(0), 1, b, self.capacity)
+                mask = full.index_copy_(0, self.live, mask)
+            self.self_mask = mask
 
     def end_step(self) -> None:
         self.length += 1
@@ -368,9 +377,24 @@ class KVCache:
             self.self_k, self.self_v = self._buffers(kv, n, self.capacity)
             self.self_k.zero_(), self.self_v.zero_()
         new = kv.view(n, b, 2, self.heads, self.head_dim)
-        self.self_k[layer, :, :, :, first : first + b] = new[:, :, 0].permute(0, 2, 3, 1)
-        self.self_v[layer, :, :, first : first + b] = new[:, :, 1].transpose(1, 2)
+        k, v = new[:, :, 0].permute(0, 2, 3, 1), new[:, :, 1].transpose(1, 2)
+        if self.live is None:
+            self.self_k[layer, :, :, :, first : first + b] = k
+            self.self_v[layer, :, :, first : first + b] = v
+        else:
+            self.self_k[layer, :, :, :, first : first + b].index_copy_(0, self.live, k)
+            self.self_v[layer, :, :, first : first + b].index_copy_(0, self.live, v)
         return self.self_k[layer], self.self_v[layer]
+
+    def attend(self, q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """``block_attention`` of the rows' queries q (n, H, beams, K) over keys and values kept
+        per cache sentence; with finished sentences still in the cache, they get zero queries
+        and their outputs are dropped. -> (n * beams, 1, H * K)"""
+        if self.live is None:
+            return block_attention(q, k_t, v, mask)
+        full = q.new_zeros(k_t.size(0), *q.shape[1:]).index_copy_(0, self.live, q)
+        out = block_attention(full, k_t, v, mask)
+        return out.view(k_t.size(0), -1, out.size(-1))[self.live].view(-1, 1, out.size(-1))
 
     def _wanted(self, capacity: int = 0) -> int:
         """``capacity`` slots, but at least ``FIRST_STEPS`` more steps at the current beams, and
@@ -427,6 +451,8 @@ class KVCache:
             raise ValueError(f"KVCache.reorder: each run of {beams} rows of the index must come "
                              "from one sentence (they share its keys)")
         sentences = groups[:, 0]  # (N',) source sentence per group
+        if self.live is not None:
+            sentences = self.live[sentences]  # its place in the cache
         if self.ancestors is not None:
             self.ancestors = self.ancestors[index]
         more_beams = beams > self.beams
@@ -436,9 +462,9 @@ class KVCache:
         capacity = self.capacity
         if more_beams and self.self_k is not None:
             capacity = max(capacity, self._wanted())
-        k = sentences.numel()
-        if k <= self.src_mask.size(0) and torch.equal(sentences,
-                                                      torch.arange(k, device=index.device)):
+        k, cached = sentences.numel(), self.src_mask.size(0)
+        self.live = None
+        if k <= cached and torch.equal(sentences, torch.arange(k, device=index.device)):
             if self.self_k is not None:
                 self.self_k, self.self_v = self.self_k[:, :k], self.self_v[:, :k]
                 if capacity > self.capacity:
@@ -446,6 +472,11 @@ class KVCache:
             for buffers in (self.cross_k, self.cross_v):
                 buffers[:] = [buf[:k] for buf in buffers]
             self.src_mask = self.src_mask[:k]
+        elif (self.self_k is not None and not more_beams and 2 * k >= cached
+              and bool((sentences[1:] > sentences[:-1]).all())):
+            # Sentences that finished stay in the cache until half are gone: a move copies the
+            # whole cache, and in translate some sentence finishes at almost every step.
+            self.live = sentences
         else:
             if self.self_k is not None:
                 self._resize(capacity, sentences)
@@ -487,9 +518,9 @@ class DecoderLayer(nn.Module):
         k_t, v = cache.append(i, qkv[:, 1:])
         # The beams of a sentence query its keys together: (N, H, beams, K).
         q = qkv[:, 0].view(n, cache.beams, heads, hd).transpose(1, 2)
-        y = self.self_sub.output(y, attn.out_proj(block_attention(q, k_t, v, cache.self_mask)))
+        y = self.self_sub.output(y, attn.out_proj(cache.attend(q, k_t, v, cache.self_mask)))
         q = cross.q_proj(self.cross_sub.input(y)).view(n, cache.beams, heads, hd).transpose(1, 2)
-        out = block_attention(q, cache.cross_k[i], cache.cross_v[i], cache.src_mask)
+        out = cache.attend(q, cache.cross_k[i], cache.cross_v[i], cache.src_mask)
         y = self.cross_sub.output(y, cross.out_proj(out))
         return self.ffn_sub.output(y, self.ffn(self.ffn_sub.input(y)))
 

@@ -331,7 +331,8 @@ def test_sentences_leaving_reuse_the_caches_memory() -> None:
         cache = model.init_cache(*model.encode(src), 4)
         model.decode_step(tgt[rows, 0], cache)
         storages = [cache._storage]  # held, so that freed memory cannot come back by chance
-        for t, index in ((1, [3, 1, 2]), (2, [2, 0]), (3, [1])):  # never a prefix: a move each
+        # never a prefix nor in order (sentences kept in order wait in the cache): a move each
+        for t, index in ((1, [3, 1, 2]), (2, [2, 0]), (3, [1, 0])):
             cache.reorder(torch.tensor(index))
             rows = rows[index]
             storages.append(cache._storage)
@@ -340,6 +341,27 @@ def test_sentences_leaving_reuse_the_caches_memory() -> None:
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
     ptr = [storage.data_ptr() for storage in storages]
     assert ptr[2] == ptr[0] and ptr[3] == ptr[1] != ptr[0]
+
+
+def test_finished_sentences_wait_in_the_cache_until_half_are_gone() -> None:
+    """Sentences leaving in order do not move the cache (it is copied whole) until half of it is
+    finished: the live ones attend over their own keys and values among the finished ones, and
+    decoding stays exact before and after the move."""
+    model = tiny_model(norm="pre")
+    src, tgt = padded_source([5, 7, 6, 4], seed=3), target_in(4, 4, seed=4)
+    rows = torch.arange(4)
+    with torch.no_grad():
+        cache = model.init_cache(*model.encode(src), 4)
+        model.decode_step(tgt[rows, 0], cache)
+        storage = cache._storage
+        for t, index, moved in ((1, [1, 2, 3], False), (2, [0, 2], False), (3, [1], True)):
+            cache.reorder(torch.tensor(index))
+            rows = rows[index]
+            assert (cache._storage is not storage) == moved, t
+            logits = model.decode_step(tgt[rows, t], cache)
+            expected = model(src[rows], tgt[rows, : t + 1])[:, -1]
+            torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    assert cache.live is None and cache.self_k.size(1) == 1
 
 
 def test_reorder_refuses_beams_drawn_from_two_sentences() -> None:
