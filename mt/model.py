@@ -269,17 +269,16 @@ def block_attention(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None) -> T
     kernel costs more at these shapes: on CPU in bfloat16, with one query per row over the cache,
     replacing it by these products alone made beam search 1.22x faster (transformer_base, batch
     32 x beam 4, 30 steps, one thread; docs/decoding.md). Keys and values come as dense blocks
-    (the cache's whole capacity), which oneDNN takes without a copy; float32 products go to
-    oneDNN too, where it keeps their arithmetic (``_onednn_keeps_float32``).
+    (the cache's whole capacity), which oneDNN takes without a copy; search runs float32 products
+    in oneDNN too, where it keeps their arithmetic (``float32_products_on_onednn``).
     """
     # Scaled before the product: a contiguous copy (oneDNN would copy a strided operand, at a
     # cost larger than the product) and fewer elements to scale than the scores have.
     q = q * q.size(-1) ** -0.5
-    with float32_products_on_onednn():
-        scores = q @ k_t
-        if mask is not None:
-            scores.masked_fill_(~mask, -torch.inf)
-        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    scores = q @ k_t
+    if mask is not None:
+        scores.masked_fill_(~mask, -torch.inf)
+    out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
     n, heads, queries, head_dim = out.shape
     return out.transpose(1, 2).reshape(n * queries, 1, heads * head_dim)
 
@@ -430,7 +429,9 @@ class KVCache:
         store = self._spare
         if store is None or store.numel() < 2 * size or store.dtype != like.dtype:
             store = like.new_empty(2 * size)
-        self._spare = None if self.self_k is None else self._storage
+        # A GPU's caching allocator reuses freed memory itself: no second cache held there.
+        keep = self.self_k is not None and store.device.type == "cpu"
+        self._spare = self._storage if keep else None
         self._storage = store
         return (store[:size].view(self.layers, n, self.heads, self.head_dim, capacity),
                 store[size : 2 * size].view(self.layers, n, self.heads, capacity, self.head_dim))
@@ -446,6 +447,7 @@ class KVCache:
         Rows only re-index ``ancestors``. Keys and values (self- and cross-attention) move only
         when sentences leave or are reordered, and not when the kept ones are a prefix.
         """
+        index = index.long()  # index_copy_ (sentences waiting in the cache) takes int64 only
         groups = index.view(-1, beams) // self.beams  # source sentence of every new row
         if beams > 1 and not bool((groups == groups[:, :1]).all()):
             raise ValueError(f"KVCache.reorder: each run of {beams} rows of the index must come "

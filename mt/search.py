@@ -18,6 +18,7 @@ are averaged (and renormalised), each member with its own cache.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -26,6 +27,24 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID
+from mt.model import float32_products_on_onednn
+
+
+def _search(fn):
+    """Runs a search under ``torch.inference_mode`` with float32 products in oneDNN where that
+    keeps float32 (``mt.model.float32_products_on_onednn``) for the whole search.
+
+    The switch is process-wide: flipped around single operators, it would send the products of
+    a search running in another thread (``translate --workers``) to one library or the other by
+    timing, and their last bits (hence near-ties) would depend on the number of workers.
+    """
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.inference_mode(), float32_products_on_onednn():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 @dataclass
@@ -200,7 +219,7 @@ def _sample(lprobs: Tensor, temperature: float, top_k: int, top_p: float,
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-@torch.inference_mode()
+@_search
 def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 10,
                   min_len: int = 0, lenpen: float = 0.0,
                   prefixes: list[list[int]] | None = None, sampling: bool = False,
@@ -259,7 +278,7 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
     return [Hypothesis(r[: n_i - 1], s, lp) for r, n_i, lp, s in zip(rows, n, lps, ss, strict=True)]
 
 
-@torch.inference_mode()
+@_search
 def sample_search(model, src: Tensor, nbest: int = 1, lenpen: float = 0.0, **kwargs
                   ) -> list[list[Hypothesis]]:
     """``nbest`` independent samples per sentence, best score first.
@@ -280,7 +299,7 @@ def sample_search(model, src: Tensor, nbest: int = 1, lenpen: float = 0.0, **kwa
             for i in range(0, len(hyps), nbest)]
 
 
-@torch.inference_mode()
+@_search
 def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbest: int = 1,
                 max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
                 prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
@@ -378,7 +397,7 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
 
 
-@torch.inference_mode()
+@_search
 def cross_attention(model, src: Tensor, tgt: Tensor, layer: int = -1) -> Tensor:
     """Teacher-forced cross-attention weights of one decoder layer, averaged over heads.
 

@@ -113,6 +113,24 @@ def test_output_does_not_depend_on_batch_size_or_order(models):
     _assert_same_nbest(big, unshuffled)
 
 
+def test_workers_do_not_change_a_single_bit(models):
+    """Worker threads share process-wide settings (the oneDNN float32 switch, mt.model): a
+    search's results must not depend on what another thread's search is doing. With one thread
+    per operator, 2 workers give the scores of 1 worker exactly, run after run."""
+    model, tok, _ = load_model(models["a"])
+    rng = random.Random(5)
+    lines = [_sentence(rng) for _ in range(80)]
+    opts = dict(beam=4, nbest=2, max_len_a=0, max_len_b=8, batch_tokens=60)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = translate_lines(model, tok, lines, SearchOptions(workers=1, **opts))
+        for _ in range(3):
+            assert translate_lines(model, tok, lines, SearchOptions(workers=2, **opts)) == one
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _assert_same_nbest(a: list, b: list) -> None:
     """The same n-best lists line by line: texts exactly, scores to float rounding."""
     assert len(a) == len(b)
