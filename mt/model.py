@@ -139,7 +139,10 @@ class MultiHeadAttention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """q (B, H, Lq, K), k/v (B, H, Lk, K), mask broadcastable to (B, H, Lq, Lk) -> (B, Lq, D)"""
         dropout = self.dropout if self.training else 0.0
-        if q.device.type == "cpu" and q.dtype != torch.float32:
+        # The fused CPU kernel is slower than matmul-softmax-matmul in bf16, and in float32 too
+        # while float32 products go to oneDNN (a search: its inner products then take a slow
+        # path, 5x slower for the encoder of a Multi30k batch).
+        if q.device.type == "cpu" and (q.dtype != torch.float32 or _onednn_users > 0):
             out = explicit_attention(q, k, v, mask, causal, dropout)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
