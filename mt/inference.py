@@ -89,7 +89,7 @@ def quantize_int8(model: nn.Module, device: str = "cpu") -> nn.Module:
     channel, activations per call (torch.ao dynamic quantization, fbgemm kernels, CPU only).
 
     On a CPU without a fast bfloat16 path this is the fast one; on this project's AVX512-BF16 CPU
-    it decodes about as fast as bfloat16 (docs/decoding.md), with Multi30k test2016 BLEU 0.15-0.26
+    it decodes about as fast as bfloat16 (docs/decoding.md), with Multi30k test2016 BLEU 0.03-0.26
     below float32 (activation scales follow the rows each call sees). Attention, LayerNorm and
     the cache stay float32.
     """
