@@ -214,7 +214,7 @@ class EncoderLayer(nn.Module):
 
 
 def _onednn_keeps_float32() -> bool:
-    """Whether oneDNN may run float32 attention products without changing their arithmetic.
+    """Whether oneDNN may run float32 matrix products without changing their arithmetic.
 
     PyTorch sends float32 matrix products to MKL unless ``mkldnn.matmul.fp32_precision`` is
     "bf16", which hands them to oneDNN and *allows* it to round operands to bfloat16. oneDNN does
@@ -348,8 +348,8 @@ class KVCache:
         """Claims this step's slots (one per row) and sets the ancestry mask of the step."""
         b, first = self.beams, self.slots
         n = self.rows // b
-        if self.self_k is None:
-            self.capacity = max(self.capacity, self._wanted())
+        if self.self_k is None:  # the buffers are made by the first append, this big
+            self.capacity = self._wanted()
         elif first + b > self.capacity:
             self._resize(self._wanted(math.ceil(self.GROWTH * self.capacity)))
         own = first + torch.arange(b, device=self.src_mask.device).repeat(n)  # (R,)
@@ -377,7 +377,8 @@ class KVCache:
         n = self.rows // b
         if self.self_k is None:
             self.self_k, self.self_v = self._buffers(kv, n, self.capacity)
-            self.self_k.zero_(), self.self_v.zero_()
+            self.self_k.zero_()
+            self.self_v.zero_()
         new = kv.view(n, b, 2, self.heads, self.head_dim)
         k, v = new[:, :, 0].permute(0, 2, 3, 1), new[:, :, 1].transpose(1, 2)
         if self.live is None:

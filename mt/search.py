@@ -278,7 +278,6 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
     return [Hypothesis(r[: n_i - 1], s, lp) for r, n_i, lp, s in zip(rows, n, lps, ss, strict=True)]
 
 
-@_search
 def sample_search(model, src: Tensor, nbest: int = 1, lenpen: float = 0.0, **kwargs
                   ) -> list[list[Hypothesis]]:
     """``nbest`` independent samples per sentence, best score first.
