@@ -296,6 +296,10 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("sacrebleu").setLevel(logging.WARNING)
     args.systems = getattr(args, "systems", None)
+    if any(kind == "model" for kind, _ in args.systems or []):
+        from mt.inference import keep_freed_memory
+
+        keep_freed_memory()  # a command that decodes: see its docstring
     try:
         result = run(args)
     except EvalError as err:

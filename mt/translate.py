@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from mt.config import EOS_ID, positive_int
-from mt.inference import DTYPES, load_models
+from mt.inference import DTYPES, keep_freed_memory, load_models
 from mt.search import (
     Ensemble,
     Hypothesis,
@@ -490,6 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    keep_freed_memory()
     if not args.sampling and not 1 <= args.nbest <= args.beam:
         raise SystemExit(f"translate: --nbest {args.nbest} must be between 1 and --beam "
                          f"{args.beam}")

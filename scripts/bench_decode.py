@@ -45,7 +45,7 @@ import torch
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
 from mt.export import export_ctranslate2, hf_model, placeholder_vocabulary
-from mt.inference import prepare_model
+from mt.inference import keep_freed_memory, prepare_model
 from mt.model import build_model
 from mt.search import beam_search, greedy_search
 from mt.translate import worker_threads
@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (HF and CT2 run there too)")
     p.add_argument("--out", default=None, help="JSON file (default: stdout)")
     args = p.parse_args(argv)
+    keep_freed_memory()  # as translate does; every system here shares the process
     by_batch = args.parallel == "batches"
     torch.set_num_threads(1 if by_batch else args.threads)
     torch.set_num_interop_threads(1)

@@ -27,7 +27,7 @@ from bench_decode import write_report  # this folder is on sys.path when a scrip
 
 from mt.checkpoint import load_model
 from mt.export import export_ctranslate2
-from mt.inference import load_models
+from mt.inference import keep_freed_memory, load_models
 from mt.translate import SearchOptions, translate_ids
 
 SYSTEMS = ("mt-float32", "mt-bfloat16", "mt-int8", "ct2-float32", "ct2-int8")
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"comma-separated subset of {', '.join(SYSTEMS)}")
     p.add_argument("--out", help="JSON file (default: stdout)")
     args = p.parse_args(argv)
+    keep_freed_memory()  # as translate does; every system here shares the process
     systems = args.systems.split(",")
     if unknown := sorted(set(systems) - set(SYSTEMS)):
         p.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
