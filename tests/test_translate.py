@@ -2,6 +2,7 @@
 name the file and line. Tiny random models saved as real checkpoints, with a tokenizer trained
 here."""
 
+import contextlib
 import io
 import os
 import random
@@ -113,20 +114,49 @@ def test_output_does_not_depend_on_batch_size_or_order(models):
     _assert_same_nbest(big, unshuffled)
 
 
-def test_workers_do_not_change_a_single_bit(models):
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+def test_balanced_batches_cover_the_input_in_order_and_are_as_small_as_possible(workers):
+    """Batches for several workers: every sentence once, in the sorted order, within the token
+    budget, at most a multiple of ``workers`` of them, and no smaller budget gives that many."""
+    from mt.translate import _balanced_batches, _batches
+
+    rng = random.Random(workers)
+    for n in (1, 7, 300, 1000):
+        lengths = [rng.randint(1, 60) for _ in range(n)]
+        order = sorted(range(n), key=lambda i: -lengths[i])
+        plain = list(_batches(lengths, order, 1000))
+        batches = _balanced_batches(lengths, order, 1000, workers)
+        assert [i for b in batches for i in b] == order
+        padded = [len(b) * lengths[b[0]] for b in batches]
+        assert max(padded) <= 1000
+        if workers == 1 or len(plain) == 1 or len(plain) > 16 * workers:
+            assert batches == plain
+            continue
+        wanted = -(-len(plain) // workers) * workers
+        assert len(batches) <= wanted
+        assert len(list(_batches(lengths, order, max(padded) - 1))) > wanted
+
+
+def test_workers_do_not_change_a_single_bit(models, monkeypatch):
     """Worker threads share process-wide settings (the oneDNN float32 switch, mt.model): a
     search's results must not depend on what another thread's search is doing. With one thread
-    per operator, 2 workers give the scores of 1 worker exactly, run after run."""
+    per operator, 2 workers give exactly the scores of the same batches searched one after the
+    other in one thread, run after run."""
+    import mt.translate
+
     model, tok, _ = load_model(models["a"])
     rng = random.Random(5)
     lines = [_sentence(rng) for _ in range(80)]
-    opts = dict(beam=4, nbest=2, max_len_a=0, max_len_b=8, batch_tokens=60)
+    opts = SearchOptions(workers=2, beam=4, nbest=2, max_len_a=0, max_len_b=8, batch_tokens=60)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one = translate_lines(model, tok, lines, SearchOptions(workers=1, **opts))
+        with monkeypatch.context() as m:  # the batches for 2 workers, searched in turn
+            m.setattr(mt.translate, "worker_threads", lambda _: contextlib.nullcontext(
+                mt.translate._Sequential()))
+            one = translate_lines(model, tok, lines, opts)
         for _ in range(3):
-            assert translate_lines(model, tok, lines, SearchOptions(workers=2, **opts)) == one
+            assert translate_lines(model, tok, lines, opts) == one
     finally:
         torch.set_num_threads(threads)
 
