@@ -214,6 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (HF and CT2 run there too)")
     p.add_argument("--out", default=None, help="JSON file (default: stdout)")
     args = p.parse_args(argv)
+    # oneDNN keeps 1,024 compiled kernels (primitives) by default; a decoding makes hundreds per
+    # dtype (one per batch size the batch shrinks through), so two mt systems in one process
+    # evicted each other's and the second ran up to 8% slower than alone. Room for all, set
+    # before the first kernel is made: every system runs as it would in its own process.
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
     keep_freed_memory()  # as translate does; every system here shares the process
     by_batch = args.parallel == "batches"
     torch.set_num_threads(1 if by_batch else args.threads)

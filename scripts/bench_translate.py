@@ -16,6 +16,7 @@ Rounds are interleaved across systems and the best counts. Needs the ``bench`` e
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -48,6 +49,11 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"comma-separated subset of {', '.join(SYSTEMS)}")
     p.add_argument("--out", help="JSON file (default: stdout)")
     args = p.parse_args(argv)
+    # oneDNN keeps 1,024 compiled kernels (primitives) by default; a decoding makes hundreds per
+    # dtype (one per batch size the batch shrinks through), so two mt systems in one process
+    # evicted each other's and the second ran up to 8% slower than alone. Room for all, set
+    # before the first kernel is made: every system runs as it would in its own process.
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
     keep_freed_memory()  # as translate does; every system here shares the process
     systems = args.systems.split(",")
     if unknown := sorted(set(systems) - set(SYSTEMS)):
