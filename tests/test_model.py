@@ -295,7 +295,7 @@ def test_beam_reorders_attend_only_along_each_rows_ancestry(monkeypatch, capacit
             logits = model.decode_step(tokens, cache)
             fed = torch.cat([fed, tokens[:, None]], dim=1)
         expected = model(src[sentence], fed)[:, -1]  # fed[:, 0] stands in for BOS
-    assert cache.self_mask is not None  # the masked path ran
+    assert cache.self_bias is not None  # the masked path ran
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
 
