@@ -298,6 +298,41 @@ def sample_search(model, src: Tensor, nbest: int = 1, lenpen: float = 0.0, **kwa
             for i in range(0, len(hyps), nbest)]
 
 
+def _block_size(vocab: int) -> int | None:
+    """A block of tokens for ``_best`` that divides the vocabulary (a multiple of 16, for the
+    vector units), or None."""
+    return next((size for size in range(64, 257, 16) if vocab % size == 0), None)
+
+
+def _best(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k best continuations of each sentence: lprobs (n, beams, V) of the next token plus
+    each beam's score (n, beams) -> values (n, k), best first, and their indices into beams * V.
+    May modify lprobs (the decoder's buffer, not needed after this).
+
+    ``topk`` over a sentence's 40,000 candidates (5 beams x 8,000 tokens) copies each row into a
+    list of (value, index) pairs before it selects. Two steps select the same k: the best k
+    blocks of 64 tokens by their maximum (a fast vector reduction), then the best k tokens
+    within those k blocks (any token among the k best lies in one of them: otherwise k blocks
+    would each hold a better one). The beams' scores are added to block maxima and to the
+    picked blocks only. On real log-probabilities (240 sentences x 40,000) 7.7 ms became 2.5.
+    """
+    n, beams, vocab = lprobs.shape
+    size = _block_size(vocab)
+    if size is None or beams * vocab // size < k:  # one plain selection over all candidates
+        cand = lprobs.add_(scores.unsqueeze(-1)).view(n, beams * vocab)
+        if cand.size(1) < k:  # a tiny vocabulary at step 0: pad with impossible candidates
+            cand = F.pad(cand, (0, k - cand.size(1)), value=-torch.inf)
+        return cand.topk(k, dim=1)
+    per_beam = vocab // size
+    blocks = lprobs.view(n, beams * per_beam, size)
+    maxima = blocks.amax(-1).view(n, beams, per_beam).add_(scores.unsqueeze(-1))
+    which = maxima.view(n, -1).topk(k, dim=1).indices  # (n, k) blocks
+    picked = blocks.gather(1, which.unsqueeze(-1).expand(-1, -1, size))  # (n, k, size)
+    picked += scores.gather(1, which // per_beam).unsqueeze(-1)
+    values, j = picked.view(n, k * size).topk(k, dim=1)
+    return values, which.gather(1, j // size) * size + j % size
+
+
 @_search
 def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbest: int = 1,
                 max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
@@ -343,11 +378,7 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
         rows = active.repeat_interleave(beams) if step < prefix.steps else None
         _constrain(lprobs, step, min_len, force_eos, prefix, rows)
         vocab = lprobs.size(-1)
-        # in place: lprobs is the decoder's buffer and is not needed after this
-        cand = lprobs.view(n, beams, vocab).add_(scores.unsqueeze(-1)).view(n, beams * vocab)
-        if cand.size(1) < 2 * k:  # a tiny vocabulary at step 0: pad with impossible candidates
-            cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=-torch.inf)
-        top_scores, top_idx = cand.topk(2 * k, dim=1)  # (n, 2k)
+        top_scores, top_idx = _best(lprobs.view(n, beams, vocab), scores, 2 * k)  # (n, 2k)
         top_beam, top_tok = (top_idx // vocab).clamp(max=beams - 1), top_idx % vocab
 
         # Finished candidates: EOS within the first k ranks and a finite score; a sentence takes

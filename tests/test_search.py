@@ -10,6 +10,7 @@ from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
 from mt.model import build_model
 from mt.search import (
     Ensemble,
+    _best,
     _sample,
     beam_search,
     cross_attention,
@@ -108,6 +109,37 @@ def test_log_probs_in_blocks_equal_all_rows_at_once(monkeypatch, search):
     for a, b in zip(whole, blocks, strict=True):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+
+
+@pytest.mark.parametrize("vocab", [128, 320, 200])
+def test_best_candidates_in_two_steps_equal_one_selection(vocab):
+    """_best selects the k best of beams x V candidates through the best blocks of tokens: the
+    same values and indices as one topk over all of them (random values have no ties), with
+    impossible (-inf) tokens and beams among them; 200 tokens have no block size (one topk)."""
+    g = torch.Generator().manual_seed(vocab)
+    for n, beams, k in ((7, 4, 8), (3, 1, 10), (5, 5, 10), (2, 3, 6)):
+        lprobs = torch.randn(n, beams, vocab, generator=g).log_softmax(-1)
+        lprobs[:, :, [PAD_ID, BOS_ID]] = -torch.inf
+        lprobs[0, -1] = -torch.inf  # a dead beam
+        scores = -5 * torch.rand(n, beams, generator=g)
+        expected = (lprobs + scores.unsqueeze(-1)).view(n, -1).topk(k, dim=1)
+        values, index = _best(lprobs.clone(), scores, k)
+        assert torch.equal(values, expected.values)
+        assert torch.equal(index, expected.indices)
+
+
+def test_block_selection_changes_no_search_result(monkeypatch):
+    """Beam search over a 128-token vocabulary (two blocks of 64) gives what one plain selection
+    gives, hypotheses and scores alike."""
+    from mt import search as search_module
+
+    model, src = _model(vocab=128), _pad(_sources(9, vocab=128))
+    blocks = beam_search(model, src, beam_size=5, nbest=5, max_len_b=8)
+    monkeypatch.setattr(search_module, "_block_size", lambda vocab: None)
+    plain = beam_search(model, src, beam_size=5, nbest=5, max_len_b=8)
+    for a, b in zip(blocks, plain, strict=True):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == [h.score for h in b]
 
 
 @pytest.mark.parametrize("lenpen", [0.0, 0.6, 1.0])
