@@ -15,7 +15,7 @@ import torch
 
 from mt.checkpoint import load_model, model_state, save_atomic
 from mt.config import ModelConfig, TokenizerConfig
-from mt.inference import PackedFeedForward, PackedLinear, can_pack, prepare_model
+from mt.inference import Int8Linear, PackedFeedForward, PackedLinear, can_pack, prepare_model
 from mt.model import build_model
 from mt.tokenizer import train_tokenizer
 from mt.translate import SearchOptions, main, translate_lines
@@ -244,16 +244,31 @@ def test_packed_model_computes_the_plain_models_function(models, dtype):
         assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.95
 
 
-def test_int8_model_computes_nearly_the_float32_function(models, tmp_path, capsys):
-    """--dtype int8 swaps every linear layer for a dynamically quantized one: teacher-forced logits
-    stay close to float32's (quantization error only), a GPU is refused in one sentence, and the
-    CLI keeps one output line per input line."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+def test_int8_linear_rows_do_not_depend_on_each_other():
+    """Int8Linear scales every input row on its own: a row's output is the same, bit for bit,
+    alone or next to a row 1,000x larger (a scale per call would coarsen it 1,000x), and it is
+    within int8 rounding of float32."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 40)
+    int8 = Int8Linear(linear)
+    x = torch.randn(3, 48)
+    big = torch.cat([x, 1000 * torch.randn(1, 48)])
+    assert torch.equal(int8(big)[:3], int8(x))
+    assert torch.equal(int8(x[1:2]), int8(x)[1:2])
+    with torch.no_grad():
+        exact = linear(x)
+    assert (int8(x) - exact).abs().max().item() < 0.02 * exact.abs().max().item()
+    assert int8(torch.zeros(2, 5, 48)).shape == (2, 5, 40)
 
+
+def test_int8_model_computes_nearly_the_float32_function(models, tmp_path, capsys):
+    """--dtype int8 swaps every linear layer for an int8 one: teacher-forced logits stay close to
+    float32's (quantization error only), a GPU is refused in one sentence, and the CLI keeps one
+    output line per input line."""
     plain = prepare_model(load_model(models["a"])[0], "float32", "cpu", pack=False)
     int8 = prepare_model(load_model(models["a"])[0], "int8", "cpu")
     assert not any(type(m) is torch.nn.Linear for m in int8.modules())
-    assert any(isinstance(m, DynamicLinear) for m in int8.modules())
+    assert any(isinstance(m, Int8Linear) for m in int8.modules())
     a, b = _teacher_forced(models, 5, plain, int8)
     assert (a - b).abs().mean().item() < 0.05 * a.std().item()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.9
