@@ -8,6 +8,7 @@ fused into its first product (``PackedFeedForward``). What comes out is for infe
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
 import torch
@@ -85,10 +86,38 @@ def prepare_model(model: nn.Module, dtype: str = "float32", device: str = "cpu",
     return model
 
 
+@functools.cache
+def int8_weight_levels() -> int:
+    """The largest int8 weight magnitude whose products ``torch._int_mm`` sums exactly here: 127,
+    or 63 on x86 CPUs without VNNI.
+
+    There oneDNN's int8 x int8 product shifts the inputs to unsigned and adds pairs of products
+    in 16 bits, which overflow with 8-bit weights (2 x 255 x 127 > 32,767): on an AVX2 CPU a
+    layer's output was off by 13% of its range. 7-bit weights keep every sum exact, as fbgemm's
+    ``reduce_range`` does. Found by trying both on extreme inputs, once per process.
+
+    Raises:
+        ValueError: when neither is exact (int8 cannot be trusted on this CPU).
+    """
+    g = torch.Generator().manual_seed(0)
+    for levels in (127, 63):
+        exact = True
+        for m, k, n in ((1, 64, 16), (64, 512, 256)):
+            a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+            b = torch.randint(-levels, levels + 1, (k, n), generator=g, dtype=torch.int8)
+            a[0], b[:, 0], b[:, 1] = 127, levels, -levels  # the largest sums of either sign
+            exact &= torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
+        if exact:
+            return levels
+    raise ValueError("int8 decoding: torch._int_mm does not sum int8 products exactly on this "
+                     "CPU; use bfloat16 or float32")
+
+
 class Int8Linear(nn.Module):
     """An inference-only nn.Linear computed in int8: weights rounded once per output channel,
-    inputs per row at every call, both symmetric (scale = largest magnitude / 127), products
-    summed in int32 (``torch._int_mm``, VNNI on x86) and scaled back to float32.
+    inputs per row at every call, both symmetric (scale = largest magnitude / levels), products
+    summed in int32 (``torch._int_mm``) and scaled back to float32. Weights use ``levels`` (127,
+    or 63 where the CPU's product would overflow: ``int8_weight_levels``), inputs 127.
 
     Scales per *row* make a sentence's result independent of the others in its batch, as
     search promises. torch.ao's dynamic quantization (this class's predecessor) scales each
@@ -98,12 +127,12 @@ class Int8Linear(nn.Module):
     Per row: 40.51 and 41.67 whatever the batches, at about the same speed (docs/decoding.md).
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, levels: int = 127) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach().float()
         # Plain attributes, not parameters or buffers: never trained, never saved.
-        self.scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
+        self.scale = w.abs().amax(dim=1).clamp(min=1e-12) / levels  # (out,)
         self.weight_t = torch.round(w / self.scale[:, None]).to(torch.int8).t().contiguous()
         self.bias = None if linear.bias is None else linear.bias.detach().float()
 
@@ -130,11 +159,12 @@ def quantize_int8(model: nn.Module, device: str = "cpu") -> nn.Module:
     if not hasattr(torch, "_int_mm"):
         raise ValueError(f"int8 decoding needs torch._int_mm, which this torch "
                          f"({torch.__version__}) lacks; use bfloat16")
+    levels = int8_weight_levels()
     model = model.float().eval()
     for module in list(model.modules()):
         for name, child in module.named_children():
             if type(child) is nn.Linear:
-                setattr(module, name, Int8Linear(child))
+                setattr(module, name, Int8Linear(child, levels))
     return model
 
 
@@ -165,8 +195,9 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return all(mallopt(param, value) for param, value in
-               ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_ARENA_MAX, 1)))
+    took = [mallopt(param, value) for param, value in
+            ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_ARENA_MAX, 1))]
+    return all(took)
 
 
 def load_models(paths: list[str], device: str, dtype: str = "float32", pack: bool = True):

@@ -349,7 +349,8 @@ class KVCache:
         self.ancestors: Tensor | None = None  # (R, t): slot of each row's key at each step
         self.self_bias: Tensor | None = None  # (N, 1, beams, capacity) this step, or None
         self.cross_k, self.cross_v = cross_k, cross_v  # (N, H, K, S) and (N, H, S, K) per layer
-        self.dtype = cross_k[0].dtype  # of the keys, the scores and the attention biases
+        # of the keys, the scores and the attention biases (no decoder layer: no attention)
+        self.dtype = cross_k[0].dtype if cross_k else torch.float32
         # (N, 1, 1, S): 0 where a source position may be attended, -inf where it is padding
         self.src_bias = torch.zeros(src_mask.shape, dtype=self.dtype, device=src_mask.device
                                     ).masked_fill_(~src_mask, -torch.inf)

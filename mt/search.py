@@ -326,7 +326,7 @@ def _best(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     per_beam = vocab // size
     blocks = lprobs.view(n, beams * per_beam, size)
     maxima = blocks.amax(-1).view(n, beams, per_beam).add_(scores.unsqueeze(-1))
-    which = maxima.view(n, -1).topk(k, dim=1).indices  # (n, k) blocks
+    which = maxima.view(n, beams * per_beam).topk(k, dim=1).indices  # (n, k) blocks
     picked = blocks.gather(1, which.unsqueeze(-1).expand(-1, -1, size))  # (n, k, size)
     picked += scores.gather(1, which // per_beam).unsqueeze(-1)
     values, j = picked.view(n, k * size).topk(k, dim=1)

@@ -78,8 +78,9 @@ def _batches(lengths: list[int], order: list[int], budget: int) -> Iterable[list
 
 def _balanced_batches(lengths: list[int], order: list[int], budget: int,
                       workers: int) -> list[list[int]]:
-    """Batches of at most ``budget`` tokens (padding included), as many as a multiple of
-    ``workers``, each as small as that count allows (so about equally large).
+    """Batches of at most ``budget`` tokens (padding included), at most as many as the next
+    multiple of ``workers`` above the plain count, each as small as that allows (so about
+    equally large).
 
     With a few batches per worker, the last batches decide when the work ends: a test set that
     fills four and a half batches keeps one of two workers idle for most of a batch. Spread over
@@ -112,7 +113,9 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions, progress
     Batches are formed from length-sorted sources (longest first, so memory peaks early) and each
     holds at most ``opts.batch_tokens`` source tokens, padding included. On CPU, ``opts.workers``
     batches are searched at once, one thread each (so that many batches' activations and caches
-    are in memory together); the results do not depend on it.
+    are in memory together). With several workers the batches are cut to keep them all busy
+    (``_balanced_batches``), so, as with another ``batch_tokens``, scores can differ in their last
+    bits (and a near-tie, rarely, flip); the same options always give the same results.
 
     Args:
         model: a Transformer, or an Ensemble.

@@ -261,6 +261,33 @@ def test_int8_linear_rows_do_not_depend_on_each_other():
     assert int8(torch.zeros(2, 5, 48)).shape == (2, 5, 40)
 
 
+INT8_PROBE = """
+import torch
+from mt.inference import Int8Linear, int8_weight_levels
+
+torch.manual_seed(0)
+linear, x = torch.nn.Linear(512, 256), torch.randn(64, 512)
+with torch.no_grad():
+    exact = linear(x)
+out = Int8Linear(linear, int8_weight_levels())(x)
+print(int8_weight_levels(), ((out - exact).abs().max() / exact.abs().max()).item())
+"""
+
+
+@pytest.mark.parametrize("isa", ["native", "AVX2"])
+def test_int8_products_stay_exact_without_vnni(isa):
+    """On x86 CPUs without VNNI (emulated: oneDNN limited to AVX2) an int8 product of 8-bit
+    weights overflows 16-bit pair sums (a layer's output off by 13% of its range); there the
+    weights get 7 bits and the layer stays within int8 rounding of float32."""
+    env = dict(os.environ) | ({} if isa == "native" else {"ONEDNN_MAX_CPU_ISA": isa})
+    run = subprocess.run([sys.executable, "-c", INT8_PROBE], capture_output=True, text=True,
+                         check=True, env=env)
+    levels, error = run.stdout.split()
+    assert float(error) < 0.03, (levels, error)
+    if isa == "AVX2":
+        assert levels == "63"
+
+
 def test_int8_model_computes_nearly_the_float32_function(models, tmp_path, capsys):
     """--dtype int8 swaps every linear layer for an int8 one: teacher-forced logits stay close to
     float32's (quantization error only), a GPU is refused in one sentence, and the CLI keeps one
