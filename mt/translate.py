@@ -473,7 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="source tokens per batch, padding included")
     p.add_argument("--workers", type=positive_int, default=None,
                    help="batches searched at once, one thread and one core each (CPU); default: "
-                        "one per core torch may use on CPU, 1 on a GPU")
+                        "one per core torch may use on CPU, 1 on a GPU. Batches are cut to keep "
+                        "every worker busy, so scores may differ in their last bits between "
+                        "worker counts")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights and activations; bfloat16 is the fast path on CPUs with "
