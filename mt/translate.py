@@ -89,7 +89,7 @@ def _balanced_batches(lengths: list[int], order: list[int], budget: int,
     (a pass over the input per halving) would cost more than it saves: they stay as they are.
     """
     batches = list(_batches(lengths, order, budget))
-    if not 1 < len(batches) <= 16 * workers or workers <= 1:
+    if workers <= 1 or not 1 < len(batches) <= 16 * workers:
         return batches
     wanted = -(-len(batches) // workers) * workers
     lo, hi = 1, budget  # the smallest budget that still needs at most `wanted` batches

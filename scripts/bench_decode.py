@@ -57,6 +57,19 @@ GPU_DEFAULT = ("mt-float32", "mt-bfloat16", "hf-float32", "hf-bfloat16", "ct2-fl
 SYSTEMS = tuple(dict.fromkeys(CPU_DEFAULT + GPU_DEFAULT))  # every system, either default's order
 
 
+def set_up_process() -> None:
+    """What every decoding benchmark does first, before any system runs.
+
+    oneDNN keeps 1,024 compiled kernels (primitives) by default; a decoding makes hundreds per
+    dtype (one per batch size the batch shrinks through), so two mt systems in one process
+    evicted each other's and the second ran up to 8% slower than alone. Room for all, set before
+    the first kernel is made: every system runs as it would in its own process. And freed memory
+    stays in the heap, as in ``translate`` (every system here shares the process).
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
+    keep_freed_memory()
+
+
 def write_report(report: dict, path: str | None) -> None:
     """The JSON report to ``path``, or to stdout without one."""
     text = json.dumps(report, indent=2)
@@ -214,12 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (HF and CT2 run there too)")
     p.add_argument("--out", default=None, help="JSON file (default: stdout)")
     args = p.parse_args(argv)
-    # oneDNN keeps 1,024 compiled kernels (primitives) by default; a decoding makes hundreds per
-    # dtype (one per batch size the batch shrinks through), so two mt systems in one process
-    # evicted each other's and the second ran up to 8% slower than alone. Room for all, set
-    # before the first kernel is made: every system runs as it would in its own process.
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
-    keep_freed_memory()  # as translate does; every system here shares the process
+    set_up_process()
     by_batch = args.parallel == "batches"
     torch.set_num_threads(1 if by_batch else args.threads)
     torch.set_num_interop_threads(1)

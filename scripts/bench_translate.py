@@ -16,7 +16,6 @@ Rounds are interleaved across systems and the best counts. Needs the ``bench`` e
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -24,11 +23,11 @@ from pathlib import Path
 
 import sacrebleu
 import torch
-from bench_decode import write_report  # this folder is on sys.path when a script runs
+from bench_decode import set_up_process, write_report  # this folder is on sys.path
 
 from mt.checkpoint import load_model
 from mt.export import export_ctranslate2
-from mt.inference import keep_freed_memory, load_models
+from mt.inference import load_models
 from mt.translate import SearchOptions, translate_ids
 
 SYSTEMS = ("mt-float32", "mt-bfloat16", "mt-int8", "ct2-float32", "ct2-int8")
@@ -49,12 +48,7 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"comma-separated subset of {', '.join(SYSTEMS)}")
     p.add_argument("--out", help="JSON file (default: stdout)")
     args = p.parse_args(argv)
-    # oneDNN keeps 1,024 compiled kernels (primitives) by default; a decoding makes hundreds per
-    # dtype (one per batch size the batch shrinks through), so two mt systems in one process
-    # evicted each other's and the second ran up to 8% slower than alone. Room for all, set
-    # before the first kernel is made: every system runs as it would in its own process.
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
-    keep_freed_memory()  # as translate does; every system here shares the process
+    set_up_process()
     systems = args.systems.split(",")
     if unknown := sorted(set(systems) - set(SYSTEMS)):
         p.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
