@@ -124,7 +124,8 @@ class Int8Linear(nn.Module):
     call's input as a whole: a row with a large activation coarsened every other row, Multi30k
     BLEU moved with the batch composition (test2016 40.28-40.63 and valid 41.19-41.68 over
     batch sizes and workers; float32 40.73 and 41.75), and near-ties flipped between batch sizes.
-    Per row: 40.51 and 41.67 whatever the batches, at about the same speed (docs/decoding.md).
+    Per row: 40.51 and 41.67 whatever the batches, at 0.90x torch.ao's speed on the fixed-length
+    benchmark and 0.97x on real text (docs/decoding-history.md).
     """
 
     def __init__(self, linear: nn.Linear, levels: int = 127) -> None:

@@ -221,7 +221,7 @@ def _onednn_keeps_float32() -> bool:
     that only with AMX (and on Arm); on other x86 CPUs it computes in float32, as MKL does up to
     the order of the sums. It matters because MKL runs its AVX2 code on AMD CPUs: at decoding
     shapes its batched products ran at 50 GFLOP/s on this project's Zen 5 core, oneDNN's 2-2.5x
-    faster (docs/decoding.md).
+    faster (docs/decoding-history.md).
     """
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return (platform.machine().lower() in ("x86_64", "amd64")
@@ -274,9 +274,9 @@ def block_attention(q: Tensor, k_t: Tensor, v: Tensor, bias: Tensor | None) -> T
     A block of a few queries over a few dozen keys: two small products and a softmax. The fused
     kernel costs more at these shapes: on CPU in bfloat16, with one query per row over the cache,
     replacing it by these products alone made beam search 1.22x faster (transformer_base, batch
-    32 x beam 4, 30 steps, one thread; docs/decoding.md). Keys and values come as dense blocks
-    (the cache's whole capacity), which oneDNN takes without a copy; search runs float32 products
-    in oneDNN too, where it keeps their arithmetic (``float32_products_on_onednn``).
+    32 x beam 4, 30 steps, one thread; docs/decoding-history.md). Keys and values come as dense
+    blocks (the cache's whole capacity), which oneDNN takes without a copy; search runs float32
+    products in oneDNN too, where it keeps their arithmetic (``float32_products_on_onednn``).
     """
     # Scaled before the product: a contiguous copy (oneDNN would copy a strided operand, at a
     # cost larger than the product) and fewer elements to scale than the scores have.
@@ -317,7 +317,8 @@ class KVCache:
     (waiting made a Multi30k test set decode 1.09x faster). A move (growth, or sentences leaving)
     writes into the storage the buffers had before the previous move when it is large enough:
     new memory costs page faults, which in `translate` cost more than the copies (reusing it made
-    a Multi30k test set decode 1.14x faster, docs/decoding.md).
+    a Multi30k test set decode 1.13-1.22x faster together with the oneDNN products,
+    docs/decoding-history.md).
 
     The buffers are allocated at the first step, in the dtype of the keys themselves (under
     autocast they are bf16 while the encoder output is float32). Cross-attention keys/values are

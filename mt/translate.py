@@ -184,7 +184,7 @@ class _Sequential:
 
 def default_workers(device: str) -> int:
     """Batches to search at once: one per core torch may use on a CPU (2.3x one batch split over
-    2 cores for bf16 beam search, docs/decoding.md), one on a GPU."""
+    2 cores for bf16 beam search, docs/decoding-history.md), one on a GPU."""
     return torch.get_num_threads() if torch.device(device).type == "cpu" else 1
 
 
@@ -199,8 +199,8 @@ def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor | _Sequential]:
 
     A decoding step is hundreds of small operators; splitting each of them over cores costs more
     in synchronisation than it gains, while whole batches on separate cores scale almost linearly
-    (docs/decoding.md has the measurements). The threads share the model's weights and release
-    the GIL inside every operator.
+    (docs/decoding-history.md has the measurements). The threads share the model's weights and
+    release the GIL inside every operator.
     """
     if workers <= 1:
         yield _Sequential()
