@@ -151,8 +151,9 @@ def quantize_int8(model: nn.Module, device: str = "cpu") -> nn.Module:
     """A float32 model whose linear layers compute in int8 (``Int8Linear``), CPU only.
 
     On a CPU without a fast bfloat16 path this is the fast one; on this project's AVX512-BF16 CPU
-    it decodes about as fast as bfloat16 (docs/decoding.md), with Multi30k BLEU about 0.1-0.2
-    below float32. Attention, LayerNorm, embeddings and the cache stay float32.
+    it decodes about as fast as bfloat16 at a fixed output length and about 0.85x as fast on real
+    text (docs/benchmarks.md), with Multi30k BLEU about 0.1-0.2 below float32. Attention,
+    LayerNorm, embeddings and the cache stay float32.
     """
     if torch.device(device).type != "cpu":
         raise ValueError(f"int8 decoding runs on CPU only (got device {device!r}); on a GPU use "
