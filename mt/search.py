@@ -428,6 +428,43 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
 
 
 @_search
+def forced_scores(model, src: Tensor, tgt: Tensor, lenpen: float = 0.0) -> list[Hypothesis]:
+    """Scores given translations as a search would have scored them, had it produced them.
+
+    One teacher-forced pass per model (an Ensemble averages and renormalises its members'
+    log-probabilities as the searches do), so ``score`` and ``logprob`` equal what ``--nbest``
+    reports for the same tokens, up to the order of sums. What people score given translations
+    for: reranking n-best lists, filtering parallel data by model score, and the log-probability
+    (hence perplexity) of references.
+
+    Args:
+        model: a Transformer or an Ensemble.
+        src: (B, S) source ids, right-padded (each ending in EOS).
+        tgt: (B, T) target ids, each ending in EOS, right-padded with PAD.
+        lenpen: GNMT alpha for ``score`` (0: ``score`` is the log-probability).
+    Returns:
+        per sentence a Hypothesis of its tokens (EOS dropped).
+    """
+    bos = torch.full((tgt.size(0), 1), BOS_ID, dtype=tgt.dtype, device=tgt.device)
+    tgt_in = torch.cat([bos, tgt[:, :-1]], dim=1)  # after EOS only padding, which no token sees
+    members = _members(model)
+    total = None
+    for m in members:
+        lp = torch.log_softmax(m(src, tgt_in), -1, dtype=torch.float32)
+        total = lp if total is None else total.add_(lp)
+    if len(members) > 1:
+        total = torch.log_softmax(total / len(members), -1)
+    real = tgt != PAD_ID
+    token_lp = total.gather(-1, tgt[..., None]).squeeze(-1).masked_fill_(~real, 0.0)
+    lengths = real.sum(dim=1)
+    logprob = token_lp.sum(dim=1)
+    score = logprob / length_penalty(lengths.float(), lenpen)
+    return [Hypothesis(row[: n - 1], s, lp_)
+            for row, n, s, lp_ in zip(tgt.tolist(), lengths.tolist(), score.tolist(),
+                                      logprob.tolist(), strict=True)]
+
+
+@_search
 def cross_attention(model, src: Tensor, tgt: Tensor, layer: int = -1) -> Tensor:
     """Teacher-forced cross-attention weights of one decoder layer, averaged over heads.
 

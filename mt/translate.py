@@ -30,6 +30,7 @@ from mt.search import (
     Hypothesis,
     beam_search,
     cross_attention,
+    forced_scores,
     greedy_search,
     max_positions,
     sample_search,
@@ -133,14 +134,6 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions, progress
         raise ValueError(f"nbest must be between 1 and beam={opts.beam}, got {opts.nbest}")
     device = next(_first_member(model).parameters()).device
     generator = torch.Generator(device=device).manual_seed(opts.seed) if opts.sampling else None
-    order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
-    results: list[list[Hypothesis]] = [[] for _ in sources]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(sources), unit="sent", file=sys.stderr, leave=False)
-    lengths = [len(s) for s in sources]
     lens = dict(max_len_a=opts.max_len_a, max_len_b=opts.max_len_b, min_len=opts.min_len)
 
     def search(batch: list[int]) -> list[list[Hypothesis]]:
@@ -155,18 +148,32 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions, progress
                                               **lens)]
         return beam_search(model, src, opts.beam, opts.lenpen, opts.nbest, prefixes=pre, **lens)
 
-    if opts.workers < 1:
-        raise ValueError(f"workers must be at least 1, got {opts.workers}")
-    # Sampling draws from one random stream in batch order, so it stays on one thread; a GPU
-    # runs one batch at a time anyway.
-    parallel = not opts.sampling and device.type == "cpu"
-    batches = _balanced_batches(lengths, order, opts.batch_tokens,
-                                opts.workers if parallel else 1)
-    workers = min(opts.workers, len(batches)) if parallel else 1
-    with worker_threads(workers) as pool:
-        for batch, hyps in zip(batches, pool.map(search, batches), strict=True):
-            for i, h in zip(batch, hyps, strict=True):
-                results[i] = h
+    # Sampling draws from one random stream in batch order, so it stays on one thread.
+    return _map_batches(search, [len(s) for s in sources], opts.batch_tokens,
+                        min(opts.workers, 1) if opts.sampling else opts.workers, device, progress)
+
+
+def _map_batches(fn, lengths: list[int], budget: int, workers: int, device: torch.device,
+                 progress: bool) -> list:
+    """``fn`` over batches of item indices (length-sorted, longest first so that memory peaks
+    early, at most ``budget`` tokens each, padding included), ``workers`` batches at once on a
+    CPU (a GPU runs one batch at a time anyway); returns ``fn``'s per-item results in item order.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    workers = workers if device.type == "cpu" else 1
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches = _balanced_batches(lengths, order, budget, workers)
+    results: list = [None] * len(lengths)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(lengths), unit="sent", file=sys.stderr, leave=False)
+    with worker_threads(min(workers, len(batches))) as pool:
+        for batch, outs in zip(batches, pool.map(fn, batches), strict=True):
+            for i, out in zip(batch, outs, strict=True):
+                results[i] = out
             if bar is not None:
                 bar.update(len(batch))
     if bar is not None:
@@ -272,6 +279,48 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     for i, src, h in zip(owner, sources, hyps, strict=True):
         out[i].sources.append(src)
         out[i].hyps.append(h)
+    return out
+
+
+def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: float = 0.6,
+                batch_tokens: int = 4096, workers: int = 1,
+                progress: bool = False) -> list[LineResult]:
+    """Scores given translations (``translate --score``) instead of searching for them.
+
+    Every pair is scored by the model, empty lines included (an empty source is EOS alone, an
+    empty target EOS alone), in batches of at most ``batch_tokens`` tokens of the longer side.
+    A pair with a side longer than the model's maximum cannot be scored: it gets no hypothesis
+    (one warning for all of them), as no piece of it can be scored on its own.
+
+    Returns:
+        per line a LineResult whose one hypothesis carries the score (``forced_scores``); the
+        result fits ``align_lines`` for forced alignments of given translations.
+    """
+    from mt.batching import pad
+
+    if isinstance(model, list | tuple):
+        model = Ensemble(list(model)) if len(model) > 1 else model[0]
+    if len(targets) != len(lines):
+        raise ValueError(f"{len(targets)} translations for {len(lines)} lines")
+    limit = max_positions(model)
+    pairs = [(s, t + [EOS_ID]) for s, t in zip(tokenizer.encode_src(lines),
+                                                  tokenizer.encode_tgt(targets), strict=True)]
+    fits = [i for i, (s, t) in enumerate(pairs) if len(s) <= limit and len(t) <= limit]
+    if len(fits) < len(pairs):
+        log.warning("%d line pair(s) longer than the model's %d tokens were not scored (nan)",
+                    len(pairs) - len(fits), limit)
+    device = next(_first_member(model).parameters()).device
+
+    def score(batch: list[int]) -> list[Hypothesis]:
+        src = pad([pairs[fits[j]][0] for j in batch]).to(device)
+        tgt = pad([pairs[fits[j]][1] for j in batch]).to(device)
+        return forced_scores(model, src, tgt, lenpen)
+
+    lengths = [max(len(s), len(t)) for s, t in (pairs[i] for i in fits)]
+    hyps = _map_batches(score, lengths, batch_tokens, workers, device, progress)
+    out = [LineResult([], []) for _ in lines]
+    for i, h in zip(fits, hyps, strict=True):
+        out[i] = LineResult([pairs[i][0]], [[h]])
     return out
 
 
@@ -465,6 +514,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-file", default=None,
                    help="target prefixes, one line per input line (empty: none), forced at the "
                         "start of each translation")
+    p.add_argument("--score", metavar="FILE", default=None,
+                   help="score the translations in FILE (one per input line) instead of "
+                        "searching: each output line is the score --nbest would give that "
+                        "translation (its log-probability, EOS included, over the length penalty "
+                        "at --lenpen; --lenpen 0: the log-probability itself), or 'nan' where a "
+                        "side is longer than the model's maximum")
     p.add_argument("--alignment", action="store_true",
                    help="append ' ||| ' and Pharaoh word alignments 'i-j' to every output line")
     p.add_argument("--alignment-layer", type=int, default=None,
@@ -491,6 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _format(i: int, nbest: list[tuple[str, float]], aligns: list[str] | None,
             n: int) -> list[str]:
+    """Output lines of one input line: the translation, or with n > 1 its n-best entries."""
     out = []
     for e, (text, score) in enumerate(nbest):
         line = text if n == 1 else f"{i}\t{text}\t{score:.4f}"
@@ -498,6 +554,12 @@ def _format(i: int, nbest: list[tuple[str, float]], aligns: list[str] | None,
             line += " ||| " + aligns[e]
         out.append(line)
     return out
+
+
+def _format_score(result: LineResult, aligns: list[str] | None) -> str:
+    """The output line of one scored pair (``--score``)."""
+    line = f"{result.hyps[0][0].score:.4f}" if result.hyps else "nan"
+    return line if aligns is None else f"{line} ||| {aligns[0]}"
 
 
 def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace) -> None:
@@ -527,6 +589,9 @@ def main(argv: list[str] | None = None) -> None:
                          f"{args.beam}")
     if args.sampling and args.temperature <= 0:
         raise SystemExit(f"translate: --temperature must be positive, got {args.temperature}")
+    if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file):
+        raise SystemExit("translate: --score scores given translations; it does not combine with "
+                         "--sampling, --nbest or --prefix-file")
     if args.output is not None:  # fail before the work, not after it
         parent = Path(args.output).resolve().parent
         if not parent.is_dir() or not os.access(parent, os.W_OK):
@@ -535,12 +600,17 @@ def main(argv: list[str] | None = None) -> None:
     interactive = args.input in (None, "-") and sys.stdin.isatty()
     try:
         lines = [] if interactive else _read_input(args.input, args.errors)
-        prefixes = None
+        prefixes = targets = None
         if args.prefix_file is not None:
             prefixes = _read_input(args.prefix_file, args.errors)
             if len(prefixes) != len(lines) and not interactive:
                 raise InputError(f"{args.prefix_file}: {len(prefixes)} lines, but the input has "
                                  f"{len(lines)}; one prefix line per input line")
+        if args.score is not None and not interactive:
+            targets = _read_input(args.score, args.errors)
+            if len(targets) != len(lines):
+                raise InputError(f"{args.score}: {len(targets)} lines, but the input has "
+                                 f"{len(lines)}; one translation per input line")
     except InputError as err:
         raise SystemExit(f"translate: {err}") from None
     try:
@@ -560,21 +630,26 @@ def main(argv: list[str] | None = None) -> None:
                          top_p=args.top_p, seed=args.seed,
                          workers=args.workers or default_workers(args.device))
     if interactive:
-        if prefixes is not None:
-            raise SystemExit("translate: --prefix-file needs -i (or piped input)")
+        if prefixes is not None or args.score is not None:
+            option = "--prefix-file" if prefixes is not None else "--score"
+            raise SystemExit(f"translate: {option} needs -i (or piped input)")
         with torch.inference_mode():
             _interactive(model, tokenizer, opts, args)
         return
     log.info("model %s, %d lines", " + ".join(names), len(lines))
     start = time.perf_counter()
+    progress = not args.quiet and args.input not in (None, "-")
     with torch.inference_mode():
-        results = search_lines(model, tokenizer, lines, opts,
-                               progress=not args.quiet and args.input not in (None, "-"),
-                               prefixes=prefixes)
+        if targets is not None:
+            results = score_lines(model, tokenizer, lines, targets, args.lenpen,
+                                  args.batch_tokens, opts.workers, progress)
+        else:
+            results = search_lines(model, tokenizer, lines, opts, progress, prefixes)
         aligns = (align_lines(model, tokenizer, results, args.alignment_layer, args.batch_tokens)
                   if args.alignment else [None] * len(results))
     seconds = time.perf_counter() - start
-    log.info("translated %d lines in %.1f s (%.1f lines/s)", len(lines), seconds,
+    log.info("%s %d lines in %.1f s (%.1f lines/s)",
+             "scored" if targets is not None else "translated", len(lines), seconds,
              len(lines) / max(seconds, 1e-9))
     try:
         out = sys.stdout if args.output is None else open(args.output, "w", encoding="utf-8")
@@ -582,7 +657,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"translate: {args.output}: cannot write ({err.strerror})") from None
     try:
         for i, (r, a) in enumerate(zip(results, aligns, strict=True)):
-            out.write("".join(s + "\n" for s in _format(i, _texts(tokenizer, r), a, args.nbest)))
+            lines_out = ([_format_score(r, a)] if targets is not None
+                         else _format(i, _texts(tokenizer, r), a, args.nbest))
+            out.write("".join(s + "\n" for s in lines_out))
         out.flush()
     except BrokenPipeError:  # the reader left (`translate ... | head`): stop without a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as Python's docs advise

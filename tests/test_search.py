@@ -14,6 +14,7 @@ from mt.search import (
     _sample,
     beam_search,
     cross_attention,
+    forced_scores,
     greedy_search,
     length_penalty,
     sample_search,
@@ -154,6 +155,24 @@ def test_nbest_sorted_and_scores_match_forced_rescoring(lenpen):
         for h in hyps:
             assert h.score == pytest.approx(_rescore(model, src, h.tokens, lenpen), abs=1e-4)
             assert h.logprob == pytest.approx(_rescore(model, src, h.tokens, 0.0), abs=1e-4)
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_forced_scores_are_the_scores_search_gives(members):
+    """Scoring the search's own n-best lists, all in one padded batch, gives back their scores:
+    padding does not leak, and an ensemble renormalises as its search does."""
+    model = _model() if members == 1 else Ensemble([_model(0), _model(1, decoder_layers=1)])
+    srcs = _sources()
+    results = beam_search(model, _pad(srcs), beam_size=4, nbest=4, lenpen=0.6, max_len_b=8)
+    pairs = [(src, h) for src, hyps in zip(srcs, results, strict=True) for h in hyps]
+    tgt = _pad([h.tokens + [EOS_ID] for _, h in pairs])
+    forced = forced_scores(model, _pad([src for src, _ in pairs]), tgt, lenpen=0.6)
+    for (src, h), f in zip(pairs, forced, strict=True):
+        assert f.tokens == h.tokens
+        assert f.score == pytest.approx(h.score, abs=1e-4)
+        assert f.logprob == pytest.approx(h.logprob, abs=1e-4)
+        if members == 1:
+            assert f.logprob == pytest.approx(_rescore(model, src, h.tokens, 0.0), abs=1e-4)
 
 
 def test_beam_is_exact_when_it_can_hold_every_hypothesis():

@@ -18,7 +18,7 @@ from mt.config import ModelConfig, TokenizerConfig
 from mt.inference import Int8Linear, PackedFeedForward, PackedLinear, can_pack, prepare_model
 from mt.model import build_model
 from mt.tokenizer import train_tokenizer
-from mt.translate import SearchOptions, main, translate_lines
+from mt.translate import SearchOptions, main, search_lines, translate_lines
 
 WORDS = ("the a dog cat man woman child ball park street red blue small big runs walks sees "
          "holds plays sits near under with on in at").split()
@@ -372,6 +372,48 @@ def test_ensemble_of_one_model_twice_is_the_model(models, tmp_path, capsys):
     assert len(mixed) == 30
     with pytest.raises(SystemExit, match="share"):
         main(["-m", models["a"], models["other_vocab"], "-i", path, "--quiet"])
+
+
+def test_score_gives_the_nbest_scores_one_line_per_pair(models, tmp_path, capsys):
+    rng = random.Random(8)
+    lines = [_sentence(rng) for _ in range(30)]
+    model, tok, _ = load_model(models["a"])
+    opts = SearchOptions(beam=3, nbest=3, max_len_a=0, max_len_b=6)
+    results = search_lines(model, tok, lines, opts)
+    # Text is scored as it tokenizes: keep the entries whose text gives back their own tokens.
+    entries = [(i, text, h.score) for i, r in enumerate(results) for h in r.hyps[0]
+               if tok.encode_tgt([text := tok.decode_tgt([h.tokens])[0]])[0] == h.tokens]
+    assert len(entries) >= 30
+    # Each n-best entry scored as a given translation gets the score the search gave it.
+    pairs = _write(tmp_path / "pairs.txt", [lines[i] for i, _, _ in entries])
+    given = _write(tmp_path / "given.txt", [text for _, text, _ in entries])
+    scored = _run(["-m", models["a"], "-i", pairs, "--score", given, "--quiet"], capsys)
+    assert scored == [f"{score:.4f}" for _, _, score in entries]
+    ensemble = _run(["-m", models["a"], models["b"], "-i", pairs, "--score", given, "--quiet"],
+                    capsys)
+    assert len(ensemble) == len(entries) and ensemble != scored
+    lenpen0 = _run(["-m", models["a"], "-i", pairs, "--score", given, "--lenpen", "0",
+                    "--quiet"], capsys)
+    assert all(float(a) < float(b) for a, b in zip(lenpen0, scored, strict=True))
+    # Empty lines are scored; a pair longer than the model's maximum is 'nan'; aligned output.
+    lines = [lines[i] for i, _, _ in entries[:10]] + ["", "", " ".join(["big red dog"] * 40)]
+    targets = [text for _, text, _ in entries[:10]] + ["", "the dog", "a"]
+    out = _run(["-m", models["a"], "-i", _write(tmp_path / "in2.txt", lines), "--score",
+                _write(tmp_path / "t2.txt", targets), "--alignment", "--quiet"], capsys)
+    assert len(out) == len(lines)
+    scores = [line.split(" ||| ")[0] for line in out]
+    assert scores[:10] == scored[:10]
+    assert float(scores[10]) < 0 and float(scores[11]) < float(scores[10])
+    assert scores[12] == "nan"
+
+
+def test_score_refuses_a_translation_file_that_does_not_match(models, tmp_path):
+    src = _write(tmp_path / "in.txt", ["the dog", "a cat"])
+    short = _write(tmp_path / "short.txt", ["der Hund"])
+    with pytest.raises(SystemExit, match="short.txt: 1 lines, but the input has 2"):
+        main(["-m", models["a"], "-i", src, "--score", short, "--quiet"])
+    with pytest.raises(SystemExit, match="does not combine"):
+        main(["-m", models["a"], "-i", src, "--score", src, "--nbest", "2", "--quiet"])
 
 
 def test_alignment_links_words_of_both_sides(models, tmp_path, capsys):
