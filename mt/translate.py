@@ -1,8 +1,10 @@
 """``translate``: text in, translations out, exactly one output line per input line.
 
-Input lines are encoded, sorted by length, cut into batches by a token budget, searched, and put
-back in input order. Empty lines give empty lines without touching the model. A line longer than
-the model's maximum is translated in pieces that are joined (one warning), never dropped.
+Input is read a chunk of lines at a time (``--chunk-lines``); a chunk's lines are encoded, sorted
+by length, cut into batches by a token budget, searched, put back in input order and written
+before the next chunk is read, so memory is bounded whatever the input's size. Empty lines give
+empty lines without touching the model. A line longer than the model's maximum is translated in
+pieces that are joined (one warning), never dropped. ``-o FILE`` appears only once whole.
 stdout carries translations only; logs, the progress bar and the interactive prompt go to stderr.
 See docs/decoding.md for every option and output format.
 """
@@ -10,6 +12,7 @@ See docs/decoding.md for every option and output format.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import sys
@@ -20,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 
@@ -107,7 +111,8 @@ def _first_member(model):
     return model.models[0] if isinstance(model, Ensemble) else model
 
 
-def translate_ids(model, sources: list[list[int]], opts: SearchOptions, progress: bool = False,
+def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
+                  progress: bool | Any = False,
                   prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
     """Searches every source (ids ending in EOS); returns n-best lists in input order.
 
@@ -122,7 +127,7 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions, progress
         model: a Transformer, or an Ensemble.
         sources: token ids per sentence, each ending in EOS.
         opts: the search.
-        progress: a tqdm bar on stderr.
+        progress: a tqdm bar on stderr (True), or the caller's bar to advance per sentence.
         prefixes: per sentence, target ids to force before the free search (or None).
     """
     from mt.batching import pad
@@ -154,10 +159,11 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions, progress
 
 
 def _map_batches(fn, lengths: list[int], budget: int, workers: int, device: torch.device,
-                 progress: bool) -> list:
+                 progress: bool | Any) -> list:
     """``fn`` over batches of item indices (length-sorted, longest first so that memory peaks
     early, at most ``budget`` tokens each, padding included), ``workers`` batches at once on a
     CPU (a GPU runs one batch at a time anyway); returns ``fn``'s per-item results in item order.
+    ``progress``: True for a bar of its own, or the caller's tqdm bar to advance per item.
     """
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
@@ -165,8 +171,8 @@ def _map_batches(fn, lengths: list[int], budget: int, workers: int, device: torc
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches = _balanced_batches(lengths, order, budget, workers)
     results: list = [None] * len(lengths)
-    bar = None
-    if progress:
+    bar = None if progress is False else progress
+    if progress is True:
         from tqdm import tqdm
 
         bar = tqdm(total=len(lengths), unit="sent", file=sys.stderr, leave=False)
@@ -176,7 +182,7 @@ def _map_batches(fn, lengths: list[int], budget: int, workers: int, device: torc
                 results[i] = out
             if bar is not None:
                 bar.update(len(batch))
-    if bar is not None:
+    if progress is True:
         bar.close()
     return results
 
@@ -239,7 +245,8 @@ class LineResult:
 
 
 def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
-                 progress: bool = False, prefixes: list[str] | None = None) -> list[LineResult]:
+                 progress: bool | Any = False,
+                 prefixes: list[str] | None = None) -> list[LineResult]:
     """Encodes, splits over-long lines into pieces, searches them all, and groups them by line.
 
     Args:
@@ -247,7 +254,7 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         tokenizer: the model's mt.tokenizer.Tokenizer.
         lines: input sentences; empty (whitespace-only) lines are not searched.
         opts: the search.
-        progress: a progress bar on stderr.
+        progress: a progress bar on stderr (True), or the caller's tqdm bar to advance per line.
         prefixes: per line, target text to force at the start of its translation ("" = none).
     """
     if isinstance(model, list | tuple):
@@ -273,6 +280,9 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     if long_lines:
         log.warning("%d line(s) longer than the model's %d tokens were translated in pieces",
                     long_lines, limit)
+    if not isinstance(progress, bool):  # the caller's bar counts lines, the search pieces
+        progress.total += len(sources) - len(set(owner))
+        progress.update(len(lines) - len(set(owner)))
     hyps = (translate_ids(model, sources, opts, progress,
                           forced if prefix_ids is not None else None) if sources else [])
     out = [LineResult([], []) for _ in lines]
@@ -284,7 +294,7 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
 
 def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: float = 0.6,
                 batch_tokens: int = 4096, workers: int = 1,
-                progress: bool = False) -> list[LineResult]:
+                progress: bool | Any = False) -> list[LineResult]:
     """Scores given translations (``translate --score``) instead of searching for them.
 
     Every pair is scored by the model, empty lines included (an empty source is EOS alone, an
@@ -309,6 +319,8 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
     if len(fits) < len(pairs):
         log.warning("%d line pair(s) longer than the model's %d tokens were not scored (nan)",
                     len(pairs) - len(fits), limit)
+        if not isinstance(progress, bool):
+            progress.update(len(pairs) - len(fits))
     device = next(_first_member(model).parameters()).device
 
     def score(batch: list[int]) -> list[Hypothesis]:
@@ -458,29 +470,51 @@ class InputError(Exception):
     """A problem with the user's input files: the message names the file and line."""
 
 
-def _decode_lines(data: bytes, name: str, errors: str) -> list[str]:
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()  # the final newline ends the last line; it does not start a new one
-    out = []
-    for lineno, raw in enumerate(lines, start=1):
+def _lines(stream: BinaryIO, name: str, errors: str) -> Iterator[str]:
+    """The lines of a byte stream, decoded one at a time (a final newline ends the last line; it
+    does not start a new one); invalid UTF-8 stops with the file's name and the line number."""
+    for lineno, raw in enumerate(stream, start=1):
         try:
-            out.append(raw.decode("utf-8", errors=errors).rstrip("\r"))
+            yield raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r")
         except UnicodeDecodeError as err:
             raise InputError(f"{name}:{lineno}: invalid UTF-8 ({err.reason}); "
                              "use --errors replace to translate it anyway") from None
-    return out
 
 
-def _read_input(path: str | None, errors: str) -> list[str]:
+def _file_lines(path: str | None, errors: str) -> Iterator[str]:
+    """The lines of a file, or of stdin for None or '-', read as they are needed."""
     if path is None or path == "-":
-        return _decode_lines(sys.stdin.buffer.read(), "<stdin>", errors)
+        yield from _lines(sys.stdin.buffer, "<stdin>", errors)
+        return
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        f = open(path, "rb")
     except OSError as err:
         raise InputError(f"{path}: cannot read ({err.strerror})") from None
-    return _decode_lines(data, path, errors)
+    with f:
+        yield from _lines(f, path, errors)
+
+
+def _count_lines(path: str, errors: str) -> int:
+    """Lines in a file, every one checked for UTF-8: a file's mistakes stop ``translate`` before
+    any work, and the count sizes the progress bar and checks the line-parallel files."""
+    return sum(1 for _ in _file_lines(path, errors))
+
+
+def _parallel_lines(first: Iterator[str], others: list[tuple[str, Iterator[str]]],
+                    ) -> Iterator[tuple[str, ...]]:
+    """Line i of every stream together; a stream that ends before or after the first one stops
+    with its name (stdin cannot be counted before it is read)."""
+    for row in itertools.zip_longest(first, *(lines for _, lines in others)):
+        for (name, _), line in zip(others, row[1:], strict=True):
+            if line is None or row[0] is None:
+                which = "fewer" if line is None else "more"
+                raise InputError(f"{name}: {which} lines than the input; one line per input line")
+        yield row
+
+
+def _chunks(items: Iterator, size: int) -> Iterator[list]:
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -526,6 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layer for --alignment (Python index; default: penultimate)")
     p.add_argument("--batch-tokens", type=int, default=4096,
                    help="source tokens per batch, padding included")
+    p.add_argument("--chunk-lines", type=positive_int, default=100_000,
+                   help="lines read, sorted by length, translated and written at a time: bounds "
+                        "the memory of a large file and streams a pipe")
     p.add_argument("--workers", type=positive_int, default=None,
                    help="batches searched at once, one thread and one core each (CPU); default: "
                         "one per core torch may use on CPU, 1 on a GPU. Batches are cut to keep "
@@ -597,20 +634,23 @@ def main(argv: list[str] | None = None) -> None:
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise SystemExit(f"translate: {args.output}: cannot write there (no such writable "
                              "directory)")
+        if Path(args.output).is_dir():
+            raise SystemExit(f"translate: {args.output}: is a directory")
     interactive = args.input in (None, "-") and sys.stdin.isatty()
-    try:
-        lines = [] if interactive else _read_input(args.input, args.errors)
-        prefixes = targets = None
-        if args.prefix_file is not None:
-            prefixes = _read_input(args.prefix_file, args.errors)
-            if len(prefixes) != len(lines) and not interactive:
-                raise InputError(f"{args.prefix_file}: {len(prefixes)} lines, but the input has "
-                                 f"{len(lines)}; one prefix line per input line")
-        if args.score is not None and not interactive:
-            targets = _read_input(args.score, args.errors)
-            if len(targets) != len(lines):
-                raise InputError(f"{args.score}: {len(targets)} lines, but the input has "
-                                 f"{len(lines)}; one translation per input line")
+    if interactive and (args.prefix_file or args.score):
+        option = "--prefix-file" if args.prefix_file else "--score"
+        raise SystemExit(f"translate: {option} needs -i (or piped input)")
+    parallel = [(option, path) for option, path in (("--prefix-file", args.prefix_file),
+                                                    ("--score", args.score)) if path]
+    total = None  # lines in the input, where it can be counted before reading it for real
+    try:  # a file's mistakes stop translate before any work
+        if not interactive and args.input not in (None, "-"):
+            total = _count_lines(args.input, args.errors)
+        for _, path in parallel:
+            n = _count_lines(path, args.errors)
+            if total is not None and n != total:
+                raise InputError(f"{path}: {n} lines, but the input has {total}; one line per "
+                                 "input line")
     except InputError as err:
         raise SystemExit(f"translate: {err}") from None
     try:
@@ -630,43 +670,76 @@ def main(argv: list[str] | None = None) -> None:
                          top_p=args.top_p, seed=args.seed,
                          workers=args.workers or default_workers(args.device))
     if interactive:
-        if prefixes is not None or args.score is not None:
-            option = "--prefix-file" if prefixes is not None else "--score"
-            raise SystemExit(f"translate: {option} needs -i (or piped input)")
         with torch.inference_mode():
             _interactive(model, tokenizer, opts, args)
         return
-    log.info("model %s, %d lines", " + ".join(names), len(lines))
+    log.info("model %s%s", " + ".join(names), "" if total is None else f", {total} lines")
     start = time.perf_counter()
-    progress = not args.quiet and args.input not in (None, "-")
-    with torch.inference_mode():
-        if targets is not None:
-            results = score_lines(model, tokenizer, lines, targets, args.lenpen,
-                                  args.batch_tokens, opts.workers, progress)
-        else:
-            results = search_lines(model, tokenizer, lines, opts, progress, prefixes)
-        aligns = (align_lines(model, tokenizer, results, args.alignment_layer, args.batch_tokens)
-                  if args.alignment else [None] * len(results))
-    seconds = time.perf_counter() - start
-    log.info("%s %d lines in %.1f s (%.1f lines/s)",
-             "scored" if targets is not None else "translated", len(lines), seconds,
-             len(lines) / max(seconds, 1e-9))
+    rows = _parallel_lines(_file_lines(args.input, args.errors),
+                           [(path, _file_lines(path, args.errors)) for _, path in parallel])
+    bar = None
+    if not args.quiet and total is not None:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="line", file=sys.stderr, leave=False)
+    progress = False if bar is None else bar
+    done = 0
     try:
-        out = sys.stdout if args.output is None else open(args.output, "w", encoding="utf-8")
-    except OSError as err:
-        raise SystemExit(f"translate: {args.output}: cannot write ({err.strerror})") from None
-    try:
-        for i, (r, a) in enumerate(zip(results, aligns, strict=True)):
-            lines_out = ([_format_score(r, a)] if targets is not None
-                         else _format(i, _texts(tokenizer, r), a, args.nbest))
-            out.write("".join(s + "\n" for s in lines_out))
-        out.flush()
+        with _output(args.output) as out, torch.inference_mode():
+            for chunk in _chunks(rows, args.chunk_lines):
+                lines = [row[0] for row in chunk]
+                given = [row[1] for row in chunk] if parallel else None
+                if args.score:
+                    results = score_lines(model, tokenizer, lines, given, args.lenpen,
+                                          args.batch_tokens, opts.workers, progress)
+                else:
+                    results = search_lines(model, tokenizer, lines, opts, progress, given)
+                aligns = (align_lines(model, tokenizer, results, args.alignment_layer,
+                                      args.batch_tokens)
+                          if args.alignment else [None] * len(results))
+                for i, (r, a) in enumerate(zip(results, aligns, strict=True), start=done):
+                    lines_out = ([_format_score(r, a)] if args.score
+                                 else _format(i, _texts(tokenizer, r), a, args.nbest))
+                    out.write("".join(line + "\n" for line in lines_out))
+                out.flush()
+                done += len(chunk)
+    except InputError as err:  # only stdin's mistakes come this late; a file's were found above
+        written = f" ({done} lines written before it)" if args.output is None and done else ""
+        raise SystemExit(f"translate: {err}{written}") from None
+    except KeyboardInterrupt:
+        raise SystemExit("translate: interrupted" + (f" after {done} lines" if args.output is None
+                                                     else f"; {args.output} not written")) from None
     except BrokenPipeError:  # the reader left (`translate ... | head`): stop without a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as Python's docs advise
         raise SystemExit(1) from None
     finally:
-        if out is not sys.stdout:
-            out.close()
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - start
+    log.info("%s %d lines in %.1f s (%.1f lines/s)", "scored" if args.score else "translated",
+             done, seconds, done / max(seconds, 1e-9))
+
+
+@contextmanager
+def _output(path: str | None) -> Iterator:
+    """stdout, or a file that appears under its name only once whole: written as
+    ``PATH.partial`` and renamed at the end, so that a file named PATH always has one line per
+    input line; an interrupted or failed run leaves neither."""
+    if path is None:
+        yield sys.stdout
+        return
+    partial = f"{path}.partial"
+    try:
+        f = open(partial, "w", encoding="utf-8")
+    except OSError as err:
+        raise SystemExit(f"translate: {partial}: cannot write ({err.strerror})") from None
+    try:
+        with f:
+            yield f
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
 
 
 if __name__ == "__main__":

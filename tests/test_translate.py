@@ -347,6 +347,51 @@ def test_invalid_utf8_names_the_line_and_replace_works(models, tmp_path, capsys)
                     capsys)) == 2
 
 
+def _stdin(monkeypatch, data: bytes) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+
+
+def test_chunks_and_pipes_give_the_files_output(models, tmp_path, capsys, monkeypatch):
+    """Input read --chunk-lines at a time, from a file or a pipe: the same lines, in order, with
+    n-best indices counting lines across chunks."""
+    rng = random.Random(9)
+    lines = [_sentence(rng) for _ in range(40)]
+    lines[5], lines[30] = "", " ".join(["big red dog"] * 40)  # empty; translated in pieces
+    path = _write(tmp_path / "in.txt", lines)
+    args = ["-m", models["a"], "--beam", "3", *FAST]
+    whole = _run([*args, "-i", path], capsys)
+    assert len(whole) == 40 and whole[5] == "" and whole[30]
+    assert _run([*args, "-i", path, "--chunk-lines", "3"], capsys) == whole
+    _stdin(monkeypatch, Path(path).read_bytes())
+    assert _run([*args, "--chunk-lines", "7"], capsys) == whole
+    nbest = [line.split("\t") for line in _run([*args, "-i", path, "--nbest", "2"], capsys)]
+    chunked = [line.split("\t") for line in _run([*args, "-i", path, "--nbest", "2",
+                                                  "--chunk-lines", "4"], capsys)]
+    assert [(i, text) for i, text, _ in chunked] == [(i, text) for i, text, _ in nbest]
+    assert [float(s) for *_, s in chunked] == pytest.approx([float(s) for *_, s in nbest],
+                                                            abs=2e-4)
+
+
+def test_output_file_appears_only_whole(models, tmp_path, monkeypatch):
+    """A run that fails half-way (stdin's mistakes are found only when read) leaves no output
+    file, not even its .partial; a line-parallel file that ends early is named."""
+    out = tmp_path / "out.txt"
+    _stdin(monkeypatch, b"the dog\n" * 5 + b"the \xff cat\n")
+    with pytest.raises(SystemExit, match="<stdin>:6: invalid UTF-8"):
+        main(["-m", models["a"], "-o", str(out), "--chunk-lines", "2", *FAST])
+    assert not out.exists() and not Path(f"{out}.partial").exists()
+    prefixes = _write(tmp_path / "prefixes.txt", ["the"] * 3)
+    _stdin(monkeypatch, b"the dog\n" * 5)
+    with pytest.raises(SystemExit, match="prefixes.txt: fewer lines than the input"):
+        main(["-m", models["a"], "-o", str(out), "--prefix-file", prefixes, *FAST])
+    assert not out.exists()
+    _stdin(monkeypatch, b"the dog\n" * 5)
+    main(["-m", models["a"], "-o", str(out), "--chunk-lines", "2", *FAST])
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 5
+    with pytest.raises(SystemExit, match="is a directory"):
+        main(["-m", models["a"], "-i", str(out), "-o", str(tmp_path), *FAST])
+
+
 def test_missing_or_corrupt_model_is_a_one_line_error(models, tmp_path):
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(os.urandom(300))
