@@ -135,7 +135,7 @@ class TrainerConfig:
     precision: str = "auto"  # auto (bf16 on CUDA or AVX512-BF16/AMX CPUs) | bf16 | fp16 | fp32
     compile: bool = False
     seed: int = 1
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
     test_at_end: bool = True  # translate the test split with the best checkpoint and print BLEU
     max_bad_steps: int = 10  # stop after this many consecutive steps with a NaN/inf loss

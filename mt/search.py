@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ from mt.model import float32_products_on_onednn
 
 def _search(fn):
     """Runs a search under ``torch.inference_mode`` with float32 products in oneDNN where that
-    keeps float32 (``mt.model.float32_products_on_onednn``) for the whole search.
+    keeps float32 (``mt.model.float32_products_on_onednn``) for the whole of a CPU search.
 
     The switch is process-wide: flipped around single operators, it would send the products of
     a search running in another thread (``translate --workers``) to one library or the other by
@@ -40,9 +41,12 @@ def _search(fn):
     """
 
     @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with torch.inference_mode(), float32_products_on_onednn():
-            return fn(*args, **kwargs)
+    def run(model, src: Tensor, *args, **kwargs):
+        # CPU only: a GPU search has no use for it, and while it is on, the process's
+        # torch.get_float32_matmul_precision() raises.
+        onednn = float32_products_on_onednn() if src.device.type == "cpu" else nullcontext()
+        with torch.inference_mode(), onednn:
+            return fn(model, src, *args, **kwargs)
 
     return run
 

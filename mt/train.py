@@ -52,9 +52,22 @@ def setup_distributed(device_cfg: str) -> tuple[int, int, torch.device]:
     """(rank, world_size, device); initialises the process group under torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    use_cuda = device_cfg == "cuda" or (device_cfg == "auto" and torch.cuda.is_available())
+    if device_cfg == "auto":
+        use_cuda, index = torch.cuda.is_available(), None
+    else:
+        try:
+            chosen = torch.device(device_cfg)
+        except RuntimeError:
+            chosen = None
+        if chosen is None or chosen.type not in ("cpu", "cuda"):
+            raise ValueError(f"trainer.device must be auto, cpu, cuda or cuda:N, got "
+                             f"{device_cfg!r}")
+        use_cuda, index = chosen.type == "cuda", chosen.index
+        if use_cuda and not torch.cuda.is_available():
+            raise ValueError(f"trainer.device={device_cfg}, but this torch sees no CUDA device")
     if use_cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        # under torchrun each process takes its local rank's GPU; alone, the one asked for
+        local = int(os.environ.get("LOCAL_RANK", index if index is not None else 0))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:

@@ -3,8 +3,11 @@ wrong FLOPs or from missed layers would mislead every comparison made with it.""
 
 import copy
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mt.config import EOS_ID, ModelConfig
@@ -69,3 +72,18 @@ def test_training_flops_for_mfu_equal_three_times_a_counted_forward_pass():
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
         model(src, tgt_in)
     assert bench.model_flops(src, tgt_in, cfg) == 3 * counter.get_total_flops()
+
+
+def test_decode_benchmark_leaves_out_ctranslate2_where_it_cannot_run(monkeypatch, tmp_path):
+    """CTranslate2 is optional (and its CUDA build needs CUDA 12 libraries): without it the CT2
+    systems are left out with the reason, and the others are still measured and checked."""
+    pytest.importorskip("transformers")
+    bench = _script("bench_decode")
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import fails
+    out = tmp_path / "report.json"
+    bench.main(["--sentences", "4", "--batch", "2", "--tgt-len", "3", "--vocab", "300",
+                "--repeat", "1", "--systems", "mt-float32,ct2-float32", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert set(report["systems"]) == {"mt-float32"}
+    assert "not installed" in report["skipped"]["ct2-float32"]
+    assert report["checks"]["hf_max_logit_diff"] < 1e-4

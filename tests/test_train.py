@@ -271,3 +271,16 @@ def test_nan_loss_skips_the_step_and_stops_a_diverging_run(tmp_path, corpus_dir,
                      result.stderr), result.stderr[-2000:]
     assert "update skipped" in result.stderr
     assert "no checkpoint was saved yet" in result.stderr
+
+
+def test_trainer_device_is_read_whole():
+    """`trainer.device=cuda:1` means that GPU (it once fell back to the CPU unnoticed), and a
+    value that names no device is refused with the key."""
+    from mt.train import setup_distributed
+
+    assert setup_distributed("cpu")[2] == torch.device("cpu")
+    with pytest.raises(ValueError, match="trainer.device"):
+        setup_distributed("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda:1, but this torch sees no CUDA"):
+            setup_distributed("cuda:1")
