@@ -642,12 +642,15 @@ class Transformer(nn.Module):
             logits = logits + self.final_logits_bias
         return logits
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
-        """Teacher-forced decoder: tgt_in (B, T) starting with BOS -> logits (B, T, V)."""
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor,
+               project: bool = True) -> Tensor:
+        """Teacher-forced decoder: tgt_in (B, T) starting with BOS -> logits (B, T, V), or with
+        ``project=False`` the final states (B, T, D), for a caller that projects them in blocks."""
         y = self.embed(tgt_in, self.tgt_embed, self.tgt_positions)
         for layer in self.decoder_layers:
             y = layer(y, memory, src_mask)
-        return self.project(self.decoder_norm(y))
+        y = self.decoder_norm(y)
+        return self.project(y) if project else y
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """src (B, S), tgt_in (B, T) -> logits (B, T, V)"""

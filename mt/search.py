@@ -452,14 +452,25 @@ def forced_scores(model, src: Tensor, tgt: Tensor, lenpen: float = 0.0) -> list[
     bos = torch.full((tgt.size(0), 1), BOS_ID, dtype=tgt.dtype, device=tgt.device)
     tgt_in = torch.cat([bos, tgt[:, :-1]], dim=1)  # after EOS only padding, which no token sees
     members = _members(model)
-    total = None
-    for m in members:
-        lp = torch.log_softmax(m(src, tgt_in), -1, dtype=torch.float32)
-        total = lp if total is None else total.add_(lp)
-    if len(members) > 1:
-        total = torch.log_softmax(total / len(members), -1)
     real = tgt != PAD_ID
-    token_lp = total.gather(-1, tgt[..., None]).squeeze(-1).masked_fill_(~real, 0.0)
+    positions = real.flatten()  # padding is neither projected nor scored
+    states = [m.decode(tgt_in, *m.encode(src), project=False).flatten(0, 1)[positions]
+              for m in members]
+    targets = tgt.flatten()[positions]
+    target_lp = torch.empty(targets.shape, dtype=torch.float32, device=tgt.device)
+    # The log-probabilities over the vocabulary a block of positions at a time (16 MB of float32),
+    # keeping only the target's: (B, T, V) whole would be gigabytes for large batches.
+    block = max(1, 2**22 // members[0].cfg.tgt_vocab_size)
+    for i in range(0, targets.numel(), block):
+        total = None
+        for m, y in zip(members, states, strict=True):
+            lp = torch.log_softmax(m.project(y[i : i + block]), -1, dtype=torch.float32)
+            total = lp if total is None else total.add_(lp)
+        if len(members) > 1:
+            total = torch.log_softmax(total / len(members), -1)
+        target_lp[i : i + block] = total.gather(-1, targets[i : i + block, None])[:, 0]
+    token_lp = torch.zeros(tgt.shape, dtype=torch.float32, device=tgt.device)
+    token_lp.masked_scatter_(real, target_lp)
     lengths = real.sum(dim=1)
     logprob = token_lp.sum(dim=1)
     score = logprob / length_penalty(lengths.float(), lenpen)

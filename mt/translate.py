@@ -12,9 +12,9 @@ See docs/decoding.md for every option and output format.
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -39,8 +39,18 @@ from mt.search import (
     max_positions,
     sample_search,
 )
+from mt.textio import (
+    InputError,
+    atomic_output,
+    chunks,
+    count_lines,
+    parallel_lines,
+    read_lines,
+)
 
 log = logging.getLogger("mt.translate")
+_UNFIT = {False: "%d line(s) longer than the model's %d tokens were translated in pieces",
+          True: "%d line pair(s) longer than the model's %d tokens were not scored (nan)"}
 
 @dataclass
 class SearchOptions:
@@ -112,8 +122,8 @@ def _first_member(model):
 
 
 def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
-                  progress: bool | Any = False,
-                  prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+                  progress: bool | Any = False, prefixes: list[list[int]] | None = None, *,
+                  generator: torch.Generator | None = None) -> list[list[Hypothesis]]:
     """Searches every source (ids ending in EOS); returns n-best lists in input order.
 
     Batches are formed from length-sorted sources (longest first, so memory peaks early) and each
@@ -129,6 +139,7 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
         opts: the search.
         progress: a tqdm bar on stderr (True), or the caller's bar to advance per sentence.
         prefixes: per sentence, target ids to force before the free search (or None).
+        generator: the random stream for sampling (default: a new one from ``opts.seed``).
     """
     from mt.batching import pad
 
@@ -138,7 +149,8 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
     elif not 1 <= opts.nbest <= opts.beam:
         raise ValueError(f"nbest must be between 1 and beam={opts.beam}, got {opts.nbest}")
     device = next(_first_member(model).parameters()).device
-    generator = torch.Generator(device=device).manual_seed(opts.seed) if opts.sampling else None
+    if opts.sampling and generator is None:
+        generator = torch.Generator(device=device).manual_seed(opts.seed)
     lens = dict(max_len_a=opts.max_len_a, max_len_b=opts.max_len_b, min_len=opts.min_len)
 
     def search(batch: list[int]) -> list[list[Hypothesis]]:
@@ -245,8 +257,9 @@ class LineResult:
 
 
 def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
-                 progress: bool | Any = False,
-                 prefixes: list[str] | None = None) -> list[LineResult]:
+                 progress: bool | Any = False, prefixes: list[str] | None = None, *,
+                 generator: torch.Generator | None = None,
+                 warn: bool = True) -> list[LineResult]:
     """Encodes, splits over-long lines into pieces, searches them all, and groups them by line.
 
     Args:
@@ -256,6 +269,9 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         opts: the search.
         progress: a progress bar on stderr (True), or the caller's tqdm bar to advance per line.
         prefixes: per line, target text to force at the start of its translation ("" = none).
+        generator: the random stream for sampling (default: a new one from ``opts.seed``); a
+            caller that searches a file in chunks passes one stream for all of them.
+        warn: log a warning for lines translated in pieces (a caller with chunks sums them).
     """
     if isinstance(model, list | tuple):
         model = Ensemble(list(model)) if len(model) > 1 else model[0]
@@ -277,14 +293,14 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         owner.extend([i] * len(pieces))
         # A prefix belongs to the start of the translation: the first piece only.
         forced.extend([prefix_ids[i] if prefix_ids else []] + [[]] * (len(pieces) - 1))
-    if long_lines:
-        log.warning("%d line(s) longer than the model's %d tokens were translated in pieces",
-                    long_lines, limit)
+    if long_lines and warn:
+        log.warning(_UNFIT[False], long_lines, limit)
     if not isinstance(progress, bool):  # the caller's bar counts lines, the search pieces
         progress.total += len(sources) - len(set(owner))
         progress.update(len(lines) - len(set(owner)))
     hyps = (translate_ids(model, sources, opts, progress,
-                          forced if prefix_ids is not None else None) if sources else [])
+                          forced if prefix_ids is not None else None, generator=generator)
+            if sources else [])
     out = [LineResult([], []) for _ in lines]
     for i, src, h in zip(owner, sources, hyps, strict=True):
         out[i].sources.append(src)
@@ -294,7 +310,7 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
 
 def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: float = 0.6,
                 batch_tokens: int = 4096, workers: int = 1,
-                progress: bool | Any = False) -> list[LineResult]:
+                progress: bool | Any = False, *, warn: bool = True) -> list[LineResult]:
     """Scores given translations (``translate --score``) instead of searching for them.
 
     Every pair is scored by the model, empty lines included (an empty source is EOS alone, an
@@ -317,8 +333,8 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
                                                   tokenizer.encode_tgt(targets), strict=True)]
     fits = [i for i, (s, t) in enumerate(pairs) if len(s) <= limit and len(t) <= limit]
     if len(fits) < len(pairs):
-        log.warning("%d line pair(s) longer than the model's %d tokens were not scored (nan)",
-                    len(pairs) - len(fits), limit)
+        if warn:
+            log.warning(_UNFIT[True], len(pairs) - len(fits), limit)
         if not isinstance(progress, bool):
             progress.update(len(pairs) - len(fits))
     device = next(_first_member(model).parameters()).device
@@ -466,57 +482,6 @@ def align_lines(model, tokenizer, results: list[LineResult], layer: int | None =
 # -- command line
 
 
-class InputError(Exception):
-    """A problem with the user's input files: the message names the file and line."""
-
-
-def _lines(stream: BinaryIO, name: str, errors: str) -> Iterator[str]:
-    """The lines of a byte stream, decoded one at a time (a final newline ends the last line; it
-    does not start a new one); invalid UTF-8 stops with the file's name and the line number."""
-    for lineno, raw in enumerate(stream, start=1):
-        try:
-            yield raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r")
-        except UnicodeDecodeError as err:
-            raise InputError(f"{name}:{lineno}: invalid UTF-8 ({err.reason}); "
-                             "use --errors replace to translate it anyway") from None
-
-
-def _file_lines(path: str | None, errors: str) -> Iterator[str]:
-    """The lines of a file, or of stdin for None or '-', read as they are needed."""
-    if path is None or path == "-":
-        yield from _lines(sys.stdin.buffer, "<stdin>", errors)
-        return
-    try:
-        f = open(path, "rb")
-    except OSError as err:
-        raise InputError(f"{path}: cannot read ({err.strerror})") from None
-    with f:
-        yield from _lines(f, path, errors)
-
-
-def _count_lines(path: str, errors: str) -> int:
-    """Lines in a file, every one checked for UTF-8: a file's mistakes stop ``translate`` before
-    any work, and the count sizes the progress bar and checks the line-parallel files."""
-    return sum(1 for _ in _file_lines(path, errors))
-
-
-def _parallel_lines(first: Iterator[str], others: list[tuple[str, Iterator[str]]],
-                    ) -> Iterator[tuple[str, ...]]:
-    """Line i of every stream together; a stream that ends before or after the first one stops
-    with its name (stdin cannot be counted before it is read)."""
-    for row in itertools.zip_longest(first, *(lines for _, lines in others)):
-        for (name, _), line in zip(others, row[1:], strict=True):
-            if line is None or row[0] is None:
-                which = "fewer" if line is None else "more"
-                raise InputError(f"{name}: {which} lines than the input; one line per input line")
-        yield row
-
-
-def _chunks(items: Iterator, size: int) -> Iterator[list]:
-    while chunk := list(itertools.islice(items, size)):
-        yield chunk
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="translate",
@@ -528,7 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "several make an ensemble (they must share the tokenizer)")
     p.add_argument("-i", "--input", default=None,
                    help="input file (default: stdin; an interactive prompt on a terminal)")
-    p.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
+    p.add_argument("-o", "--output", default=None,
+                   help="output file, written whole or not at all (default, or '-': stdout)")
     p.add_argument("--beam", type=int, default=5, help="beam size; 1 = greedy (default: 5)")
     p.add_argument("--nbest", type=int, default=1,
                    help="print up to N lines per input line, 'index<TAB>translation<TAB>score' "
@@ -629,6 +595,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file):
         raise SystemExit("translate: --score scores given translations; it does not combine with "
                          "--sampling, --nbest or --prefix-file")
+    if args.output == "-":
+        args.output = None
     if args.output is not None:  # fail before the work, not after it
         parent = Path(args.output).resolve().parent
         if not parent.is_dir() or not os.access(parent, os.W_OK):
@@ -640,15 +608,12 @@ def main(argv: list[str] | None = None) -> None:
     if interactive and (args.prefix_file or args.score):
         option = "--prefix-file" if args.prefix_file else "--score"
         raise SystemExit(f"translate: {option} needs -i (or piped input)")
-    parallel = [(option, path) for option, path in (("--prefix-file", args.prefix_file),
-                                                    ("--score", args.score)) if path]
-    total = None  # lines in the input, where it can be counted before reading it for real
-    try:  # a file's mistakes stop translate before any work
-        if not interactive and args.input not in (None, "-"):
-            total = _count_lines(args.input, args.errors)
-        for _, path in parallel:
-            n = _count_lines(path, args.errors)
-            if total is not None and n != total:
+    parallel = [path for path in (args.prefix_file, args.score) if path]
+    try:  # a regular file's mistakes stop translate before any work
+        total = None if interactive else count_lines(args.input, args.errors)
+        for path in parallel:
+            n = count_lines(path, args.errors)
+            if None not in (n, total) and n != total:
                 raise InputError(f"{path}: {n} lines, but the input has {total}; one line per "
                                  "input line")
     except InputError as err:
@@ -675,25 +640,32 @@ def main(argv: list[str] | None = None) -> None:
         return
     log.info("model %s%s", " + ".join(names), "" if total is None else f", {total} lines")
     start = time.perf_counter()
-    rows = _parallel_lines(_file_lines(args.input, args.errors),
-                           [(path, _file_lines(path, args.errors)) for _, path in parallel])
+    rows = parallel_lines(read_lines(args.input, args.errors),
+                          [(path, read_lines(path, args.errors)) for path in parallel])
+    # One random stream for the whole input, not one per chunk (which would repeat itself).
+    generator = (torch.Generator(device=args.device).manual_seed(args.seed) if args.sampling
+                 else None)
     bar = None
     if not args.quiet and total is not None:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="line", file=sys.stderr, leave=False)
     progress = False if bar is None else bar
-    done = 0
+    done = unfit = 0  # lines written; lines too long for the model (in pieces, or not scored)
     try:
-        with _output(args.output) as out, torch.inference_mode():
-            for chunk in _chunks(rows, args.chunk_lines):
+        with _terminate_as_interrupt(), atomic_output(args.output) as out, \
+                torch.inference_mode():
+            for chunk in chunks(rows, args.chunk_lines):
                 lines = [row[0] for row in chunk]
                 given = [row[1] for row in chunk] if parallel else None
                 if args.score:
                     results = score_lines(model, tokenizer, lines, given, args.lenpen,
-                                          args.batch_tokens, opts.workers, progress)
+                                          args.batch_tokens, opts.workers, progress, warn=False)
+                    unfit += sum(not r.hyps for r in results)
                 else:
-                    results = search_lines(model, tokenizer, lines, opts, progress, given)
+                    results = search_lines(model, tokenizer, lines, opts, progress, given,
+                                           generator=generator, warn=False)
+                    unfit += sum(len(r.sources) > 1 for r in results)
                 aligns = (align_lines(model, tokenizer, results, args.alignment_layer,
                                       args.batch_tokens)
                           if args.alignment else [None] * len(results))
@@ -703,7 +675,7 @@ def main(argv: list[str] | None = None) -> None:
                     out.write("".join(line + "\n" for line in lines_out))
                 out.flush()
                 done += len(chunk)
-    except InputError as err:  # only stdin's mistakes come this late; a file's were found above
+    except InputError as err:  # only what could not be checked beforehand comes this late
         written = f" ({done} lines written before it)" if args.output is None and done else ""
         raise SystemExit(f"translate: {err}{written}") from None
     except KeyboardInterrupt:
@@ -715,31 +687,25 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if bar is not None:
             bar.close()
+    if unfit:
+        log.warning(_UNFIT[bool(args.score)], unfit, max_positions(model))
     seconds = time.perf_counter() - start
     log.info("%s %d lines in %.1f s (%.1f lines/s)", "scored" if args.score else "translated",
              done, seconds, done / max(seconds, 1e-9))
 
 
 @contextmanager
-def _output(path: str | None) -> Iterator:
-    """stdout, or a file that appears under its name only once whole: written as
-    ``PATH.partial`` and renamed at the end, so that a file named PATH always has one line per
-    input line; an interrupted or failed run leaves neither."""
-    if path is None:
-        yield sys.stdout
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``timeout``, ``kill``, a job scheduler) ends the run as Ctrl-C does, so that the
+    partial output file is removed. Only the main thread can set a signal handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
-    partial = f"{path}.partial"
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        f = open(partial, "w", encoding="utf-8")
-    except OSError as err:
-        raise SystemExit(f"translate: {partial}: cannot write ({err.strerror})") from None
-    try:
-        with f:
-            yield f
-        os.replace(partial, path)
-    except BaseException:
-        Path(partial).unlink(missing_ok=True)
-        raise
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ import contextlib
 import io
 import os
 import random
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -392,6 +394,79 @@ def test_output_file_appears_only_whole(models, tmp_path, monkeypatch):
         main(["-m", models["a"], "-i", str(out), "-o", str(tmp_path), *FAST])
 
 
+def test_pipes_that_can_be_read_only_once(models, tmp_path, capsys, monkeypatch):
+    """A named pipe (or `<(...)`) as input, --score file or output: read once, checked as read,
+    written through (renaming a file over the pipe would lose the output)."""
+    lines = ["the dog runs", "", "a red ball", "the cat sees the man"]
+    path = _write(tmp_path / "in.txt", lines)
+    args = ["-m", models["a"], "--beam", "2", *FAST]
+    expected = _run([*args, "-i", path], capsys)
+
+    def fifo(name: str, data: bytes | None) -> tuple[str, threading.Thread, list]:
+        """A named pipe fed with ``data`` (or read into the list) by a thread."""
+        pipe, got = tmp_path / name, []
+        os.mkfifo(pipe)
+        if data is None:
+            thread = threading.Thread(target=lambda: got.append(pipe.read_text()))
+        else:
+            thread = threading.Thread(target=lambda: pipe.write_bytes(data))
+        thread.start()
+        return str(pipe), thread, got
+
+    pipe, feeder, _ = fifo("in.fifo", Path(path).read_bytes())
+    assert _run([*args, "-i", pipe], capsys) == expected
+    feeder.join()
+    out, reader, got = fifo("out.fifo", None)
+    main([*args, "-i", path, "-o", out])
+    reader.join()
+    assert got == ["".join(line + "\n" for line in expected)]
+    assert stat.S_ISFIFO(os.stat(out).st_mode)  # still the pipe, not a file renamed over it
+    for given, which in ((lines[:3], "fewer"), (lines + ["one more"], "more")):
+        pipe, feeder, _ = fifo(f"{which}.fifo", _write(tmp_path / "t", given).encode() and
+                               Path(tmp_path / "t").read_bytes())
+        with pytest.raises(SystemExit, match=f"{which} lines than the input"):
+            main([*args, "-i", path, "--score", pipe])
+        feeder.join()
+
+
+def test_sampling_in_chunks_draws_one_stream(models, tmp_path, capsys):
+    """Chunks share the sampling stream: a file of the same lines twice, in chunks of its half,
+    does not repeat its first half's samples."""
+    rng = random.Random(10)
+    half = [_sentence(rng) for _ in range(6)]
+    path = _write(tmp_path / "in.txt", half + half)
+    out = _run(["-m", models["a"], "-i", path, "--sampling", "--chunk-lines", "6",
+                "--max-len-b", "8", "--quiet"], capsys)
+    assert len(out) == 12 and out[:6] != out[6:]
+
+
+def test_progress_bar_counts_lines_across_chunks_and_pieces(models, tmp_path, capsys, caplog,
+                                                            monkeypatch):
+    """Without --quiet: one bar over the file's lines (long lines in pieces, empty lines never
+    searched) that ends full, and each warning once for the whole file."""
+    import tqdm
+
+    bars = []
+
+    class Recorded(tqdm.tqdm):
+        def close(self):
+            bars.append((self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(tqdm, "tqdm", Recorded)
+    lines = ["the dog", "", " ".join(["big red dog"] * 40), "a cat", " ".join(["red"] * 90)]
+    path = _write(tmp_path / "in.txt", lines)
+    main(["-m", models["a"], "-i", path, "--chunk-lines", "2", "--beam", "2", *FAST[:-1]])
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 5 and out[1] == ""
+    assert len(set(bars)) == 1 and bars[0][0] == bars[0][1] > 5  # one bar, pieces counted, full
+    pieces = [r.getMessage() for r in caplog.records if "in pieces" in r.getMessage()]
+    assert pieces == ["2 line(s) longer than the model's 64 tokens were translated in pieces"]
+    scored = _run(["-m", models["a"], "-i", path, "--score", path, "--chunk-lines", "2",
+                   "--quiet"], capsys)
+    assert scored[2] == scored[4] == "nan" and "nan" not in scored[:2] + scored[3:4]
+
+
 def test_missing_or_corrupt_model_is_a_one_line_error(models, tmp_path):
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(os.urandom(300))
@@ -433,7 +508,7 @@ def test_score_gives_the_nbest_scores_one_line_per_pair(models, tmp_path, capsys
     pairs = _write(tmp_path / "pairs.txt", [lines[i] for i, _, _ in entries])
     given = _write(tmp_path / "given.txt", [text for _, text, _ in entries])
     scored = _run(["-m", models["a"], "-i", pairs, "--score", given, "--quiet"], capsys)
-    assert scored == [f"{score:.4f}" for _, _, score in entries]
+    assert [float(s) for s in scored] == pytest.approx([s for *_, s in entries], abs=2e-4)
     ensemble = _run(["-m", models["a"], models["b"], "-i", pairs, "--score", given, "--quiet"],
                     capsys)
     assert len(ensemble) == len(entries) and ensemble != scored
@@ -447,7 +522,7 @@ def test_score_gives_the_nbest_scores_one_line_per_pair(models, tmp_path, capsys
                 _write(tmp_path / "t2.txt", targets), "--alignment", "--quiet"], capsys)
     assert len(out) == len(lines)
     scores = [line.split(" ||| ")[0] for line in out]
-    assert scores[:10] == scored[:10]
+    assert scores[:10] == scored[:10]  # the same pairs, alone or with others
     assert float(scores[10]) < 0 and float(scores[11]) < float(scores[10])
     assert scores[12] == "nan"
 
