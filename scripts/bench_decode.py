@@ -275,7 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     # Sorted by length, as translate batches (and CT2 with max_batch_size sorts): little padding.
     srcs = sorted(sources(n, args.vocab, seed=1), key=len, reverse=True)
     batches = [srcs[i : i + args.batch] for i in range(0, n, args.batch)]
-    warm = [srcs[:4]]  # a small batch, so that lazy initialisation is not timed
+    # Lazy initialisation is not timed: a small batch on a CPU; on a GPU a full one, since
+    # libraries pick (and autotune) kernels per shape at first use.
+    warm = [srcs[:4]] if device.type == "cpu" else batches[:1]
     hf = hf_model(model).eval()
     tmp = tempfile.TemporaryDirectory()
     ct2_dirs = {}
