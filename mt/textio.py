@@ -83,25 +83,54 @@ def chunks(items: Iterator, size: int) -> Iterator[list]:
         yield chunk
 
 
+STDOUT_NAMES = ("-", "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
+
+
+def _written_directly(path: str) -> bool:
+    """Whether ``path`` is written in place rather than through a partial file renamed over it:
+    anything that exists and is not a regular file (a device, a named pipe), and anything under
+    /dev or /proc (``/dev/stderr`` or ``>(...)`` name a descriptor whose target a rename would
+    replace or cannot reach)."""
+    if os.path.abspath(path).startswith(("/dev/", "/proc/")):
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False  # a new file (or a dangling symlink: its target is created)
+    except OSError as err:
+        raise InputError(f"{path}: cannot write ({err.strerror})") from None
+
+
+def check_output(path: str | None) -> None:
+    """Stops before any work if ``path`` cannot be written (atomic_output's way)."""
+    if path is None or path in STDOUT_NAMES:
+        return
+    if os.path.isdir(path):
+        raise InputError(f"{path}: is a directory")
+    if _written_directly(path):
+        if not os.access(path, os.W_OK):
+            raise InputError(f"{path}: cannot write (permission denied)")
+        return
+    parent = os.path.dirname(os.path.realpath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise InputError(f"{path}: cannot write there (no such writable directory)")
+
+
 @contextmanager
 def atomic_output(path: str | None) -> Iterator[TextIO]:
     """stdout, or a file that appears under its name only once whole.
 
-    A regular file (or a new one, or one a symlink points to) is written as ``PATH.partial`` beside
-    it and renamed over it at the end, keeping an existing file's permissions: a file under the
-    name given always has one line per input line, and a failed or interrupted run leaves neither.
-    Anything else (``/dev/null``, ``/dev/stdout``, a named pipe) is written directly: renaming over
-    it would replace the device or pipe with a plain file.
+    A regular file (or a new one, or the file a symlink points to) is written as ``PATH.partial``
+    beside it and renamed over it at the end, keeping an existing file's permissions: a file
+    under the name given always has one line per input line, and a failed or interrupted run
+    leaves neither. ``PATH.partial`` is created afresh (never through a link, never shared with
+    another run writing PATH). Devices, named pipes and /dev or /proc paths are written in place
+    (see ``_written_directly``).
     """
-    if path is None or path == "-":
+    if path is None or path in STDOUT_NAMES:
         yield sys.stdout
         return
-    target = Path(path).resolve()  # through symlinks: the link stays, its file is replaced
-    try:
-        mode = target.stat().st_mode if target.exists() else None
-    except OSError as err:
-        raise InputError(f"{path}: cannot write ({err.strerror})") from None
-    if mode is not None and not stat.S_ISREG(mode):
+    if _written_directly(path):
         try:
             f = open(path, "w", encoding="utf-8")
         except OSError as err:
@@ -109,17 +138,21 @@ def atomic_output(path: str | None) -> Iterator[TextIO]:
         with f:
             yield f
         return
-    partial = target.with_name(target.name + ".partial")
+    target = os.path.realpath(path)  # through symlinks: the link stays, its file is replaced
+    partial = target + ".partial"
     try:
-        f = open(partial, "w", encoding="utf-8")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
+    except FileExistsError:
+        raise InputError(f"{partial} exists: another translate is writing {path}, or a killed "
+                         "one left it; remove it and run again") from None
     except OSError as err:
         raise InputError(f"{partial}: cannot write ({err.strerror})") from None
     try:
-        with f:
+        with open(fd, "w", encoding="utf-8") as f:
             yield f
-        if mode is not None:
+        if os.path.exists(target):
             shutil.copymode(target, partial)
         os.replace(partial, target)
     except BaseException:
-        partial.unlink(missing_ok=True)
+        Path(partial).unlink(missing_ok=True)
         raise

@@ -22,7 +22,6 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,8 +39,10 @@ from mt.search import (
     sample_search,
 )
 from mt.textio import (
+    STDOUT_NAMES,
     InputError,
     atomic_output,
+    check_output,
     chunks,
     count_lines,
     parallel_lines,
@@ -595,15 +596,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file):
         raise SystemExit("translate: --score scores given translations; it does not combine with "
                          "--sampling, --nbest or --prefix-file")
-    if args.output == "-":
+    if args.output in STDOUT_NAMES:
         args.output = None
-    if args.output is not None:  # fail before the work, not after it
-        parent = Path(args.output).resolve().parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise SystemExit(f"translate: {args.output}: cannot write there (no such writable "
-                             "directory)")
-        if Path(args.output).is_dir():
-            raise SystemExit(f"translate: {args.output}: is a directory")
+    try:
+        check_output(args.output)  # fail before the work, not after it
+    except InputError as err:
+        raise SystemExit(f"translate: {err}") from None
     interactive = args.input in (None, "-") and sys.stdin.isatty()
     if interactive and (args.prefix_file or args.score):
         option = "--prefix-file" if args.prefix_file else "--score"
@@ -678,12 +676,16 @@ def main(argv: list[str] | None = None) -> None:
     except InputError as err:  # only what could not be checked beforehand comes this late
         written = f" ({done} lines written before it)" if args.output is None and done else ""
         raise SystemExit(f"translate: {err}{written}") from None
-    except KeyboardInterrupt:
-        raise SystemExit("translate: interrupted" + (f" after {done} lines" if args.output is None
-                                                     else f"; {args.output} not written")) from None
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (_Terminated)
+        print("translate: interrupted" + (f" after {done} lines" if args.output is None
+                                          else f"; {args.output} not written"), file=sys.stderr)
+        raise SystemExit(128 + getattr(err, "signal", signal.SIGINT)) from None
     except BrokenPipeError:  # the reader left (`translate ... | head`): stop without a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as Python's docs advise
         raise SystemExit(1) from None
+    except OSError as err:  # writing failed (a full disk); the partial file is gone
+        raise SystemExit(f"translate: {args.output or '<stdout>'}: cannot write "
+                         f"({err.strerror})") from None
     finally:
         if bar is not None:
             bar.close()
@@ -694,6 +696,14 @@ def main(argv: list[str] | None = None) -> None:
              done, seconds, done / max(seconds, 1e-9))
 
 
+class _Terminated(KeyboardInterrupt):
+    signal = signal.SIGTERM
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated
+
+
 @contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM (``timeout``, ``kill``, a job scheduler) ends the run as Ctrl-C does, so that the
@@ -701,11 +711,11 @@ def _terminate_as_interrupt() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # a handler set outside Python reads as None: put back the default then
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 if __name__ == "__main__":

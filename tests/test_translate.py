@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -394,39 +395,83 @@ def test_output_file_appears_only_whole(models, tmp_path, monkeypatch):
         main(["-m", models["a"], "-i", str(out), "-o", str(tmp_path), *FAST])
 
 
-def test_pipes_that_can_be_read_only_once(models, tmp_path, capsys, monkeypatch):
+def _script_run(args: list[str], **kw) -> subprocess.CompletedProcess:
+    """The console script in its own process, bounded in time: a regression that blocks on a
+    pipe fails the test instead of hanging the suite."""
+    script = Path(sys.executable).with_name("translate")
+    return subprocess.run([str(script), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, **kw)
+
+
+def _fifo(path: Path, data: bytes | None) -> tuple[str, threading.Thread, list]:
+    """A named pipe fed ``data`` (or, for None, read into the list) by a daemon thread, which a
+    blocked regression leaves behind without keeping the test process alive."""
+    os.mkfifo(path)
+    got: list = []
+    if data is None:
+        thread = threading.Thread(target=lambda: got.append(path.read_text()), daemon=True)
+    else:
+        thread = threading.Thread(target=lambda: path.write_bytes(data), daemon=True)
+    thread.start()
+    return str(path), thread, got
+
+
+def test_pipes_that_can_be_read_only_once(models, tmp_path, capsys):
     """A named pipe (or `<(...)`) as input, --score file or output: read once, checked as read,
     written through (renaming a file over the pipe would lose the output)."""
     lines = ["the dog runs", "", "a red ball", "the cat sees the man"]
     path = _write(tmp_path / "in.txt", lines)
     args = ["-m", models["a"], "--beam", "2", *FAST]
     expected = _run([*args, "-i", path], capsys)
-
-    def fifo(name: str, data: bytes | None) -> tuple[str, threading.Thread, list]:
-        """A named pipe fed with ``data`` (or read into the list) by a thread."""
-        pipe, got = tmp_path / name, []
-        os.mkfifo(pipe)
-        if data is None:
-            thread = threading.Thread(target=lambda: got.append(pipe.read_text()))
-        else:
-            thread = threading.Thread(target=lambda: pipe.write_bytes(data))
-        thread.start()
-        return str(pipe), thread, got
-
-    pipe, feeder, _ = fifo("in.fifo", Path(path).read_bytes())
-    assert _run([*args, "-i", pipe], capsys) == expected
-    feeder.join()
-    out, reader, got = fifo("out.fifo", None)
-    main([*args, "-i", path, "-o", out])
-    reader.join()
-    assert got == ["".join(line + "\n" for line in expected)]
+    pipe, feeder, _ = _fifo(tmp_path / "in.fifo", Path(path).read_bytes())
+    proc = _script_run([*args, "-i", pipe])
+    feeder.join(timeout=10)
+    assert proc.returncode == 0 and proc.stdout.splitlines() == expected, proc.stderr
+    out, reader, got = _fifo(tmp_path / "out.fifo", None)
+    proc = _script_run([*args, "-i", path, "-o", out])
+    reader.join(timeout=10)
+    assert proc.returncode == 0 and got == ["".join(line + "\n" for line in expected)]
     assert stat.S_ISFIFO(os.stat(out).st_mode)  # still the pipe, not a file renamed over it
     for given, which in ((lines[:3], "fewer"), (lines + ["one more"], "more")):
-        pipe, feeder, _ = fifo(f"{which}.fifo", _write(tmp_path / "t", given).encode() and
-                               Path(tmp_path / "t").read_bytes())
-        with pytest.raises(SystemExit, match=f"{which} lines than the input"):
-            main([*args, "-i", path, "--score", pipe])
-        feeder.join()
+        data = "".join(line + "\n" for line in given).encode()
+        pipe, feeder, _ = _fifo(tmp_path / f"{which}.fifo", data)
+        proc = _script_run([*args, "-i", path, "--score", pipe])
+        feeder.join(timeout=10)
+        assert proc.returncode == 1 and f"{which} lines than the input" in proc.stderr
+
+
+def test_output_through_symlinks_keeps_them_and_terminate_leaves_nothing(models, tmp_path,
+                                                                         capsys):
+    lines = ["the dog runs", "a red ball"]
+    path = _write(tmp_path / "in.txt", lines)
+    args = ["-m", models["a"], "-i", path, "--beam", "2", *FAST]
+    expected = _run(args, capsys)
+    real, link = tmp_path / "real.txt", tmp_path / "link.txt"
+    real.write_text("old\n")
+    real.chmod(0o640)
+    link.symlink_to(real.name)
+    main([*args, "-o", str(link)])
+    assert link.is_symlink() and real.read_text().splitlines() == expected
+    assert stat.S_IMODE(real.stat().st_mode) == 0o640
+    assert _run([*args, "-o", "-"], capsys) == expected
+    Path(f"{real}.partial").write_text("another run's\n")  # another run, or a killed one's
+    with pytest.raises(SystemExit, match="real.txt.partial exists"):
+        main([*args, "-o", str(link)])
+    assert Path(f"{real}.partial").read_text() == "another run's\n"
+    # SIGTERM mid-run: exit 143, neither the output nor its partial file left.
+    big = _write(tmp_path / "big.txt", ["the dog sees a red ball"] * 20000)
+    out = tmp_path / "out.txt"
+    script = Path(sys.executable).with_name("translate")
+    proc = subprocess.Popen([str(script), "-m", models["a"], "-i", big, "-o", str(out),
+                             "--chunk-lines", "100", *FAST], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 60
+    while not Path(f"{out}.partial").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.terminate()
+    assert proc.wait(timeout=60) == 143, proc.stderr.read()
+    assert "interrupted" in proc.stderr.read()
+    assert not out.exists() and not Path(f"{out}.partial").exists()
 
 
 def test_sampling_in_chunks_draws_one_stream(models, tmp_path, capsys):
