@@ -9,6 +9,8 @@ checked as it is read.
 
 from __future__ import annotations
 
+import gzip
+import io
 import itertools
 import os
 import shutil
@@ -40,16 +42,20 @@ def is_stdin(path: str | None) -> bool:
 
 
 def read_lines(path: str | None, errors: str = "strict") -> Iterator[str]:
-    """The lines of a file, or of stdin for None or '-', read as they are needed."""
+    """The lines of a file, or of stdin for None or '-', read as they are needed; a file named
+    ``*.gz`` is decompressed on the way (large corpora are kept gzipped)."""
     if is_stdin(path):
         yield from _lines(sys.stdin.buffer, "<stdin>", errors)
         return
     try:
-        f = open(path, "rb")
+        f = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
     except OSError as err:
         raise InputError(f"{path}: cannot read ({err.strerror})") from None
     with f:
-        yield from _lines(f, path, errors)
+        try:
+            yield from _lines(f, path, errors)
+        except (OSError, EOFError) as err:  # a corrupt or truncated .gz shows only when read
+            raise InputError(f"{path}: cannot read ({err})") from None
 
 
 def count_lines(path: str | None, errors: str = "strict") -> int | None:
@@ -121,11 +127,11 @@ def atomic_output(path: str | None) -> Iterator[TextIO]:
     """stdout, or a file that appears under its name only once whole.
 
     A regular file (or a new one, or the file a symlink points to) is written as ``PATH.partial``
-    beside it and renamed over it at the end, keeping an existing file's permissions: a file
-    under the name given always has one line per input line, and a failed or interrupted run
-    leaves neither. ``PATH.partial`` is created afresh (never through a link, never shared with
-    another run writing PATH). Devices, named pipes and /dev or /proc paths are written in place
-    (see ``_written_directly``).
+    beside it (gzipped for a name ending in ``.gz``) and renamed over it at the end, keeping an
+    existing file's permissions: a file under the name given always has one line per input line,
+    and a failed or interrupted run leaves neither. ``PATH.partial`` is created afresh (never
+    through a link, never shared with another run writing PATH). Devices, named pipes and /dev
+    or /proc paths are written in place (see ``_written_directly``).
     """
     if path is None or path in STDOUT_NAMES:
         yield sys.stdout
@@ -148,7 +154,9 @@ def atomic_output(path: str | None) -> Iterator[TextIO]:
     except OSError as err:
         raise InputError(f"{partial}: cannot write ({err.strerror})") from None
     try:
-        with open(fd, "w", encoding="utf-8") as f:
+        with open(fd, "wb") as raw, (gzip.open(raw, "wt", encoding="utf-8")
+                                     if target.endswith(".gz")
+                                     else io.TextIOWrapper(raw, encoding="utf-8")) as f:
             yield f
         if os.path.exists(target):
             shutil.copymode(target, partial)

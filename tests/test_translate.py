@@ -3,6 +3,7 @@ name the file and line. Tiny random models saved as real checkpoints, with a tok
 here."""
 
 import contextlib
+import gzip
 import io
 import os
 import random
@@ -472,6 +473,22 @@ def test_output_through_symlinks_keeps_them_and_terminate_leaves_nothing(models,
     assert proc.wait(timeout=60) == 143, proc.stderr.read()
     assert "interrupted" in proc.stderr.read()
     assert not out.exists() and not Path(f"{out}.partial").exists()
+
+
+def test_gzipped_input_and_output(models, tmp_path, capsys):
+    lines = ["the dog runs", "", "a red ball"]
+    plain = _write(tmp_path / "in.txt", lines)
+    packed = tmp_path / "in.txt.gz"
+    packed.write_bytes(gzip.compress(Path(plain).read_bytes()))
+    args = ["-m", models["a"], "--beam", "2", *FAST]
+    expected = _run([*args, "-i", plain], capsys)
+    out = tmp_path / "out.txt.gz"
+    main([*args, "-i", str(packed), "-o", str(out)])
+    assert gzip.decompress(out.read_bytes()).decode().splitlines() == expected
+    truncated = tmp_path / "cut.gz"
+    truncated.write_bytes(packed.read_bytes()[:-6])
+    with pytest.raises(SystemExit, match="cut.gz: cannot read"):
+        main([*args, "-i", str(truncated)])
 
 
 def test_sampling_in_chunks_draws_one_stream(models, tmp_path, capsys):
