@@ -81,7 +81,7 @@ class DataConfig:
     src_lang: str = "en"
     tgt_lang: str = "zz"
     format: str = "text"  # text | tsv | jsonl (files source only; .gz accepted)
-    train: str = "train"
+    train: str = "train"  # several splits joined by '+': train+backtranslated
     valid: str = "valid"
     test: str = "test"
     hub_name: str | None = None  # e.g. wmt14

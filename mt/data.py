@@ -133,11 +133,18 @@ def read_pairs(files: str, fmt: str, src_lang: str, tgt_lang: str) -> Iterator[d
 def load_split(cfg: DataConfig, split: str, cache_dir: str | None = None):
     """A ``datasets.Dataset`` with string columns ``src`` and ``tgt`` for one split.
 
+    ``split`` may join several with ``+`` (``train+backtranslated``), as Hugging Face's split
+    syntax does: their pairs in that order, e.g. the original corpus and a synthetic one.
     ``cache_dir`` overrides the ``datasets`` cache (``HF_DATASETS_CACHE``) for local files.
     """
     import datasets
 
     datasets.disable_progress_bars()  # our own progress goes to stderr; theirs is noise here
+    if "+" in split:
+        parts = split.split("+")
+        if not all(parts):
+            raise ValueError(f"split {split!r}: join split names with '+', e.g. train+extra")
+        return datasets.concatenate_datasets([load_split(cfg, p, cache_dir) for p in parts])
     if cfg.source == "hub":
         return _load_hub(cfg, split, cache_dir)
     if cfg.source not in ("files", "demo"):

@@ -75,6 +75,27 @@ def test_every_local_format_loads_the_same_pairs(tmp_path, fmt, gz):
     assert _pairs(ds) == PAIRS
 
 
+def test_splits_joined_by_plus_are_concatenated_in_order(tmp_path):
+    """`data.train=train+bt`: the original pairs then the synthetic ones, with a fingerprint of
+    their own that is stable across loads (the encoding cache is keyed by it)."""
+    synthetic = [("back translated", "rückübersetzt"), ("second", "zweite")]
+    _write_split(tmp_path / "d", "text", "train", PAIRS)
+    _write_split(tmp_path / "d", "text", "bt", synthetic, gz=True)
+    cache = str(tmp_path / "cache")
+    both = load_split(_cfg(tmp_path / "d"), "train+bt", cache_dir=cache)
+    assert _pairs(both) == PAIRS + synthetic
+    assert _pairs(load_split(_cfg(tmp_path / "d"), "bt+train", cache_dir=cache)) == (
+        synthetic + PAIRS)
+    again = load_split(_cfg(tmp_path / "d"), "train+bt", cache_dir=cache)
+    assert again._fingerprint == both._fingerprint
+    only = load_split(_cfg(tmp_path / "d"), "train", cache_dir=cache)
+    assert only._fingerprint != both._fingerprint
+    with pytest.raises(ValueError, match="join split names"):
+        load_split(_cfg(tmp_path / "d"), "train+", cache_dir=cache)
+    with pytest.raises(FileNotFoundError, match="missing.en"):
+        load_split(_cfg(tmp_path / "d"), "train+missing", cache_dir=cache)
+
+
 def test_hub_style_datasets_load_the_same_pairs(tmp_path):
     rows = {"translation": [{"en": s, "de": t} for s, t in PAIRS]}
     datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(tmp_path / "dd")
