@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import pickle
+import zlib
 from collections.abc import Iterator
 from itertools import zip_longest
 from pathlib import Path
@@ -87,7 +88,7 @@ def _lines(path: Path) -> Iterator[bytes]:
     with _open_text(path) as f:
         try:
             yield from f
-        except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError
+        except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
             raise DataError(f"{path}: cannot read ({err})") from None
 
 
@@ -144,6 +145,10 @@ def load_split(cfg: DataConfig, split: str, cache_dir: str | None = None):
         parts = split.split("+")
         if not all(parts):
             raise ValueError(f"split {split!r}: join split names with '+', e.g. train+extra")
+        local = Path(cfg.hub_name or "")
+        if cfg.source == "hub" and cfg.hub_name and (local / "state.json").exists():
+            raise ValueError(f"split {split!r}: {local} holds one saved Dataset, without split "
+                             "names to join; save a DatasetDict")
         return datasets.concatenate_datasets([load_split(cfg, p, cache_dir) for p in parts])
     if cfg.source == "hub":
         return _load_hub(cfg, split, cache_dir)

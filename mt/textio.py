@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import sys
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,7 +55,7 @@ def read_lines(path: str | None, errors: str = "strict") -> Iterator[str]:
     with f:
         try:
             yield from _lines(f, path, errors)
-        except (OSError, EOFError) as err:  # a corrupt or truncated .gz shows only when read
+        except (OSError, EOFError, zlib.error) as err:  # a broken .gz shows only when read
             raise InputError(f"{path}: cannot read ({err})") from None
 
 
@@ -90,14 +91,18 @@ def chunks(items: Iterator, size: int) -> Iterator[list]:
 
 
 STDOUT_NAMES = ("-", "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
+# Names of a process's descriptors: what they point to is not a file to rename over (a pipe,
+# a terminal, or the file a shell redirection appends to).
+_DESCRIPTORS = ("/dev/stdin", "/dev/stdout", "/dev/stderr")
+_DESCRIPTOR_DIRS = ("/dev/fd/", "/proc/")
 
 
 def _written_directly(path: str) -> bool:
     """Whether ``path`` is written in place rather than through a partial file renamed over it:
-    anything that exists and is not a regular file (a device, a named pipe), and anything under
-    /dev or /proc (``/dev/stderr`` or ``>(...)`` name a descriptor whose target a rename would
-    replace or cannot reach)."""
-    if os.path.abspath(path).startswith(("/dev/", "/proc/")):
+    a descriptor's name (``/dev/stderr``, ``>(...)``), or anything that exists and is not a
+    regular file (a device such as /dev/null, a named pipe)."""
+    name = os.path.abspath(path)
+    if name in _DESCRIPTORS or name.startswith(_DESCRIPTOR_DIRS):
         return True
     try:
         return not stat.S_ISREG(os.stat(path).st_mode)
@@ -107,10 +112,17 @@ def _written_directly(path: str) -> bool:
         raise InputError(f"{path}: cannot write ({err.strerror})") from None
 
 
+def _partial(path: str) -> str:
+    """The partial file beside the file ``path`` names (through symlinks: the link stays)."""
+    return os.path.realpath(path) + ".partial"
+
+
 def check_output(path: str | None) -> None:
-    """Stops before any work if ``path`` cannot be written (atomic_output's way)."""
+    """Stops before any work if ``path`` cannot be written the way atomic_output writes it."""
     if path is None or path in STDOUT_NAMES:
         return
+    if not path:
+        raise InputError("-o: an empty file name")
     if os.path.isdir(path):
         raise InputError(f"{path}: is a directory")
     if _written_directly(path):
@@ -120,6 +132,20 @@ def check_output(path: str | None) -> None:
     parent = os.path.dirname(os.path.realpath(path))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise InputError(f"{path}: cannot write there (no such writable directory)")
+    if os.path.lexists(_partial(path)):
+        raise InputError(_LEFTOVER.format(partial=_partial(path), path=path))
+
+
+_LEFTOVER = ("{partial} exists: another translate is writing {path}, or a killed one left it; "
+             "remove it and run again")
+
+
+def _text_writer(raw: BinaryIO, gzipped: bool) -> TextIO:
+    """UTF-8 text onto ``raw``, through gzip (level 6 as the gzip command, no timestamp: the same
+    lines give the same bytes) for a name ending in ``.gz``."""
+    if gzipped:
+        raw = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0)
+    return io.TextIOWrapper(raw, encoding="utf-8")
 
 
 @contextmanager
@@ -127,36 +153,35 @@ def atomic_output(path: str | None) -> Iterator[TextIO]:
     """stdout, or a file that appears under its name only once whole.
 
     A regular file (or a new one, or the file a symlink points to) is written as ``PATH.partial``
-    beside it (gzipped for a name ending in ``.gz``) and renamed over it at the end, keeping an
-    existing file's permissions: a file under the name given always has one line per input line,
-    and a failed or interrupted run leaves neither. ``PATH.partial`` is created afresh (never
-    through a link, never shared with another run writing PATH). Devices, named pipes and /dev
-    or /proc paths are written in place (see ``_written_directly``).
+    beside it and renamed over it at the end, keeping an existing file's permissions: a file
+    under the name given always has one line per input line, and a failed or interrupted run
+    leaves neither. ``PATH.partial`` is created afresh (never through a link, never shared with
+    another run writing PATH). Devices, named pipes and descriptors' names are written in place
+    (``_written_directly``). A name ending in ``.gz`` (the name given, not a link's target) is
+    written gzipped, as ``read_lines`` reads it.
     """
     if path is None or path in STDOUT_NAMES:
         yield sys.stdout
         return
+    gzipped = path.endswith(".gz")
     if _written_directly(path):
         try:
-            f = open(path, "w", encoding="utf-8")
+            raw = open(path, "wb")
         except OSError as err:
             raise InputError(f"{path}: cannot write ({err.strerror})") from None
-        with f:
+        with raw, _text_writer(raw, gzipped) as f:
             yield f
         return
-    target = os.path.realpath(path)  # through symlinks: the link stays, its file is replaced
-    partial = target + ".partial"
+    partial = _partial(path)
     try:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
     except FileExistsError:
-        raise InputError(f"{partial} exists: another translate is writing {path}, or a killed "
-                         "one left it; remove it and run again") from None
+        raise InputError(_LEFTOVER.format(partial=partial, path=path)) from None
     except OSError as err:
         raise InputError(f"{partial}: cannot write ({err.strerror})") from None
+    target = partial.removesuffix(".partial")
     try:
-        with open(fd, "wb") as raw, (gzip.open(raw, "wt", encoding="utf-8")
-                                     if target.endswith(".gz")
-                                     else io.TextIOWrapper(raw, encoding="utf-8")) as f:
+        with open(fd, "wb") as raw, _text_writer(raw, gzipped) as f:
             yield f
         if os.path.exists(target):
             shutil.copymode(target, partial)

@@ -710,7 +710,7 @@ def finish(trainer: Trainer) -> None:
             # best.pt may be missing (a run resumed from a copied last.pt alone)
             json.dump({**report.get("best", {}), "averaged": report.get("averaged")}, f, indent=2)
         if cfg.data.source != "hub":
-            src_file = split_files(cfg.data, cfg.data.test)[0]
+            src_file = split_files(cfg.data, cfg.data.test.split("+")[0])[0]  # the first part
             print(f"try: translate -m {run_dir} -i {src_file}")
     print(f"run directory: {run_dir}")
 

@@ -679,7 +679,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (_Terminated)
         print("translate: interrupted" + (f" after {done} lines" if args.output is None
                                           else f"; {args.output} not written"), file=sys.stderr)
-        raise SystemExit(128 + getattr(err, "signal", signal.SIGINT)) from None
+        raise _Interrupted(getattr(err, "signal", signal.SIGINT)) from None
     except BrokenPipeError:  # the reader left (`translate ... | head`): stop without a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as Python's docs advise
         raise SystemExit(1) from None
@@ -698,6 +698,26 @@ def main(argv: list[str] | None = None) -> None:
 
 class _Terminated(KeyboardInterrupt):
     signal = signal.SIGTERM
+
+
+class _Interrupted(SystemExit):
+    """The run was interrupted by ``signum`` and has cleaned up; exit status 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+def cli() -> None:
+    """The ``translate`` command: ``main``, and after an interrupt (its partial output removed)
+    the process ends by the signal itself, so that a shell loop running translate stops as it
+    does for any other command instead of going on to the next iteration."""
+    try:
+        main()
+    except _Interrupted as err:
+        signal.signal(err.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), err.signum)
+        raise
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -719,4 +739,4 @@ def _terminate_as_interrupt() -> Iterator[None]:
 
 
 if __name__ == "__main__":
-    main()
+    cli()

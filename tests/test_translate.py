@@ -7,6 +7,7 @@ import gzip
 import io
 import os
 import random
+import signal
 import stat
 import subprocess
 import sys
@@ -459,7 +460,8 @@ def test_output_through_symlinks_keeps_them_and_terminate_leaves_nothing(models,
     with pytest.raises(SystemExit, match="real.txt.partial exists"):
         main([*args, "-o", str(link)])
     assert Path(f"{real}.partial").read_text() == "another run's\n"
-    # SIGTERM mid-run: exit 143, neither the output nor its partial file left.
+    # SIGTERM mid-run: the process ends by the signal (as a shell loop expects) after removing
+    # its partial file.
     big = _write(tmp_path / "big.txt", ["the dog sees a red ball"] * 20000)
     out = tmp_path / "out.txt"
     script = Path(sys.executable).with_name("translate")
@@ -470,7 +472,7 @@ def test_output_through_symlinks_keeps_them_and_terminate_leaves_nothing(models,
     while not Path(f"{out}.partial").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.terminate()
-    assert proc.wait(timeout=60) == 143, proc.stderr.read()
+    assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stderr.read()
     assert "interrupted" in proc.stderr.read()
     assert not out.exists() and not Path(f"{out}.partial").exists()
 
@@ -485,10 +487,20 @@ def test_gzipped_input_and_output(models, tmp_path, capsys):
     out = tmp_path / "out.txt.gz"
     main([*args, "-i", str(packed), "-o", str(out)])
     assert gzip.decompress(out.read_bytes()).decode().splitlines() == expected
-    truncated = tmp_path / "cut.gz"
+    # gzipped by the name given, not by a link's target
+    (tmp_path / "real.txt").write_text("")
+    (tmp_path / "link.gz").symlink_to("real.txt")
+    main([*args, "-i", plain, "-o", str(tmp_path / "link.gz")])
+    assert gzip.decompress((tmp_path / "real.txt").read_bytes()).decode().splitlines() == expected
+    truncated, corrupt = tmp_path / "cut.gz", tmp_path / "bad.gz"
     truncated.write_bytes(packed.read_bytes()[:-6])
-    with pytest.raises(SystemExit, match="cut.gz: cannot read"):
-        main([*args, "-i", str(truncated)])
+    big = gzip.compress("".join(f"line {i} of a file\n" for i in range(3000)).encode())
+    corrupt.write_bytes(big[:40] + bytes(b ^ 0x55 for b in big[40:80]) + big[80:])
+    for broken in (truncated, corrupt):
+        with pytest.raises(SystemExit, match=f"{broken.name}: cannot read"):
+            main([*args, "-i", str(broken)])
+    with pytest.raises(SystemExit, match="empty file name"):
+        main([*args, "-i", plain, "-o", ""])
 
 
 def test_sampling_in_chunks_draws_one_stream(models, tmp_path, capsys):
