@@ -14,6 +14,7 @@ import gzip
 import logging
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def read_text(path: str | os.PathLike) -> list[str]:
         data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
     except FileNotFoundError:
         raise EvalError(f"{p}: no such file") from None
-    except (OSError, EOFError) as err:
+    except (OSError, EOFError, zlib.error) as err:  # a broken .gz
         raise EvalError(f"{p}: cannot read ({err})") from None
     lines = data.split(b"\n")
     if lines[-1] == b"":

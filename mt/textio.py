@@ -165,8 +165,8 @@ def atomic_output(path: str | None) -> Iterator[TextIO]:
         return
     gzipped = path.endswith(".gz")
     if _written_directly(path):
-        try:
-            raw = open(path, "wb")
+        try:  # appending: a descriptor's file (2>>log) keeps what it holds, as the shell meant
+            raw = open(path, "ab")
         except OSError as err:
             raise InputError(f"{path}: cannot write ({err.strerror})") from None
         with raw, _text_writer(raw, gzipped) as f:

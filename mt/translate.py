@@ -713,7 +713,11 @@ def cli() -> None:
     the process ends by the signal itself, so that a shell loop running translate stops as it
     does for any other command instead of going on to the next iteration."""
     try:
-        main()
+        try:
+            main()
+        except KeyboardInterrupt:  # outside the translation loop: loading, the interactive prompt
+            print("\ntranslate: interrupted", file=sys.stderr)
+            raise _Interrupted(signal.SIGINT) from None
     except _Interrupted as err:
         signal.signal(err.signum, signal.SIG_DFL)
         os.kill(os.getpid(), err.signum)
@@ -728,7 +732,8 @@ def _raise_terminated(signum, frame) -> None:
 def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM (``timeout``, ``kill``, a job scheduler) ends the run as Ctrl-C does, so that the
     partial output file is removed. Only the main thread can set a signal handler."""
-    if threading.current_thread() is not threading.main_thread():
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):  # the parent's choice stands
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_terminated)

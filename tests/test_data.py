@@ -112,6 +112,12 @@ def test_hub_style_datasets_load_the_same_pairs(tmp_path):
         load_split(cfg, "train")
     with pytest.raises(ValueError, match=r"splits \['train'\], not 'valid'"):
         load_split(DataConfig(source="hub", hub_name=str(tmp_path / "dd")), "valid")
+    # '+' joins a DatasetDict's splits; a single saved Dataset has no split names to join
+    cfg = DataConfig(source="hub", hub_name=str(tmp_path / "dd"), src_lang="en", tgt_lang="de")
+    assert _pairs(load_split(cfg, "train+train", cache_dir=str(tmp_path / "cache"))) == PAIRS * 2
+    cfg = DataConfig(source="hub", hub_name=str(tmp_path / "flat"), src_lang="en", tgt_lang="de")
+    with pytest.raises(ValueError, match="one saved Dataset"):
+        load_split(cfg, "train+bt")
 
 
 @pytest.mark.skipif(not datasets.config.HF_HUB_OFFLINE, reason="needs HF_HUB_OFFLINE=1")

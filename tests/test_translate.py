@@ -456,6 +456,14 @@ def test_output_through_symlinks_keeps_them_and_terminate_leaves_nothing(models,
     assert link.is_symlink() and real.read_text().splitlines() == expected
     assert stat.S_IMODE(real.stat().st_mode) == 0o640
     assert _run([*args, "-o", "-"], capsys) == expected
+    # a descriptor's name is written in place, appending (as `2>>log` meant), never renamed over
+    log = tmp_path / "log.txt"
+    log.write_text("old\n")
+    script = Path(sys.executable).with_name("translate")
+    with open(log, "a") as f:
+        proc = subprocess.run([str(script), *args, "-o", "/dev/stderr"], stderr=f, timeout=120,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0 and log.read_text().splitlines() == ["old", *expected]
     Path(f"{real}.partial").write_text("another run's\n")  # another run, or a killed one's
     with pytest.raises(SystemExit, match="real.txt.partial exists"):
         main([*args, "-o", str(link)])
@@ -464,7 +472,6 @@ def test_output_through_symlinks_keeps_them_and_terminate_leaves_nothing(models,
     # its partial file.
     big = _write(tmp_path / "big.txt", ["the dog sees a red ball"] * 20000)
     out = tmp_path / "out.txt"
-    script = Path(sys.executable).with_name("translate")
     proc = subprocess.Popen([str(script), "-m", models["a"], "-i", big, "-o", str(out),
                              "--chunk-lines", "100", *FAST], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
