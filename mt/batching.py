@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -393,6 +393,21 @@ def shard_batches(batches: list[list[int]], rank: int, world_size: int) -> list[
     """This rank's batches: every world_size-th; the tail is dropped so all ranks step together."""
     usable = len(batches) - len(batches) % world_size
     return batches[rank:usable:world_size]
+
+
+def budget_batches(lengths: Sequence[int], order: Sequence[int], budget: int
+                   ) -> Iterator[list[int]]:
+    """Consecutive items of ``order`` (sorted by length, longest first) in batches of at most
+    ``budget`` tokens, padding included (count x the batch's longest). How decoding batches
+    (translate, alignments, scoring); training uses ``token_batches``."""
+    batch: list[int] = []
+    for i in order:
+        if batch and (len(batch) + 1) * max(lengths[i], lengths[batch[0]]) > budget:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
 
 
 def pad(seqs: list[list[int]]) -> Tensor:

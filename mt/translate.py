@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,13 +26,14 @@ from typing import Any
 
 import torch
 
+from mt.alignment import align_lines
+from mt.batching import budget_batches, pad
 from mt.config import EOS_ID, positive_int
 from mt.inference import DTYPES, keep_freed_memory, load_models
 from mt.search import (
     Ensemble,
     Hypothesis,
     beam_search,
-    cross_attention,
     forced_scores,
     greedy_search,
     max_positions,
@@ -81,17 +82,6 @@ def _pieces(ids: list[int], limit: int) -> list[list[int]]:
     return [body[i : i + step] + ids[-1:] for i in range(0, len(body), step)]
 
 
-def _batches(lengths: list[int], order: list[int], budget: int) -> Iterable[list[int]]:
-    batch: list[int] = []
-    for i in order:
-        if batch and (len(batch) + 1) * max(lengths[i], lengths[batch[0]]) > budget:
-            yield batch
-            batch = []
-        batch.append(i)
-    if batch:
-        yield batch
-
-
 def _balanced_batches(lengths: list[int], order: list[int], budget: int,
                       workers: int) -> list[list[int]]:
     """Batches of at most ``budget`` tokens (padding included), at most as many as the next
@@ -104,18 +94,18 @@ def _balanced_batches(lengths: list[int], order: list[int], budget: int,
     With many batches per worker the idle tail is a small share, and the search for the budget
     (a pass over the input per halving) would cost more than it saves: they stay as they are.
     """
-    batches = list(_batches(lengths, order, budget))
+    batches = list(budget_batches(lengths, order, budget))
     if workers <= 1 or not 1 < len(batches) <= 16 * workers:
         return batches
     wanted = -(-len(batches) // workers) * workers
     lo, hi = 1, budget  # the smallest budget that still needs at most `wanted` batches
     while lo < hi:
         mid = (lo + hi) // 2
-        if sum(1 for _ in _batches(lengths, order, mid)) <= wanted:
+        if sum(1 for _ in budget_batches(lengths, order, mid)) <= wanted:
             hi = mid
         else:
             lo = mid + 1
-    return list(_batches(lengths, order, lo))
+    return list(budget_batches(lengths, order, lo))
 
 
 def _first_member(model):
@@ -142,8 +132,6 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
         prefixes: per sentence, target ids to force before the free search (or None).
         generator: the random stream for sampling (default: a new one from ``opts.seed``).
     """
-    from mt.batching import pad
-
     if opts.sampling:
         if opts.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {opts.temperature}")
@@ -323,8 +311,6 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
         per line a LineResult whose one hypothesis carries the score (``forced_scores``); the
         result fits ``align_lines`` for forced alignments of given translations.
     """
-    from mt.batching import pad
-
     if isinstance(model, list | tuple):
         model = Ensemble(list(model)) if len(model) > 1 else model[0]
     if len(targets) != len(lines):
@@ -375,109 +361,6 @@ def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | No
     """
     results = search_lines(model, tokenizer, lines, opts or SearchOptions(), progress, prefixes)
     return [_texts(tokenizer, r) for r in results]
-
-
-# -- alignment
-
-
-def _word_index(sp, ids: list[int], first: int = 0) -> list[int]:
-    """Word number (from ``first``) of each token, as the decoded text's whitespace-separated words
-    count them: a piece starting with '▁' starts a word, the unknown piece is a word of its own
-    (it decodes to ' ⁇ '), a piece of whitespace alone belongs to no word (-1)."""
-    out, word, open_word = [], first - 1, False
-    for t in ids:
-        if sp.is_unknown(t):
-            word += 1
-            out.append(word)
-            open_word = False
-            continue
-        piece = sp.id_to_piece(t)
-        rest = piece.lstrip("\u2581")
-        if not rest:
-            out.append(-1)
-            open_word = False
-            continue
-        if rest != piece or not open_word:
-            word += 1
-        out.append(word)
-        open_word = True
-    return out
-
-
-def align_lines(model, tokenizer, results: list[LineResult], layer: int | None = None,
-                batch_tokens: int = 4096) -> list[list[str]]:
-    """Pharaoh word alignments ('i-j': source word i, target word j, from 0) of every n-best entry.
-
-    Each target token is aligned to the source token it attends to most in one decoder layer's
-    cross-attention (heads averaged, teacher-forced on the translation); token links become word
-    links (words are SentencePiece word starts, i.e. the whitespace-separated words of the text).
-    EOS on either side is never linked.
-
-    Args:
-        model: a Transformer or an Ensemble (its first member is used).
-        results: search_lines' output.
-        layer: decoder layer; default the penultimate one (or the only one), which aligns best in
-            Garg et al. (2019).
-    Returns:
-        per line, per n-best entry, the alignment string ("" for an empty line).
-    """
-    from mt.batching import pad
-
-    model = _first_member(model)
-    if layer is None:
-        layer = -2 if len(model.decoder_layers) > 1 else -1
-    device = next(model.parameters()).device
-    jobs = []  # (line, entry, piece) for each (source piece, hypothesis) pair to align
-    for li, r in enumerate(results):
-        entries = range(len(r.hyps[0])) if len(r.hyps) == 1 else [0]
-        for e in entries:
-            for p in range(len(r.hyps)):
-                jobs.append((li, e, p))
-    links: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-    sp = tokenizer.src
-    blank = torch.tensor([sp.is_control(i) or (not sp.is_unknown(i)
-                                                and not sp.id_to_piece(i).lstrip("\u2581"))
-                          for i in range(sp.get_piece_size())])
-    order = sorted(range(len(jobs)), key=lambda j: -len(results[jobs[j][0]].sources[jobs[j][2]]))
-    lengths = [len(results[li].sources[p]) + len(results[li].hyps[p][e].tokens) + 1
-               for li, e, p in jobs]
-    for batch in _batches(lengths, order, batch_tokens):
-        src = pad([results[jobs[j][0]].sources[jobs[j][2]] for j in batch]).to(device)
-        tgt_ids = [results[li].hyps[p][e].tokens + [EOS_ID]
-                   for li, e, p in (jobs[j] for j in batch)]
-        tgt = pad(tgt_ids).to(device)
-        attn = cross_attention(model, src, tgt, layer)  # (B, T, S)
-        # Only word pieces can be linked: not EOS, padding or a piece of whitespace alone.
-        attn.masked_fill_(blank[src.cpu()].to(device)[:, None, :], -1.0)
-        best = attn.argmax(dim=-1).tolist()  # (B, T)
-        for j, row, t in zip(batch, best, tgt_ids, strict=True):
-            links[jobs[j]] = list(enumerate(row[: len(t) - 1]))  # target token -> source token
-    out: list[list[str]] = []
-    for li, r in enumerate(results):
-        if not r.hyps:
-            out.append([""])
-            continue
-        src_words = _word_index(tokenizer.src, [t for s in r.sources for t in s[:-1]])
-        starts = [0]  # each source piece's first token in the line
-        for s in r.sources[:-1]:
-            starts.append(starts[-1] + len(s) - 1)
-        entries = range(len(r.hyps[0])) if len(r.hyps) == 1 else [0]
-        line_out = []
-        for e in entries:
-            pairs, tgt_offset = set(), 0
-            for p in range(len(r.hyps)):
-                toks = r.hyps[p][e].tokens
-                tgt_words = _word_index(tokenizer.tgt, toks, tgt_offset)
-                for tj, si in links[(li, e, p)]:
-                    if si >= len(r.sources[p]) - 1:  # a source of EOS alone has nothing to link
-                        continue
-                    i, j = src_words[starts[p] + si], tgt_words[tj]
-                    if i >= 0 and j >= 0:  # whitespace pieces belong to no word
-                        pairs.add((i, j))
-                tgt_offset = max([tgt_offset - 1, *tgt_words]) + 1
-            line_out.append(" ".join(f"{i}-{j}" for i, j in sorted(pairs)))
-        out.append(line_out)
-    return out
 
 
 # -- command line

@@ -123,13 +123,14 @@ def test_output_does_not_depend_on_batch_size_or_order(models):
 def test_balanced_batches_cover_the_input_in_order_and_are_as_small_as_possible(workers):
     """Batches for several workers: every sentence once, in the sorted order, within the token
     budget, at most a multiple of ``workers`` of them, and no smaller budget gives that many."""
-    from mt.translate import _balanced_batches, _batches
+    from mt.batching import budget_batches
+    from mt.translate import _balanced_batches
 
     rng = random.Random(workers)
     for n in (1, 7, 300, 1000):
         lengths = [rng.randint(1, 60) for _ in range(n)]
         order = sorted(range(n), key=lambda i: -lengths[i])
-        plain = list(_batches(lengths, order, 1000))
+        plain = list(budget_batches(lengths, order, 1000))
         batches = _balanced_batches(lengths, order, 1000, workers)
         assert [i for b in batches for i in b] == order
         padded = [len(b) * lengths[b[0]] for b in batches]
@@ -139,7 +140,7 @@ def test_balanced_batches_cover_the_input_in_order_and_are_as_small_as_possible(
             continue
         wanted = -(-len(plain) // workers) * workers
         assert len(batches) <= wanted
-        assert len(list(_batches(lengths, order, max(padded) - 1))) > wanted
+        assert len(list(budget_batches(lengths, order, max(padded) - 1))) > wanted
 
 
 def test_workers_do_not_change_a_single_bit(models, monkeypatch):
