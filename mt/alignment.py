@@ -13,7 +13,7 @@ import torch
 
 from mt.batching import budget_batches, pad
 from mt.config import EOS_ID
-from mt.search import Ensemble, cross_attention
+from mt.search import cross_attention, first_member
 
 if TYPE_CHECKING:
     from mt.translate import LineResult
@@ -60,7 +60,7 @@ def align_lines(model, tokenizer, results: list[LineResult], layer: int | None =
     Returns:
         per line, per n-best entry, the alignment string ("" for an empty line).
     """
-    model = model.models[0] if isinstance(model, Ensemble) else model
+    model = first_member(model)
     if layer is None:
         layer = -2 if len(model.decoder_layers) > 1 else -1
     device = next(model.parameters()).device

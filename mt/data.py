@@ -145,10 +145,9 @@ def load_split(cfg: DataConfig, split: str, cache_dir: str | None = None):
         parts = split.split("+")
         if not all(parts):
             raise ValueError(f"split {split!r}: join split names with '+', e.g. train+extra")
-        local = Path(cfg.hub_name or "")
-        if cfg.source == "hub" and cfg.hub_name and (local / "state.json").exists():
-            raise ValueError(f"split {split!r}: {local} holds one saved Dataset, without split "
-                             "names to join; save a DatasetDict")
+        if cfg.source == "hub" and cfg.hub_name and (Path(cfg.hub_name) / "state.json").exists():
+            raise ValueError(f"split {split!r}: {cfg.hub_name} holds one saved Dataset, without "
+                             "split names to join; save a DatasetDict")
         return datasets.concatenate_datasets([load_split(cfg, p, cache_dir) for p in parts])
     if cfg.source == "hub":
         return _load_hub(cfg, split, cache_dir)

@@ -90,6 +90,12 @@ def _members(model) -> list:
     return model.models if isinstance(model, Ensemble) else [model]
 
 
+def first_member(model):
+    """The model itself, or an Ensemble's first member: where one model is enough (its device,
+    its layers, the attention that alignments read)."""
+    return _members(model)[0]
+
+
 def max_positions(model) -> int:
     """The longest sequence a model (or every member of an ensemble) accepts."""
     return min(m.cfg.max_positions for m in _members(model))

@@ -34,6 +34,7 @@ from mt.search import (
     Ensemble,
     Hypothesis,
     beam_search,
+    first_member,
     forced_scores,
     greedy_search,
     max_positions,
@@ -51,8 +52,8 @@ from mt.textio import (
 )
 
 log = logging.getLogger("mt.translate")
-_UNFIT = {False: "%d line(s) longer than the model's %d tokens were translated in pieces",
-          True: "%d line pair(s) longer than the model's %d tokens were not scored (nan)"}
+_IN_PIECES = "%d line(s) longer than the model's %d tokens were translated in pieces"
+_NOT_SCORED = "%d line pair(s) longer than the model's %d tokens were not scored (nan)"
 
 @dataclass
 class SearchOptions:
@@ -108,10 +109,6 @@ def _balanced_batches(lengths: list[int], order: list[int], budget: int,
     return list(budget_batches(lengths, order, lo))
 
 
-def _first_member(model):
-    return model.models[0] if isinstance(model, Ensemble) else model
-
-
 def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
                   progress: bool | Any = False, prefixes: list[list[int]] | None = None, *,
                   generator: torch.Generator | None = None) -> list[list[Hypothesis]]:
@@ -137,7 +134,7 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
             raise ValueError(f"temperature must be positive, got {opts.temperature}")
     elif not 1 <= opts.nbest <= opts.beam:
         raise ValueError(f"nbest must be between 1 and beam={opts.beam}, got {opts.nbest}")
-    device = next(_first_member(model).parameters()).device
+    device = next(first_member(model).parameters()).device
     if opts.sampling and generator is None:
         generator = torch.Generator(device=device).manual_seed(opts.seed)
     lens = dict(max_len_a=opts.max_len_a, max_len_b=opts.max_len_b, min_len=opts.min_len)
@@ -245,6 +242,13 @@ class LineResult:
     hyps: list[list[Hypothesis]]
 
 
+def _one_model(model):
+    """A list of models is an ensemble (a list of one, that model); anything else stays."""
+    if isinstance(model, list | tuple):
+        return Ensemble(list(model)) if len(model) > 1 else model[0]
+    return model
+
+
 def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
                  progress: bool | Any = False, prefixes: list[str] | None = None, *,
                  generator: torch.Generator | None = None,
@@ -262,8 +266,7 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
             caller that searches a file in chunks passes one stream for all of them.
         warn: log a warning for lines translated in pieces (a caller with chunks sums them).
     """
-    if isinstance(model, list | tuple):
-        model = Ensemble(list(model)) if len(model) > 1 else model[0]
+    model = _one_model(model)
     if prefixes is not None and len(prefixes) != len(lines):
         raise ValueError(f"{len(prefixes)} prefixes for {len(lines)} lines")
     limit = max_positions(model)
@@ -283,7 +286,7 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         # A prefix belongs to the start of the translation: the first piece only.
         forced.extend([prefix_ids[i] if prefix_ids else []] + [[]] * (len(pieces) - 1))
     if long_lines and warn:
-        log.warning(_UNFIT[False], long_lines, limit)
+        log.warning(_IN_PIECES, long_lines, limit)
     if not isinstance(progress, bool):  # the caller's bar counts lines, the search pieces
         progress.total += len(sources) - len(set(owner))
         progress.update(len(lines) - len(set(owner)))
@@ -311,8 +314,7 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
         per line a LineResult whose one hypothesis carries the score (``forced_scores``); the
         result fits ``align_lines`` for forced alignments of given translations.
     """
-    if isinstance(model, list | tuple):
-        model = Ensemble(list(model)) if len(model) > 1 else model[0]
+    model = _one_model(model)
     if len(targets) != len(lines):
         raise ValueError(f"{len(targets)} translations for {len(lines)} lines")
     limit = max_positions(model)
@@ -321,10 +323,10 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
     fits = [i for i, (s, t) in enumerate(pairs) if len(s) <= limit and len(t) <= limit]
     if len(fits) < len(pairs):
         if warn:
-            log.warning(_UNFIT[True], len(pairs) - len(fits), limit)
+            log.warning(_NOT_SCORED, len(pairs) - len(fits), limit)
         if not isinstance(progress, bool):
             progress.update(len(pairs) - len(fits))
-    device = next(_first_member(model).parameters()).device
+    device = next(first_member(model).parameters()).device
 
     def score(batch: list[int]) -> list[Hypothesis]:
         src = pad([pairs[fits[j]][0] for j in batch]).to(device)
@@ -505,7 +507,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         raise SystemExit(f"translate: {err}") from None
     if args.alignment_layer is not None:
-        n_layers = len(_first_member(model).decoder_layers)
+        n_layers = len(first_member(model).decoder_layers)
         if not -n_layers <= args.alignment_layer < n_layers:
             raise SystemExit(f"translate: --alignment-layer {args.alignment_layer}: the decoder "
                              f"has {n_layers} layers")
@@ -573,7 +575,7 @@ def main(argv: list[str] | None = None) -> None:
         if bar is not None:
             bar.close()
     if unfit:
-        log.warning(_UNFIT[bool(args.score)], unfit, max_positions(model))
+        log.warning(_NOT_SCORED if args.score else _IN_PIECES, unfit, max_positions(model))
     seconds = time.perf_counter() - start
     log.info("%s %d lines in %.1f s (%.1f lines/s)", "scored" if args.score else "translated",
              done, seconds, done / max(seconds, 1e-9))
