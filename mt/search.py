@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID
-from mt.model import float32_products_on_onednn
+from mt.kvcache import float32_products_on_onednn
 
 
 def _search(fn):
     """Runs a search under ``torch.inference_mode`` with float32 products in oneDNN where that
-    keeps float32 (``mt.model.float32_products_on_onednn``) for the whole of a CPU search.
+    keeps float32 (``mt.kvcache.float32_products_on_onednn``) for the whole of a CPU search.
 
     The switch is process-wide: flipped around single operators, it would send the products of
     a search running in another thread (``translate --workers``) to one library or the other by

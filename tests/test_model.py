@@ -17,19 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
+from mt.kvcache import ONEDNN_FLOAT32, KVCache, block_attention, float32_products_on_onednn
 from mt.model import (
-    ONEDNN_FLOAT32,
     Dropout,
     FeedForward,
-    KVCache,
     MultiHeadAttention,
     PositionalEncoding,
     Transformer,
-    block_attention,
     build_model,
     count_parameters,
     explicit_attention,
-    float32_products_on_onednn,
     sinusoids,
 )
 
