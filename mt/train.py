@@ -22,8 +22,6 @@ import os
 import random
 import sys
 import time
-from array import array
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -35,10 +33,11 @@ from omegaconf import DictConfig, OmegaConf
 from mt import checkpoint
 from mt.batching import collate, token_batches
 from mt.config import PAD_ID, TrainConfig, register_configs
+from mt.corpus import Corpus, barrier
 from mt.data import load_split
 from mt.loss import label_smoothed_nll
 from mt.model import build_model, count_parameters
-from mt.tokenizer import Tokenizer
+from mt.optim import autocast_dtype, build_optimizer, lr_lambda
 
 log = logging.getLogger("mt.train")
 
@@ -75,165 +74,6 @@ def setup_distributed(device_cfg: str) -> tuple[int, int, torch.device]:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo")
     return rank, world, device
-
-
-def cpu_has_fast_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matrix products about 2x (AVX512-BF16) to 4.5x (AMX) float32's."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for ``trainer.precision`` (None = float32)."""
-    if precision == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_fast_bf16() else None
-    choices = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if precision not in choices:
-        raise ValueError(f"trainer.precision must be auto, fp32, bf16 or fp16, got {precision!r}")
-    if precision == "fp16" and device.type != "cuda":
-        raise ValueError("trainer.precision=fp16 needs a CUDA device; use bf16 on CPU")
-    return choices[precision]
-
-
-def lr_lambda(cfg, seconds: Callable[[], float] | None = None) -> Callable[[int], float]:
-    """Multiplier of optim.lr at a given step (1-based), for LambdaLR.
-
-    `cosine` decays to optim.min_lr when the first of the run's budgets ends: trainer.max_steps,
-    or trainer.max_minutes of training time read from `seconds()`. A time budget is turned into a
-    step budget at every step from the pace so far (steps x budget / elapsed), so a recipe that
-    trains "for 60 minutes" anneals fully on a fast machine and on a slow one alike.
-    """
-    warmup = max(1, cfg.optim.warmup_steps)
-    budget = cfg.trainer.max_minutes * 60 if seconds is not None else 0.0
-
-    def inverse_sqrt(step: int) -> float:
-        step = max(step, 1)
-        return min(step / warmup, math.sqrt(warmup / step))
-
-    def cosine(step: int) -> float:
-        step = max(step, 1)
-        if step < warmup:
-            return step / warmup
-        total = cfg.trainer.max_steps or math.inf
-        elapsed = seconds() if budget else 0.0
-        if elapsed > 0:
-            total = min(total, step * budget / elapsed)
-        progress = min(1.0, (step - warmup) / max(total - warmup, 1e-9))
-        floor = cfg.optim.min_lr / cfg.optim.lr
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    def constant(step: int) -> float:
-        return min(1.0, max(step, 1) / warmup)
-
-    schedules = {"inverse_sqrt": inverse_sqrt, "cosine": cosine, "constant": constant}
-    if cfg.optim.schedule not in schedules:
-        raise ValueError(f"optim.schedule must be one of {sorted(schedules)}, "
-                         f"got {cfg.optim.schedule!r}")
-    if cfg.optim.schedule == "cosine" and not (cfg.trainer.max_steps or cfg.trainer.max_minutes):
-        raise ValueError("optim.schedule=cosine decays over a budget: set trainer.max_steps or "
-                         "trainer.max_minutes")
-    return schedules[cfg.optim.schedule]
-
-
-def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
-    """Adam/AdamW with the fused kernel: one call for all parameters (on CPU 5x faster than the
-    foreach one: 18 vs 94 ms a step for 41M parameters, 2 cores), and it can skip an update on the
-    device's word (``found_inf``), so that a NaN loss costs no host sync (Trainer.train_step)."""
-    kinds = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-    if cfg.optim.name not in kinds:
-        raise ValueError(f"optim.name must be adam or adamw, got {cfg.optim.name!r}")
-    return kinds[cfg.optim.name](model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                 eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay, fused=True)
-
-
-# ----------------------------------------------------------------------------- data
-
-
-class Corpus:
-    """Training pairs encoded once into cached Arrow files, and raw valid text.
-
-    Rank 0 reads the text, trains (or reuses) the tokenizer and encodes first; the other ranks then
-    find all of it in the caches. Only per-pair lengths live in memory (``src_lens`` with EOS,
-    ``tgt_lens`` without BOS/EOS, both ``array('i')``); ``collate`` gathers a batch's ids from the
-    memory-mapped Arrow table: 4.5M WMT-sized pairs hold about 110 MB (docs/benchmarks.md).
-    """
-
-    def __init__(self, cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> None:
-        from dataclasses import replace
-
-        from mt.batching import EncodedPairs, SampledPairs, encode_split
-
-        data = cfg.data
-        if rank != 0:
-            barrier(world)  # rank 0 fills the caches first
-        if data.source == "demo" and rank == 0:
-            from mt.demo import write_demo_corpus
-
-            write_demo_corpus(data.dir)
-        train = load_split(data, data.train)
-        self.tokenizer = self._tokenizer(cfg, run_dir, train)
-        rules = data.filter
-        if rules.max_tokens >= cfg.model.max_positions:  # longer pairs would not fit the model
-            rules = replace(rules, max_tokens=cfg.model.max_positions - 1)
-        start = time.perf_counter()
-        self.pairs = EncodedPairs(encode_split(train, self.tokenizer, data.num_proc or None), rules)
-        if rank == 0:
-            log.info("training data %s: %s (encoded and filtered in %.1f s)",
-                     data.hub_name if data.source == "hub" else data.dir, self.pairs.report,
-                     time.perf_counter() - start)
-            barrier(world)
-        if not len(self.pairs):
-            raise ValueError(f"no training pair of {data.dir} survived filtering "
-                             f"({self.pairs.report}); see data.filter")
-        if data.subword_alpha > 0:
-            start, kept = time.perf_counter(), train.select(self.pairs.rows)
-            self.pairs = SampledPairs(self.pairs, kept["src"], kept["tgt"], self.tokenizer,
-                                      data.subword_alpha, data.subword_nbest, rules.max_tokens)
-            if rank == 0:
-                log.info("subword regularization: alpha %g over the %d best segmentations, "
-                         "%.1f candidates per sentence on average (found in %.1f s)",
-                         data.subword_alpha, data.subword_nbest,
-                         len(self.pairs.src.scores) / len(self.pairs), time.perf_counter() - start)
-        valid = load_split(data, data.valid)
-        n = data.max_valid_sentences or len(valid)
-        self.valid_src, self.valid_tgt = list(valid["src"][:n]), list(valid["tgt"][:n])
-
-    @staticmethod
-    def _tokenizer(cfg: TrainConfig, run_dir: Path, train) -> Tokenizer:
-        """data.tokenizer.path (trained there if empty) or run_dir/tokenizer, reused if complete."""
-        from mt.data import sample_texts
-        from mt.tokenizer import load_or_train
-
-        tok_cfg, seed = cfg.data.tokenizer, cfg.trainer.seed
-        directory = Path(tok_cfg.path) if tok_cfg.path else run_dir / "tokenizer"
-        return load_or_train(
-            directory,
-            lambda: sample_texts(train, tok_cfg.input_sentence_size, seed, tok_cfg.joint),
-            tok_cfg, seed)
-
-    @property
-    def src_lens(self) -> array:
-        return self.pairs.src_lens
-
-    @property
-    def tgt_lens(self) -> array:  # with subword regularization: of the epoch last batched
-        return self.pairs.tgt_lens
-
-    def batches(self, max_tokens: int, seed: int, epoch: int) -> list[list[int]]:
-        return self.pairs.batches(max_tokens, seed, epoch)
-
-    def collate(self, batch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.pairs.collate(batch)
-
-
-def barrier(world: int) -> None:
-    if world > 1:
-        dist.barrier()
 
 
 # ----------------------------------------------------------------------------- trainer

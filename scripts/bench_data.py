@@ -2,7 +2,7 @@
 
 Generates a synthetic parallel corpus with a WMT14-like shape (lognormal sentence lengths with a
 mean of ~25 words, words drawn from a Zipfian vocabulary of ~50k pseudo-words per language, target
-length correlated with the source), then runs the same steps as ``mt.train.Corpus`` and prints one
+length correlated with the source), then runs the same steps as ``mt.corpus.Corpus`` and prints one
 JSON object: time of each step, encoding throughput, batching time per epoch, padding overhead and
 the memory of each step, two ways: ``rss`` is this process's peak RSS (``VmHWM``, reset between
 steps) and ``ru_maxrss`` of its largest child (an encoding worker); ``pss`` is the peak of the

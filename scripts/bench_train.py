@@ -174,7 +174,7 @@ def main() -> None:
         model = model.to(device)
         model.train()
         opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
-                               fused=True)  # as mt-train (mt.train.build_optimizer)
+                               fused=True)  # as mt-train (mt.optim.build_optimizer)
         params = count_parameters(model)
         if name.endswith("_compile"):
             model = torch.compile(model)

@@ -411,7 +411,7 @@ def test_ranks_see_disjoint_batches_covering_the_epoch(world):
 
 def test_corpus_interface_and_reuse(tmp_path, monkeypatch):
     from mt.config import TrainConfig
-    from mt.train import Corpus
+    from mt.corpus import Corpus
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     pairs = _corpus(300, 5)

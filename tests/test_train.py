@@ -67,7 +67,7 @@ def test_wrong_type_fails_with_the_key():
 
 
 def test_inverse_sqrt_schedule_peaks_at_warmup():
-    from mt.train import lr_lambda
+    from mt.optim import lr_lambda
 
     cfg = compose(["optim.warmup_steps=100", "optim.schedule=inverse_sqrt"])
     f = lr_lambda(cfg)
@@ -80,7 +80,7 @@ def test_inverse_sqrt_schedule_peaks_at_warmup():
 def test_optimizer_skips_a_nan_step_on_the_device_without_touching_its_state(name):
     """train_step never asks the host whether a loss was finite: it hands the optimizer a
     found_inf tensor. The update must then leave weights and every moment bitwise unchanged."""
-    from mt.train import build_optimizer
+    from mt.optim import build_optimizer
 
     cfg = compose([f"optim.name={name}", "optim.weight_decay=0.1"])
     torch.manual_seed(0)
@@ -107,7 +107,7 @@ def test_optimizer_skips_a_nan_step_on_the_device_without_touching_its_state(nam
 
 
 def test_cosine_schedule_reaches_min_lr():
-    from mt.train import lr_lambda
+    from mt.optim import lr_lambda
 
     cfg = compose(["optim.schedule=cosine", "optim.warmup_steps=10", "trainer.max_steps=110",
                    "optim.lr=1e-3", "optim.min_lr=1e-4"])
@@ -121,7 +121,7 @@ def test_cosine_schedule_anneals_over_a_time_budget():
     """With trainer.max_minutes the decay ends when the time does, at the pace measured so far."""
     import math
 
-    from mt.train import lr_lambda
+    from mt.optim import lr_lambda
 
     cfg = compose(["optim.schedule=cosine", "optim.warmup_steps=10", "trainer.max_minutes=1",
                    "optim.lr=1e-3", "optim.min_lr=1e-4"])
@@ -138,7 +138,7 @@ def test_cosine_schedule_anneals_over_a_time_budget():
 
 
 def test_cosine_schedule_needs_a_budget():
-    from mt.train import lr_lambda
+    from mt.optim import lr_lambda
 
     with pytest.raises(ValueError, match="trainer.max_steps or trainer.max_minutes"):
         lr_lambda(compose(["optim.schedule=cosine", "trainer.max_steps=0",
