@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def _translate(system: System, test: TestSet, n: int, loaded: dict, args: argparse.Namespace,
                refs: list[list[str]]) -> tuple[list[str], dict]:
-    from mt.translate import SearchOptions, default_workers
+    from mt.translate import SearchOptions
+    from mt.workers import default_workers
 
     if not test.src:
         raise EvalError(f"test set {test.name}: no source file to translate with -m "

@@ -51,7 +51,7 @@ from mt.export import export_ctranslate2, hf_model, placeholder_vocabulary  # no
 from mt.inference import keep_freed_memory, prepare_model  # noqa: E402
 from mt.model import build_model  # noqa: E402
 from mt.search import beam_search, greedy_search  # noqa: E402
-from mt.translate import worker_threads  # noqa: E402
+from mt.workers import worker_threads  # noqa: E402
 
 CPU_DEFAULT = ("mt-float32", "mt-bfloat16", "mt-int8", "mt-float32-unpacked", "hf-float32",
                "ct2-float32", "ct2-int8")

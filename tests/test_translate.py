@@ -124,14 +124,14 @@ def test_balanced_batches_cover_the_input_in_order_and_are_as_small_as_possible(
     """Batches for several workers: every sentence once, in the sorted order, within the token
     budget, at most a multiple of ``workers`` of them, and no smaller budget gives that many."""
     from mt.batching import budget_batches
-    from mt.translate import _balanced_batches
+    from mt.workers import balanced_batches
 
     rng = random.Random(workers)
     for n in (1, 7, 300, 1000):
         lengths = [rng.randint(1, 60) for _ in range(n)]
         order = sorted(range(n), key=lambda i: -lengths[i])
         plain = list(budget_batches(lengths, order, 1000))
-        batches = _balanced_batches(lengths, order, 1000, workers)
+        batches = balanced_batches(lengths, order, 1000, workers)
         assert [i for b in batches for i in b] == order
         padded = [len(b) * lengths[b[0]] for b in batches]
         assert max(padded) <= 1000
@@ -144,11 +144,11 @@ def test_balanced_batches_cover_the_input_in_order_and_are_as_small_as_possible(
 
 
 def test_workers_do_not_change_a_single_bit(models, monkeypatch):
-    """Worker threads share process-wide settings (the oneDNN float32 switch, mt.model): a
+    """Worker threads share process-wide settings (the oneDNN float32 switch, mt.kvcache): a
     search's results must not depend on what another thread's search is doing. With one thread
     per operator, 2 workers give exactly the scores of the same batches searched one after the
     other in one thread, run after run."""
-    import mt.translate
+    import mt.workers
 
     model, tok, _ = load_model(models["a"])
     rng = random.Random(5)
@@ -158,8 +158,8 @@ def test_workers_do_not_change_a_single_bit(models, monkeypatch):
     torch.set_num_threads(1)
     try:
         with monkeypatch.context() as m:  # the batches for 2 workers, searched in turn
-            m.setattr(mt.translate, "worker_threads", lambda _: contextlib.nullcontext(
-                mt.translate._Sequential()))
+            m.setattr(mt.workers, "worker_threads", lambda _: contextlib.nullcontext(
+                mt.workers._Sequential()))
             one = translate_lines(model, tok, lines, opts)
         for _ in range(3):
             assert translate_lines(model, tok, lines, opts) == one
