@@ -22,7 +22,7 @@ from mt.batching import budget_batches
 
 
 def balanced_batches(lengths: list[int], order: list[int], budget: int,
-                      workers: int) -> list[list[int]]:
+                     workers: int) -> list[list[int]]:
     """Batches of at most ``budget`` tokens (padding included), at most as many as the next
     multiple of ``workers`` above the plain count, each as small as that allows (so about
     equally large).
@@ -48,7 +48,7 @@ def balanced_batches(lengths: list[int], order: list[int], budget: int,
 
 
 def map_batches(fn, lengths: list[int], budget: int, workers: int, device: torch.device,
-                 progress: bool | Any) -> list:
+                progress: bool | Any) -> list:
     """``fn`` over batches of item indices (length-sorted, longest first so that memory peaks
     early, at most ``budget`` tokens each, padding included), ``workers`` batches at once on a
     CPU (a GPU runs one batch at a time anyway); returns ``fn``'s per-item results in item order.
