@@ -164,11 +164,20 @@ def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
 
 def positive_int(text: str) -> int:
     """An argparse type for counts such as ``--workers``: an integer of at least 1."""
+    return _int_from(text, 1)
+
+
+def count_or_off(text: str) -> int:
+    """An argparse type for sizes where 0 means off (``--no-repeat-ngram-size``)."""
+    return _int_from(text, 0)
+
+
+def _int_from(text: str, least: int) -> int:
     import argparse
 
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
 
 

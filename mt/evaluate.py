@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mt.config import positive_int
+from mt.config import count_or_off, positive_int
 from mt.report import METRICS, compare, render, score_system
 from mt.testsets import (
     EvalError,
@@ -194,7 +194,8 @@ def _translate(system: System, test: TestSet, n: int, loaded: dict, args: argpar
                        "load_seconds": time.perf_counter() - start}
     model, tokenizer = loaded[n]
     opts = SearchOptions(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
-                         max_len_b=args.max_len_b, batch_tokens=args.batch_tokens,
+                         max_len_b=args.max_len_b, no_repeat_ngram=args.no_repeat_ngram_size,
+                         batch_tokens=args.batch_tokens,
                          workers=args.workers or default_workers(args.device))
     log.info("translating %s (%d lines) with %s", test.name, len(sources), system.path)
     hyps, speed = translate_test(model, tokenizer, sources, opts)
@@ -270,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lenpen", type=float, default=0.6, help="length penalty (default: 0.6)")
     g.add_argument("--max-len-a", type=float, default=1.5)
     g.add_argument("--max-len-b", type=int, default=10)
+    g.add_argument("--no-repeat-ngram-size", type=count_or_off, default=0, metavar="N",
+                   help="no n-gram of N tokens twice in one translation (default: 0, off)")
     g.add_argument("--batch-tokens", type=int, default=4096,
                    help="source tokens per batch, padding included (default: 4096)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")

@@ -9,8 +9,9 @@ Scores: ``Hypothesis.logprob`` is the sum of the model's log-probabilities of th
 EOS included; ``Hypothesis.score`` is that sum divided by the GNMT length penalty
 ``((5 + len) / 6) ** alpha`` with ``len`` counting EOS (alpha = 0: no normalisation). Beam search
 ranks finished hypotheses by ``score``. Constraints (no EOS before ``min_len``, EOS forced when the
-budget is spent, a forced prefix) remove alternatives but never change the chosen token's own
-log-probability, so a score always equals a teacher-forced re-scoring of the same tokens.
+budget is spent, a forced prefix, no repeated n-gram) remove alternatives but never change the
+chosen token's own log-probability, so a score always equals a teacher-forced re-scoring of the
+same tokens.
 
 Any search also takes an :class:`Ensemble` in place of a model: the members' log-probabilities
 are averaged (and renormalised), each member with its own cache.
@@ -183,17 +184,45 @@ class _Prefix:
         lprobs[forced, tok[forced]] = lp[forced]
 
 
+def _ban_repeats(lprobs: Tensor, history: Tensor, n: int) -> None:
+    """In place: -inf for every token that would repeat an n-gram of its row's output so far.
+
+    lprobs (R, V) of the next token, history (R, t) the tokens generated so far (prefix included,
+    BOS and EOS not). A token x is banned when ``history[-(n-1):] + [x]`` already occurs in
+    history; n = 1 bans every token already generated. As fairseq's ``--no-repeat-ngram-size``
+    and CTranslate2's ``no_repeat_ngram_size``: a guard against an under-trained model's loops.
+    """
+    t = history.size(1)
+    if t < n:
+        return
+    grams = history.unfold(1, n, 1)  # (R, t - n + 1, n): every n-gram so far
+    same = (grams[:, :, :-1] == history[:, t - n + 1 :].unsqueeze(1)).all(dim=-1)
+    rows, j = same.nonzero(as_tuple=True)
+    lprobs[rows, grams[rows, j, -1]] = -torch.inf
+
+
 def _constrain(lprobs: Tensor, step: int, min_len: int, force_eos: Tensor,
-               prefix: _Prefix | None = None, rows: Tensor | None = None) -> None:
-    """In place: no PAD/BOS ever, no EOS before min_len, only EOS where the budget is spent, only
-    the prefix token while a sentence is inside its prefix (``rows``: lprobs row -> sentence)."""
+               prefix: _Prefix | None = None, rows: Tensor | None = None,
+               history: Tensor | None = None, no_repeat_ngram: int = 0) -> None:
+    """In place: no PAD/BOS ever, no EOS before min_len, no repeated n-gram of ``history`` (with
+    ``no_repeat_ngram``), only EOS where the budget is spent, only the prefix token while a
+    sentence is inside its prefix (``rows``: lprobs row -> sentence)."""
     original = None
     if prefix is not None and step < prefix.steps:
         original = lprobs.gather(1, prefix.tokens[rows, step][:, None])[:, 0]
+    ban = no_repeat_ngram and history is not None and history.size(1) >= no_repeat_ngram
+    eos = lprobs[:, EOS_ID].clone() if ban else None
     lprobs[:, PAD_ID] = -torch.inf
     lprobs[:, BOS_ID] = -torch.inf
     if step < min_len:
         lprobs[:, EOS_ID] = -torch.inf
+    if ban:
+        _ban_repeats(lprobs, history, no_repeat_ngram)
+        # A row with nothing left (a tiny vocabulary, or min_len) may still end: EOS is never
+        # part of an n-gram, so this only undoes min_len, and keeps the model's own score.
+        stuck = ~torch.isfinite(lprobs.amax(dim=-1))
+        if stuck.any():
+            lprobs[stuck, EOS_ID] = eos[stuck]
     if original is not None:
         prefix.force(lprobs, rows, step, original)
     if force_eos.any():  # after the prefix: a prefix longer than the model's limit is cut
@@ -234,7 +263,8 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
                   min_len: int = 0, lenpen: float = 0.0,
                   prefixes: list[list[int]] | None = None, sampling: bool = False,
                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                  generator: torch.Generator | None = None) -> list[Hypothesis]:
+                  generator: torch.Generator | None = None,
+                  no_repeat_ngram: int = 0) -> list[Hypothesis]:
     """Arg-max decoding, or ancestral sampling with ``sampling=True``.
 
     Args:
@@ -249,12 +279,16 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
             tokens, keep the smallest set holding top_p of the mass); 0 / 1.0 disable the cuts.
         generator: the random stream for sampling (seed it for reproducible samples; the samples
             then depend on the batch composition too).
+        no_repeat_ngram: n > 0: no output repeats an n-gram of its own tokens (prefix included);
+            a row left with no token may end with EOS even before ``min_len``.
     Returns:
         one Hypothesis per sentence, in input order. Its scores are the model's own
         log-probabilities (untempered) of the chosen tokens.
     """
     if sampling and temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
+    if no_repeat_ngram < 0:
+        raise ValueError(f"no_repeat_ngram must be 0 (off) or positive, got {no_repeat_ngram}")
     b, device = src.size(0), src.device
     prefix = _Prefix(prefixes, b, device)
     limits = _limits(model, src, max_len_a, max_len_b, prefix)
@@ -268,7 +302,8 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
     step = 0
     while active.numel():
         lprobs = dec.log_probs(tokens)
-        _constrain(lprobs, step, min_len, limits[active] <= step + 1, prefix, active)
+        _constrain(lprobs, step, min_len, limits[active] <= step + 1, prefix, active,
+                   out[active, :step] if no_repeat_ngram else None, no_repeat_ngram)
         if sampling:
             tokens = _sample(lprobs, temperature, top_k, top_p, generator)
             scores = lprobs.gather(1, tokens[:, None])[:, 0]
@@ -346,7 +381,8 @@ def _best(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
 @_search
 def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbest: int = 1,
                 max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
-                prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+                prefixes: list[list[int]] | None = None,
+                no_repeat_ngram: int = 0) -> list[list[Hypothesis]]:
     """Batched beam search.
 
     Each step scores ``beam_size * V`` continuations per sentence and keeps the best
@@ -360,12 +396,14 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
         beam_size: hypotheses kept per sentence.
         lenpen: GNMT alpha for ranking finished hypotheses.
         nbest: how many hypotheses to return per sentence (<= beam_size).
-        max_len_a, max_len_b, min_len, prefixes: as in greedy_search.
+        max_len_a, max_len_b, min_len, prefixes, no_repeat_ngram: as in greedy_search.
     Returns:
         per sentence (input order), its ``nbest`` hypotheses, best first.
     """
     if not 1 <= nbest <= beam_size:
         raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
+    if no_repeat_ngram < 0:
+        raise ValueError(f"no_repeat_ngram must be 0 (off) or positive, got {no_repeat_ngram}")
     b, k, device = src.size(0), beam_size, src.device
     prefix = _Prefix(prefixes, b, device)
     limits = _limits(model, src, max_len_a, max_len_b, prefix)
@@ -386,7 +424,8 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
         lprobs = dec.log_probs(tokens)
         force_eos = (limits[active] <= step + 1).repeat_interleave(beams)
         rows = active.repeat_interleave(beams) if step < prefix.steps else None
-        _constrain(lprobs, step, min_len, force_eos, prefix, rows)
+        _constrain(lprobs, step, min_len, force_eos, prefix, rows,
+                   history.view(n * beams, step) if no_repeat_ngram else None, no_repeat_ngram)
         vocab = lprobs.size(-1)
         top_scores, top_idx = _best(lprobs.view(n, beams, vocab), scores, 2 * k)  # (n, 2k)
         top_beam, top_tok = (top_idx // vocab).clamp(max=beams - 1), top_idx % vocab

@@ -27,7 +27,7 @@ import torch
 
 from mt.alignment import align_lines
 from mt.batching import pad
-from mt.config import EOS_ID, positive_int
+from mt.config import EOS_ID, count_or_off, positive_int
 from mt.inference import DTYPES, keep_freed_memory, load_models
 from mt.search import (
     Ensemble,
@@ -65,6 +65,7 @@ class SearchOptions:
     max_len_a: float = 1.5  # output budget a * source tokens + b, EOS included
     max_len_b: int = 10
     min_len: int = 0  # no EOS before this many tokens
+    no_repeat_ngram: int = 0  # n > 0: no n-gram twice in one output; 0: off
     batch_tokens: int = 4096  # source tokens per batch, padding included
     sampling: bool = False  # draw nbest samples instead of searching (beam is ignored)
     temperature: float = 1.0
@@ -111,7 +112,8 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
     device = next(first_member(model).parameters()).device
     if opts.sampling and generator is None:
         generator = torch.Generator(device=device).manual_seed(opts.seed)
-    lens = dict(max_len_a=opts.max_len_a, max_len_b=opts.max_len_b, min_len=opts.min_len)
+    lens = dict(max_len_a=opts.max_len_a, max_len_b=opts.max_len_b, min_len=opts.min_len,
+                no_repeat_ngram=opts.no_repeat_ngram)
 
     def search(batch: list[int]) -> list[list[Hypothesis]]:
         src = pad([sources[i] for i in batch]).to(device)
@@ -289,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most a * source tokens + b output tokens (EOS included)")
     p.add_argument("--max-len-b", type=int, default=10)
     p.add_argument("--min-len", type=int, default=0, help="no EOS before this many tokens")
+    p.add_argument("--no-repeat-ngram-size", type=count_or_off, default=0, metavar="N",
+                   help="no n-gram of N tokens twice in one translation (0: off), against the "
+                        "loops of an under-trained model; --score ignores it")
     p.add_argument("--sampling", action="store_true",
                    help="sample --nbest translations instead of beam search")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
@@ -412,7 +417,8 @@ def main(argv: list[str] | None = None) -> None:
                              f"has {n_layers} layers")
     opts = SearchOptions(beam=args.beam, lenpen=args.lenpen, nbest=args.nbest,
                          max_len_a=args.max_len_a, max_len_b=args.max_len_b,
-                         min_len=args.min_len, batch_tokens=args.batch_tokens,
+                         min_len=args.min_len, no_repeat_ngram=args.no_repeat_ngram_size,
+                         batch_tokens=args.batch_tokens,
                          sampling=args.sampling, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed,
                          workers=args.workers or default_workers(args.device))

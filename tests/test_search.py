@@ -10,6 +10,7 @@ from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
 from mt.model import build_model
 from mt.search import (
     Ensemble,
+    _ban_repeats,
     _best,
     _sample,
     beam_search,
@@ -188,6 +189,91 @@ def test_beam_is_exact_when_it_can_hold_every_hypothesis():
                        max_len_a=0, max_len_b=3)[0]
     assert [h.tokens for h in hyps] == [seq for _, seq in brute[:10]]
     assert [h.score for h in hyps] == pytest.approx([s for s, _ in brute[:10]], abs=1e-4)
+
+
+def _repeats(tokens: list[int], n: int, start: int = 0) -> bool:
+    """Whether an n-gram ending at or after position ``start`` occurs earlier in ``tokens``."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return any(g in grams[:i] for i, g in enumerate(grams) if i + n - 1 >= start)
+
+
+def test_ban_repeats_known_answers():
+    history = torch.tensor([[5, 6, 7, 5, 6], [1, 2, 3, 4, 5], [5, 5, 5, 5, 5]])
+
+    def banned(n: int) -> list[list[int]]:
+        lprobs = torch.zeros(3, 10)
+        _ban_repeats(lprobs, history, n)
+        return [torch.isinf(row).nonzero().flatten().tolist() for row in lprobs]
+
+    assert banned(3) == [[7], [], [5]]  # 5 6 -> 7 would repeat "5 6 7"
+    assert banned(2) == [[7], [], [5]]
+    assert banned(1) == [[5, 6, 7], [1, 2, 3, 4, 5], [5]]
+    assert banned(6) == [[], [], []]  # no n-gram yet
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("search", ["greedy", "beam", "sampling"])
+def test_no_repeat_ngram_holds_and_scores_stay_the_models(search, n):
+    """Long outputs of a random model loop; with no_repeat_ngram=n no output repeats an n-gram
+    (forced prefix tokens excepted), and every score is still the model's teacher-forced one."""
+    model, srcs = _model(), _sources(6)
+    prefixes = [[], [9, 9, 9], [], [4, 5, 4, 5], [], []]
+    lens = dict(max_len_a=0, max_len_b=16, min_len=12, prefixes=prefixes)
+
+    def run(ngram: int) -> list[list]:
+        if search == "greedy":
+            return [[h] for h in greedy_search(model, _pad(srcs), lenpen=0.6,
+                                               no_repeat_ngram=ngram, **lens)]
+        if search == "beam":
+            return beam_search(model, _pad(srcs), beam_size=4, nbest=4, no_repeat_ngram=ngram,
+                               **lens)
+        return sample_search(model, _pad(srcs), nbest=3, lenpen=0.6, no_repeat_ngram=ngram,
+                             generator=torch.Generator().manual_seed(0), **lens)
+
+    free = run(0)
+    assert any(_repeats(h.tokens, n, len(p)) for p, hyps in zip(prefixes, free, strict=True)
+               for h in hyps)  # the constraint has work to do
+    for src, prefix, hyps in zip(srcs, prefixes, run(n), strict=True):
+        for h in hyps:
+            assert h.tokens[: len(prefix)] == prefix
+            assert not _repeats(h.tokens, n, len(prefix))
+            assert len(h.tokens) >= 12
+            assert h.score == pytest.approx(_rescore(model, src, h.tokens, 0.6), abs=1e-4)
+    # An n longer than any output changes nothing.
+    longest = [[(h.tokens, round(h.score, 5)) for h in hyps] for hyps in free]
+    if search != "sampling":
+        assert [[(h.tokens, round(h.score, 5)) for h in hyps] for hyps in run(17)] == longest
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_beam_with_no_repeat_ngram_is_exact(n):
+    """A beam that can hold every output without a repeated n-gram (4 real tokens, at most 3
+    before EOS) returns exactly the brute-force ranking of those outputs."""
+    vocab = 8  # PAD UNK BOS EOS + 4 real tokens; UNK (1) is a real token to the model
+    model = _model(vocab=vocab)
+    real = [t for t in range(vocab) if t not in (PAD_ID, BOS_ID, EOS_ID)]
+    src = [5, 6, 7, EOS_ID]
+    every = [list(seq) for length in range(4) for seq in itertools.product(real, repeat=length)
+             if not _repeats(list(seq), n)]
+    brute = sorted((_rescore(model, src, seq, 0.6), seq) for seq in every)[::-1]
+    hyps = beam_search(model, _pad([src]), beam_size=len(every), nbest=10, lenpen=0.6,
+                       max_len_a=0, max_len_b=4, no_repeat_ngram=n)[0]
+    assert [h.tokens for h in hyps] == [seq for _, seq in brute[:10]]
+    assert [h.score for h in hyps] == pytest.approx([s for s, _ in brute[:10]], abs=1e-4)
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_no_repeat_ngram_ends_a_row_it_leaves_without_tokens(search):
+    """5 real tokens, each usable once (n = 1), and min_len 8: after five tokens only EOS can
+    follow, and the output ends there instead of taking PAD or an -inf token."""
+    vocab = 8
+    model, src = _model(vocab=vocab), _pad([[5, 6, 7, EOS_ID], [4, EOS_ID]])
+    lens = dict(max_len_a=0, max_len_b=12, min_len=8, no_repeat_ngram=1)
+    hyps = (greedy_search(model, src, **lens) if search == "greedy"
+            else [h[0] for h in beam_search(model, src, beam_size=3, **lens)])
+    for h in hyps:
+        assert sorted(h.tokens) == [t for t in range(vocab) if t not in (PAD_ID, BOS_ID, EOS_ID)]
+        assert h.score > -torch.inf
 
 
 def test_length_limits():

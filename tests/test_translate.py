@@ -206,6 +206,26 @@ def test_beam_one_is_greedy_on_the_command_line(models, tmp_path, capsys):
     assert beam1 == tok.decode_tgt([h[0].tokens for h in hyps])
 
 
+def test_no_repeat_ngram_size_reaches_the_search(models, tmp_path, capsys):
+    """--no-repeat-ngram-size gives the library's search with that constraint (which the search
+    tests check), and on long outputs it changes some of them; a negative size is refused."""
+    rng = random.Random(6)
+    lines = [_sentence(rng) for _ in range(20)]
+    path = _write(tmp_path / "in.txt", lines)
+    long = ["--max-len-a", "0", "--max-len-b", "14", "--min-len", "10", "--quiet"]
+    free = _run(["-m", models["a"], "-i", path, "--beam", "3", *long], capsys)
+    fenced = _run(["-m", models["a"], "-i", path, "--beam", "3", "--no-repeat-ngram-size", "2",
+                   *long], capsys)
+    model, tok, _ = load_model(models["a"])
+    opts = SearchOptions(beam=3, max_len_a=0, max_len_b=14, min_len=10, no_repeat_ngram=2)
+    assert fenced == [n[0][0] for n in translate_lines(model, tok, lines, opts)]
+    assert fenced != free
+    with pytest.raises(SystemExit) as err:
+        main(["-m", models["a"], "-i", path, "--no-repeat-ngram-size", "-1"])
+    assert err.value.code == 2
+    assert "--no-repeat-ngram-size: must be at least 0" in capsys.readouterr().err
+
+
 def test_packed_float32_model_decodes_like_the_plain_one(models):
     model, tok, _ = load_model(models["a"])
     packed = prepare_model(load_model(models["a"])[0], "float32", "cpu")
