@@ -1,8 +1,10 @@
-"""Word alignments people can look at: Pharaoh ``i-j`` links read from a decoder layer's
-cross-attention over a translation (``translate --alignment``).
+"""Word-level views of a translation: Pharaoh ``i-j`` links read from a decoder layer's
+cross-attention (``translate --alignment``), and each word's log-probability
+(``translate --word-scores``).
 
 Attention alignments are a by-product of translation, not a trained aligner: each target token is
-linked to the source token it attends to most, and token links become word links.
+linked to the source token it attends to most, and token links become word links. Word scores
+are exact: a word's log-probability is the sum of its pieces'.
 """
 
 from __future__ import annotations
@@ -113,5 +115,46 @@ def align_lines(model, tokenizer, results: list[LineResult], layer: int | None =
                         pairs.add((i, j))
                 tgt_offset = max([tgt_offset - 1, *tgt_words]) + 1
             line_out.append(" ".join(f"{i}-{j}" for i, j in sorted(pairs)))
+        out.append(line_out)
+    return out
+
+
+def word_scores(tokenizer, results: list[LineResult]) -> list[list[str]]:
+    """Each word's log-probability in every n-best entry, and EOS's last.
+
+    Words are the whitespace-separated words of the translation, as ``--alignment`` counts them;
+    a word's log-probability is the sum of its pieces' (a piece of whitespace alone goes with the
+    word after it). So the numbers of an entry sum to its log-probability (the score before the
+    length penalty), and a low one marks the word the model was least sure of. A line translated
+    in pieces has its pieces' words in turn and the sum of their EOS log-probabilities last.
+
+    Returns:
+        per line, per n-best entry (as ``align_lines``), the scores separated by spaces (""
+        for an empty line).
+    """
+    out: list[list[str]] = []
+    for r in results:
+        if not r.hyps:
+            out.append([""])
+            continue
+        entries = range(len(r.hyps[0])) if len(r.hyps) == 1 else [0]
+        line_out = []
+        for e in entries:
+            words: list[float] = []
+            eos = 0.0
+            for piece in r.hyps:
+                h = piece[e]
+                index = _word_index(tokenizer.tgt, h.tokens)
+                sums = [0.0] * (max(index, default=-1) + 1)
+                carry = 0.0  # whitespace pieces, for the next word
+                for w, lp in zip(index, h.token_logprobs, strict=False):
+                    if w < 0:
+                        carry += lp
+                    else:
+                        sums[w] += lp + carry
+                        carry = 0.0
+                words.extend(sums)
+                eos += h.token_logprobs[-1] + carry
+            line_out.append(" ".join(f"{x:.4f}" for x in [*words, eos]))
         out.append(line_out)
     return out

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,8 @@ class Hypothesis:
     tokens: list[int]  # without BOS and EOS; a forced prefix included
     score: float  # logprob / length_penalty (what the beam ranks by)
     logprob: float  # raw sum of token log-probabilities, EOS included
+    # each token's log-probability, EOS's last (len(tokens) + 1): word-level scores, confidence
+    token_logprobs: list[float] = field(default_factory=list, compare=False, repr=False)
 
 
 def length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
@@ -298,7 +300,7 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
     tokens = torch.full((b,), BOS_ID, dtype=torch.long, device=device)
     out = torch.full((b, max_len), PAD_ID, dtype=torch.long, device=device)
     lengths = torch.zeros(b, dtype=torch.long, device=device)  # generated tokens, EOS included
-    logprob = torch.zeros(b, device=device)
+    token_lp = torch.zeros((b, max_len), device=device)
     step = 0
     while active.numel():
         lprobs = dec.log_probs(tokens)
@@ -309,7 +311,7 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
             scores = lprobs.gather(1, tokens[:, None])[:, 0]
         else:
             scores, tokens = lprobs.max(dim=-1)
-        logprob[active] += scores
+        token_lp[active, step] = scores
         out[active, step] = tokens
         done = tokens == EOS_ID
         if done.any():
@@ -318,9 +320,11 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
             active, tokens = active[keep], tokens[keep]
             dec.reorder(keep)
         step += 1
+    logprob = token_lp.sum(dim=1)  # zeros after EOS
     norm = length_penalty(lengths.float(), lenpen) if lenpen else torch.ones_like(logprob)
     rows, n, lps, ss = out.tolist(), lengths.tolist(), logprob.tolist(), (logprob / norm).tolist()
-    return [Hypothesis(r[: n_i - 1], s, lp) for r, n_i, lp, s in zip(rows, n, lps, ss, strict=True)]
+    return [Hypothesis(r[: n_i - 1], s, lp, t[:n_i])
+            for r, n_i, lp, s, t in zip(rows, n, lps, ss, token_lp.tolist(), strict=True)]
 
 
 def sample_search(model, src: Tensor, nbest: int = 1, lenpen: float = 0.0, **kwargs
@@ -415,6 +419,7 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
     beams = 1  # live beams per sentence: 1 at step 0, k after
     scores = torch.zeros((b, 1), device=device)  # (n, beams) cumulative log-probabilities
     history = torch.empty((b, 1, 0), dtype=torch.long, device=device)  # generated tokens
+    history_lp = torch.empty((b, 1, 0), device=device)  # and their log-probabilities
     tokens = torch.full((b,), BOS_ID, dtype=torch.long, device=device)
     n_finished = torch.zeros(b, dtype=torch.long, device=device)
     finished: list[list[Hypothesis]] = [[] for _ in range(b)]
@@ -429,6 +434,7 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
         vocab = lprobs.size(-1)
         top_scores, top_idx = _best(lprobs.view(n, beams, vocab), scores, 2 * k)  # (n, 2k)
         top_beam, top_tok = (top_idx // vocab).clamp(max=beams - 1), top_idx % vocab
+        top_lp = top_scores - scores.gather(1, top_beam)  # each candidate token's own
 
         # Finished candidates: EOS within the first k ranks and a finite score; a sentence takes
         # them in rank order while it has room (k finished at most).
@@ -440,17 +446,21 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
             n_finished[active] += accept.sum(dim=1)
             where = accept.nonzero()  # (F, 2): row in the active batch, rank
             lps = top_scores[:, :k][accept]
-            toks = history[where[:, 0], top_beam[:, :k][accept]]
+            parents = top_beam[:, :k][accept]
+            toks = history[where[:, 0], parents]
+            tok_lps = torch.cat([history_lp[where[:, 0], parents],
+                                 top_lp[:, :k][accept].unsqueeze(1)], dim=1)
             norm = length_penalty(step + 1, lenpen)  # generated tokens, EOS included
-            for row, lp, t in zip(active[where[:, 0]].tolist(), lps.tolist(), toks.tolist(),
-                                  strict=True):
-                finished[row].append(Hypothesis(t, lp / norm, lp))
+            for row, lp, t, t_lp in zip(active[where[:, 0]].tolist(), lps.tolist(),
+                                        toks.tolist(), tok_lps.tolist(), strict=True):
+                finished[row].append(Hypothesis(t, lp / norm, lp, t_lp))
 
         # The best k non-EOS candidates continue.
         cont_scores = top_scores.masked_fill(is_eos, -torch.inf)
         cont_scores, order = cont_scores.topk(k, dim=1)  # (n, k)
         cont_beam = top_beam.gather(1, order)
         cont_tok = top_tok.gather(1, order)
+        cont_lp = top_lp.gather(1, order)
 
         # Done: k finished, or every live beam is -inf (the budget is spent).
         done = (n_finished[active] >= k) | ~torch.isfinite(cont_scores[:, 0])
@@ -459,14 +469,15 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
             if keep.numel() == 0:
                 break
             cont_scores, cont_beam, cont_tok = cont_scores[keep], cont_beam[keep], cont_tok[keep]
-            history, active = history[keep], active[keep]
+            cont_lp, history, history_lp = cont_lp[keep], history[keep], history_lp[keep]
+            active = active[keep]
             base = keep.unsqueeze(1) * beams
         else:
             base = torch.arange(0, n * beams, beams, device=device).unsqueeze(1)
         parent = (base + cont_beam).view(-1)  # rows in the current batch
-        history = torch.cat([history.gather(
-            1, cont_beam.unsqueeze(-1).expand(-1, -1, history.size(-1))),
-            cont_tok.unsqueeze(-1)], dim=-1)
+        ancestry = cont_beam.unsqueeze(-1).expand(-1, -1, history.size(-1))
+        history = torch.cat([history.gather(1, ancestry), cont_tok.unsqueeze(-1)], dim=-1)
+        history_lp = torch.cat([history_lp.gather(1, ancestry), cont_lp.unsqueeze(-1)], dim=-1)
         scores = cont_scores
         tokens = cont_tok.view(-1)
         dec.reorder(parent, k)
@@ -519,9 +530,9 @@ def forced_scores(model, src: Tensor, tgt: Tensor, lenpen: float = 0.0) -> list[
     lengths = real.sum(dim=1)
     logprob = token_lp.sum(dim=1)
     score = logprob / length_penalty(lengths.float(), lenpen)
-    return [Hypothesis(row[: n - 1], s, lp_)
-            for row, n, s, lp_ in zip(tgt.tolist(), lengths.tolist(), score.tolist(),
-                                      logprob.tolist(), strict=True)]
+    return [Hypothesis(row[: n - 1], s, lp_, t_lp[:n])
+            for row, n, s, lp_, t_lp in zip(tgt.tolist(), lengths.tolist(), score.tolist(),
+                                            logprob.tolist(), token_lp.tolist(), strict=True)]
 
 
 @_search

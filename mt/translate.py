@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mt.alignment import align_lines
+from mt.alignment import align_lines, word_scores
 from mt.batching import pad
 from mt.config import EOS_ID, count_or_off, positive_int
 from mt.inference import DTYPES, keep_freed_memory, load_models
@@ -312,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "side is longer than the model's maximum")
     p.add_argument("--alignment", action="store_true",
                    help="append ' ||| ' and Pharaoh word alignments 'i-j' to every output line")
+    p.add_argument("--word-scores", action="store_true",
+                   help="append ' ||| ' and each word's log-probability (the sum of its pieces'), "
+                        "EOS's last, to every output line (after --alignment's links)")
     p.add_argument("--alignment-layer", type=int, default=None,
                    help="decoder layer for --alignment (Python index; default: penultimate)")
     p.add_argument("--batch-tokens", type=int, default=4096,
@@ -337,22 +340,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _format(i: int, nbest: list[tuple[str, float]], aligns: list[str] | None,
+def _fields(model, tokenizer, results: list[LineResult], args: argparse.Namespace,
+            batch_tokens: int = 4096) -> list[list[list[str]]]:
+    """Per line, per n-best entry, what follows the translation after ' ||| ': the alignment
+    (``--alignment``), then the word scores (``--word-scores``)."""
+    parts = []
+    if args.alignment:
+        parts.append(align_lines(model, tokenizer, results, args.alignment_layer, batch_tokens))
+    if args.word_scores:
+        parts.append(word_scores(tokenizer, results))
+    if not parts:
+        return [[] for _ in results]
+    return [[[part[li][e] for part in parts] for e in range(len(parts[0][li]))]
+            for li in range(len(results))]
+
+
+def _format(i: int, nbest: list[tuple[str, float]], fields: list[list[str]],
             n: int) -> list[str]:
     """Output lines of one input line: the translation, or with n > 1 its n-best entries."""
     out = []
     for e, (text, score) in enumerate(nbest):
         line = text if n == 1 else f"{i}\t{text}\t{score:.4f}"
-        if aligns is not None:
-            line += " ||| " + aligns[e]
-        out.append(line)
+        out.append(" ||| ".join([line, *fields[e]]) if fields else line)
     return out
 
 
-def _format_score(result: LineResult, aligns: list[str] | None) -> str:
+def _format_score(result: LineResult, fields: list[list[str]]) -> str:
     """The output line of one scored pair (``--score``)."""
     line = f"{result.hyps[0][0].score:.4f}" if result.hyps else "nan"
-    return line if aligns is None else f"{line} ||| {aligns[0]}"
+    return " ||| ".join([line, *fields[0]]) if fields else line
 
 
 def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace) -> None:
@@ -366,9 +382,8 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
             return
         line = line.rstrip("\r\n")
         results = search_lines(model, tokenizer, [line], opts)
-        aligns = (align_lines(model, tokenizer, results, args.alignment_layer)
-                  if args.alignment else [None])
-        for out in _format(0, _texts(tokenizer, results[0]), aligns[0], args.nbest):
+        fields = _fields(model, tokenizer, results, args)
+        for out in _format(0, _texts(tokenizer, results[0]), fields[0], args.nbest):
             print(out, flush=True)
 
 
@@ -454,12 +469,10 @@ def main(argv: list[str] | None = None) -> None:
                     results = search_lines(model, tokenizer, lines, opts, progress, given,
                                            generator=generator, warn=False)
                     unfit += sum(len(r.sources) > 1 for r in results)
-                aligns = (align_lines(model, tokenizer, results, args.alignment_layer,
-                                      args.batch_tokens)
-                          if args.alignment else [None] * len(results))
-                for i, (r, a) in enumerate(zip(results, aligns, strict=True), start=done):
-                    lines_out = ([_format_score(r, a)] if args.score
-                                 else _format(i, _texts(tokenizer, r), a, args.nbest))
+                fields = _fields(model, tokenizer, results, args, args.batch_tokens)
+                for i, (r, f) in enumerate(zip(results, fields, strict=True), start=done):
+                    lines_out = ([_format_score(r, f)] if args.score
+                                 else _format(i, _texts(tokenizer, r), f, args.nbest))
                     out.write("".join(line + "\n" for line in lines_out))
                 out.flush()
                 done += len(chunk)

@@ -62,6 +62,44 @@ def _rescore(model, src: list[int], tokens: list[int], lenpen: float) -> float:
     return total / length_penalty(len(tokens) + 1, lenpen)
 
 
+def _token_lps(model, src: list[int], tokens: list[int]) -> list[float]:
+    """Teacher-forced log-probability of each of ``tokens`` + EOS (full forward pass)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([src]), torch.tensor([[BOS_ID] + tokens]))
+    lprobs = torch.log_softmax(logits.float(), dim=-1)[0]
+    return lprobs.gather(1, torch.tensor(tokens + [EOS_ID])[:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam", "sampling", "forced", "ensemble"])
+def test_token_logprobs_are_the_models_own(search):
+    """Every hypothesis carries the log-probability of each of its tokens and of EOS: they sum
+    to its logprob and equal a teacher-forced pass, through prefixes and finished beams."""
+    model, srcs = _model(), _sources(6)
+    prefixes = [[], [9, 10], [], [], [4], []]
+    if search == "ensemble":
+        model = Ensemble([_model(0), _model(1, decoder_layers=1)])
+    if search == "greedy":
+        results = [[h] for h in greedy_search(model, _pad(srcs), prefixes=prefixes)]
+    elif search in ("beam", "ensemble"):
+        results = beam_search(model, _pad(srcs), beam_size=4, nbest=4, prefixes=prefixes)
+    elif search == "sampling":
+        results = sample_search(model, _pad(srcs), nbest=3, prefixes=prefixes,
+                                generator=torch.Generator().manual_seed(0))
+    else:
+        found = beam_search(model, _pad(srcs), beam_size=3, nbest=3)
+        pairs = [(s, h.tokens) for s, hyps in zip(srcs, found, strict=True) for h in hyps]
+        forced = forced_scores(model, _pad([s for s, _ in pairs]),
+                               _pad([t + [EOS_ID] for _, t in pairs]))
+        srcs, results = [s for s, _ in pairs], [[h] for h in forced]
+    for src, hyps in zip(srcs, results, strict=True):
+        for h in hyps:
+            assert len(h.token_logprobs) == len(h.tokens) + 1
+            assert sum(h.token_logprobs) == pytest.approx(h.logprob, abs=1e-4)
+            if search != "ensemble":
+                assert h.token_logprobs == pytest.approx(_token_lps(model, src, h.tokens),
+                                                         abs=1e-4)
+
+
 def test_beam_one_equals_greedy():
     model, srcs = _model(), _sources()
     greedy = greedy_search(model, _pad(srcs), lenpen=0.6)

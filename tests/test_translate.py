@@ -655,6 +655,49 @@ def test_alignment_links_words_of_both_sides(models, tmp_path, capsys):
         assert {j for _, j in pairs} == set(range(len(hyp.split())))
 
 
+def test_word_scores_are_per_word_and_sum_to_the_log_probability(models, tmp_path, capsys):
+    """--word-scores: one number per whitespace word of each n-best entry and one for EOS, after
+    the alignment, summing to the entry's log-probability (--lenpen 0), for empty lines and lines
+    translated in pieces too; --score --word-scores gives the same numbers for the same text."""
+    rng = random.Random(9)
+    lines = [_sentence(rng) for _ in range(40)] + ["", " ".join(["big red dog"] * 40)]
+    src = _write(tmp_path / "in.txt", lines)
+    args = ["-m", models["a"], "-i", src, "--lenpen", "0", "--max-len-b", "8", "--quiet"]
+    out = _run([*args, "--beam", "3", "--nbest", "2", "--alignment", "--word-scores"], capsys)
+    best: dict[int, tuple[str, list[float]]] = {}
+    for line in out:
+        head, links, numbers = line.split(" ||| ")
+        i, text, score = head.split("\t")
+        words = [float(x) for x in numbers.split()]
+        if not lines[int(i)].strip():
+            assert (text, links, words) == ("", "", [])
+            continue
+        assert len(words) == len(text.split()) + 1
+        assert all(int(p.split("-")[1]) < len(text.split()) for p in links.split())
+        assert sum(words) == pytest.approx(float(score), abs=1e-4 * len(words) + 1e-4)
+        best.setdefault(int(i), (text, words))
+    assert len(best) == len(lines) - 1
+    hyps = _write(tmp_path / "hyp.txt", [best[i][0] if i in best else "" for i in
+                                         range(len(lines))])
+    scored = _run([*args, "--score", hyps, "--word-scores"], capsys)
+    model, tok, _ = load_model(models["a"])
+    found = search_lines(model, tok, lines[:40], SearchOptions(beam=3, nbest=2, lenpen=0,
+                                                                max_len_b=8))
+    same = 0
+    for i, line in enumerate(scored[:40]):
+        score, numbers = line.split(" ||| ")
+        words = [float(x) for x in numbers.split()]
+        assert len(words) == len(best[i][0].split()) + 1
+        assert sum(words) == pytest.approx(float(score), abs=1e-4 * len(words) + 1e-4)
+        # Text is scored as it tokenizes: where that is the search's own segmentation, the
+        # numbers are the search's.
+        if tok.encode_tgt([best[i][0]])[0] == found[i].hyps[0][0].tokens:
+            assert words == pytest.approx(best[i][1], abs=2e-4)
+            same += 1
+    assert same >= 10
+    assert scored[41] == "nan ||| "  # too long to score as one pair
+
+
 def test_dtype_prefix_and_seeded_sampling(models, tmp_path, capsys):
     rng = random.Random(8)
     lines = [_sentence(rng) for _ in range(30)]
