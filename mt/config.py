@@ -162,6 +162,28 @@ def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**values)
 
 
+def check_keys(node, schema: type | None = None, prefix: str = "") -> None:
+    """Raises ValueError naming the first key of a composed config that ``schema`` (default
+    TrainConfig) does not have.
+
+    Hydra's struct mode already refuses ``optim.lrr=1``, but ``+optim.lrr=1`` (which its own
+    error message suggests) adds the key, and ``OmegaConf.to_object`` then sets it as a stray
+    attribute that nothing reads: a typo that would silently train with the default.
+    """
+    import typing
+
+    schema = schema or TrainConfig
+    hints = typing.get_type_hints(schema)
+    known = {f.name for f in dataclasses.fields(schema)}
+    for key in node:
+        name = f"{prefix}{key}"
+        if key not in known:
+            where = f"{prefix[:-1]} has" if prefix else "the config has"
+            raise ValueError(f"unknown config key {name}: {where} {', '.join(sorted(known))}")
+        if dataclasses.is_dataclass(hints.get(key)):
+            check_keys(node[key], hints[key], f"{name}.")
+
+
 def positive_int(text: str) -> int:
     """An argparse type for counts such as ``--workers``: an integer of at least 1."""
     return _int_from(text, 1)

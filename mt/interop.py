@@ -17,6 +17,7 @@ import argparse
 import logging
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -49,20 +50,26 @@ def export_main(argv: list[str] | None = None) -> None:
     try:
         model, tokenizer, _ = load_model(args.model)
         if args.format == "hf":
-            check_marian(model.cfg)  # before anything is deleted
-        if taken and out_dir.is_dir():
-            shutil.rmtree(out_dir)
-        elif taken:
-            out_dir.unlink()
-        if args.format == "hf":
-            out = export_hf(model, tokenizer, out_dir)
-        else:
-            out = export_ctranslate2(model, tokenizer, out_dir, args.quantization)
+            check_marian(model.cfg)  # before any work
+        # Written beside --out and moved there whole: a failure (a bad --quantization, a full
+        # disk, Ctrl-C) leaves the previous export as it was and no half directory.
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.", dir=out_dir.parent) as tmp:
+            new = Path(tmp) / "export"
+            if args.format == "hf":
+                export_hf(model, tokenizer, new)
+            else:
+                export_ctranslate2(model, tokenizer, new, args.quantization)
+            if out_dir.is_dir() and not out_dir.is_symlink():
+                shutil.rmtree(out_dir)  # empty, or replaced with --force
+            elif out_dir.exists() or out_dir.is_symlink():
+                out_dir.unlink()
+            new.rename(out_dir)
     except ImportError as err:
         sys.exit(f"mt-export: {err}; install the export extra: pip install 'mt[export]'")
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"mt-export: {err}")
-    log.info("wrote %s (%s)", out, args.format)
+    log.info("wrote %s (%s)", out_dir, args.format)
 
 
 def import_main(argv: list[str] | None = None) -> None:

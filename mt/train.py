@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mt import checkpoint
 from mt.batching import collate, token_batches
-from mt.config import PAD_ID, TrainConfig, register_configs
+from mt.config import PAD_ID, TrainConfig, check_keys, register_configs
 from mt.corpus import Corpus, barrier
 from mt.data import load_split
 from mt.loss import label_smoothed_nll
@@ -559,6 +559,7 @@ def finish(trainer: Trainer) -> None:
 def hydra_main(dcfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
+    check_keys(dcfg)
     cfg: TrainConfig = OmegaConf.to_object(dcfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -243,6 +243,17 @@ def test_export_ctranslate2_int8(tmp_path, tokenizer_dir):
     translator = ctranslate2.Translator(str(out), device="cpu", compute_type="int8",
                                         intra_threads=1)
     assert len(translator.translate_batch([["▁a"]], max_decoding_length=5)) == 1
+    # --force replaces an export only with a whole new one: a mistake keeps the old one, and
+    # nothing else is left beside it.
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(SystemExit, match="mt-export: .*foo"):
+        export_main(["-m", str(tmp_path / "m.pt"), "--format", "ctranslate2", "--out", str(out),
+                     "--quantization", "foo", "--force"])
+    assert sorted(p.name for p in out.iterdir()) == before
+    export_main(["-m", str(tmp_path / "m.pt"), "--format", "ctranslate2", "--out", str(out),
+                 "--force"])
+    assert (out / "model.bin").stat().st_size == (fp32 / "model.bin").stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ct2", "ct2_fp32", "m.pt"]
 
 
 # ----------------------------------------------------------------------------- HF (OPUS) -> mt

@@ -24,7 +24,7 @@ def compose(overrides: list[str]):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
-    from mt.config import register_configs
+    from mt.config import check_keys, register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -35,6 +35,7 @@ def compose(overrides: list[str]):
         HydraConfig.instance().set_config(cfg)  # lets ${hydra:runtime.output_dir} resolve
         with open_dict(cfg):
             del cfg["hydra"]
+        check_keys(cfg)  # as mt.train.hydra_main does
         return OmegaConf.to_object(cfg)
 
 
@@ -57,6 +58,17 @@ def test_misspelt_key_fails_with_its_name():
 
     with pytest.raises(ConfigCompositionException, match="lrr"):
         compose(["optim.lrr=1e-3"])
+
+
+@pytest.mark.parametrize("override, name", [("+optim.lrr=1e-3", "optim.lrr"),
+                                            ("+trainer.max_step=3", "trainer.max_step"),
+                                            ("+data.filter.max_tokenz=9", "data.filter.max_tokenz"),
+                                            ("+epochs=3", "epochs")])
+def test_a_misspelt_key_added_with_plus_fails_with_its_name(override, name):
+    """Hydra lets '+' add a key the schema lacks (its own error message suggests it); mt-train
+    refuses it instead of training with the default."""
+    with pytest.raises(ValueError, match=f"unknown config key {name}: "):
+        compose([override])
 
 
 def test_wrong_type_fails_with_the_key():
