@@ -243,10 +243,16 @@ def _limits(model, src: Tensor, max_len_a: float, max_len_b: int,
 
 
 def _sample(lprobs: Tensor, temperature: float, top_k: int, top_p: float,
-            generator: torch.Generator | None) -> Tensor:
-    """Draws one token per row (N, V) -> (N,) from the tempered, top-k / top-p truncated
-    distribution (Holtzman et al., 2020: the smallest set of tokens with mass >= top_p)."""
+            generator: torch.Generator | None, epsilon: float = 0.0) -> Tensor:
+    """Draws one token per row (N, V) -> (N,) from the tempered, top-k / top-p / epsilon
+    truncated distribution (Holtzman et al., 2020: the smallest set of tokens with mass >= top_p;
+    Hewitt et al., 2022: no token of probability below epsilon, the most probable one always
+    kept)."""
     logits = lprobs / temperature
+    if epsilon > 0:
+        rare = logits.softmax(dim=-1) < epsilon
+        rare &= logits < logits.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(rare, -torch.inf)
     if 0 < top_k < logits.size(-1):
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -torch.inf)
@@ -255,6 +261,7 @@ def _sample(lprobs: Tensor, temperature: float, top_k: int, top_p: float,
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the tokens before it already hold top_p; the first always stays.
         drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop[..., 0] = False  # even for top_p <= 0 (greedy)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -torch.inf))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
@@ -265,7 +272,7 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
                   min_len: int = 0, lenpen: float = 0.0,
                   prefixes: list[list[int]] | None = None, sampling: bool = False,
                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                  generator: torch.Generator | None = None,
+                  epsilon: float = 0.0, generator: torch.Generator | None = None,
                   no_repeat_ngram: int = 0) -> list[Hypothesis]:
     """Arg-max decoding, or ancestral sampling with ``sampling=True``.
 
@@ -277,8 +284,9 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
         lenpen: GNMT alpha, only for the reported ``score`` (it does not change the search).
         prefixes: per sentence, target ids forced before the search goes free (or None).
         sampling: draw each token from the model's distribution instead of taking the arg-max.
-        temperature, top_k, top_p: the sampling distribution (softmax(logits / T), keep the k best
-            tokens, keep the smallest set holding top_p of the mass); 0 / 1.0 disable the cuts.
+        temperature, top_k, top_p, epsilon: the sampling distribution (softmax(logits / T), keep
+            the k best tokens, keep the smallest set holding top_p of the mass, drop the tokens
+            of probability below epsilon); 0 / 1.0 / 0 disable the cuts.
         generator: the random stream for sampling (seed it for reproducible samples; the samples
             then depend on the batch composition too).
         no_repeat_ngram: n > 0: no output repeats an n-gram of its own tokens (prefix included);
@@ -289,6 +297,8 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
     """
     if sampling and temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
+    if not 0 <= epsilon < 1:
+        raise ValueError(f"epsilon must be in [0, 1), got {epsilon}")
     if no_repeat_ngram < 0:
         raise ValueError(f"no_repeat_ngram must be 0 (off) or positive, got {no_repeat_ngram}")
     b, device = src.size(0), src.device
@@ -307,7 +317,7 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
         _constrain(lprobs, step, min_len, limits[active] <= step + 1, prefix, active,
                    out[active, :step] if no_repeat_ngram else None, no_repeat_ngram)
         if sampling:
-            tokens = _sample(lprobs, temperature, top_k, top_p, generator)
+            tokens = _sample(lprobs, temperature, top_k, top_p, generator, epsilon)
             scores = lprobs.gather(1, tokens[:, None])[:, 0]
         else:
             scores, tokens = lprobs.max(dim=-1)
@@ -335,8 +345,8 @@ def sample_search(model, src: Tensor, nbest: int = 1, lenpen: float = 0.0, **kwa
         model, src: as in greedy_search.
         nbest: samples per sentence (each source row is repeated ``nbest`` times).
         lenpen: GNMT alpha for the scores the samples are sorted by.
-        kwargs: greedy_search's (``temperature``, ``top_k``, ``top_p``, ``generator``, lengths,
-            ``prefixes``).
+        kwargs: greedy_search's (``temperature``, ``top_k``, ``top_p``, ``epsilon``,
+            ``generator``, lengths, ``prefixes``).
     """
     prefixes = kwargs.pop("prefixes", None)
     if prefixes is not None:

@@ -29,6 +29,7 @@ from mt.alignment import align_lines, word_scores
 from mt.batching import pad
 from mt.config import EOS_ID, count_or_off, positive_int
 from mt.inference import DTYPES, keep_freed_memory, load_models
+from mt.mbr import UTILITIES, mbr_lines
 from mt.search import (
     Ensemble,
     Hypothesis,
@@ -71,6 +72,7 @@ class SearchOptions:
     temperature: float = 1.0
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0  # 1.0: no nucleus cut
+    epsilon: float = 0.0  # 0: no epsilon cut
     seed: int = 0  # the sampling stream (samples depend on the batching as well)
     workers: int = 1  # batches searched at once, each on its own thread (see translate_ids)
 
@@ -107,6 +109,8 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
     if opts.sampling:
         if opts.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {opts.temperature}")
+        if opts.nbest < 1:
+            raise ValueError(f"nbest (samples per line) must be at least 1, got {opts.nbest}")
     elif not 1 <= opts.nbest <= opts.beam:
         raise ValueError(f"nbest must be between 1 and beam={opts.beam}, got {opts.nbest}")
     device = next(first_member(model).parameters()).device
@@ -121,7 +125,8 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
         if opts.sampling:
             return sample_search(model, src, opts.nbest, opts.lenpen, prefixes=pre,
                                  temperature=opts.temperature, top_k=opts.top_k,
-                                 top_p=opts.top_p, generator=generator, **lens)
+                                 top_p=opts.top_p, epsilon=opts.epsilon, generator=generator,
+                                 **lens)
         if opts.beam == 1:
             return [[h] for h in greedy_search(model, src, lenpen=opts.lenpen, prefixes=pre,
                                               **lens)]
@@ -300,7 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="sample from the smallest set of tokens with this much mass (1.0: all)")
+    p.add_argument("--epsilon", type=float, default=0.0,
+                   help="sample no token of probability below this (0: all); 0.02 with --mbr "
+                        "(Freitag et al., 2023)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--mbr", choices=UTILITIES, default=None,
+                   help="minimum Bayes risk: of --mbr-candidates translations per line (samples "
+                        "with --sampling, else the beam's n-best), print the one with the best "
+                        "mean chrF or BLEU against the others")
+    p.add_argument("--mbr-candidates", type=positive_int, default=16, metavar="N",
+                   help="candidates per line for --mbr (default: 16)")
     p.add_argument("--prefix-file", default=None,
                    help="target prefixes, one line per input line (empty: none), forced at the "
                         "start of each translation")
@@ -382,6 +396,8 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
             return
         line = line.rstrip("\r\n")
         results = search_lines(model, tokenizer, [line], opts)
+        if args.mbr:
+            results = mbr_lines(tokenizer, results, args.mbr)
         fields = _fields(model, tokenizer, results, args)
         for out in _format(0, _texts(tokenizer, results[0]), fields[0], args.nbest):
             print(out, flush=True)
@@ -397,6 +413,21 @@ def main(argv: list[str] | None = None) -> None:
                          f"{args.beam}")
     if args.sampling and args.temperature <= 0:
         raise SystemExit(f"translate: --temperature must be positive, got {args.temperature}")
+    if args.sampling and args.nbest < 1:
+        raise SystemExit(f"translate: --nbest (samples per line) must be at least 1, got "
+                         f"{args.nbest}")
+    if not 0 <= args.top_p <= 1:
+        raise SystemExit(f"translate: --top-p must be between 0 and 1, got {args.top_p}")
+    if args.top_k < 0:
+        raise SystemExit(f"translate: --top-k must be 0 (off) or positive, got {args.top_k}")
+    if not 0 <= args.epsilon < 1:
+        raise SystemExit(f"translate: --epsilon must be in [0, 1), got {args.epsilon}")
+    if args.mbr and (args.nbest != 1 or args.score):
+        raise SystemExit("translate: --mbr prints one translation per line; it does not combine "
+                         "with --nbest or --score")
+    if args.mbr and not args.sampling and args.beam < args.mbr_candidates:
+        raise SystemExit(f"translate: --mbr-candidates {args.mbr_candidates} from beam search "
+                         f"needs --beam {args.mbr_candidates} or more (or --sampling)")
     if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file):
         raise SystemExit("translate: --score scores given translations; it does not combine with "
                          "--sampling, --nbest or --prefix-file")
@@ -430,12 +461,13 @@ def main(argv: list[str] | None = None) -> None:
         if not -n_layers <= args.alignment_layer < n_layers:
             raise SystemExit(f"translate: --alignment-layer {args.alignment_layer}: the decoder "
                              f"has {n_layers} layers")
-    opts = SearchOptions(beam=args.beam, lenpen=args.lenpen, nbest=args.nbest,
+    opts = SearchOptions(beam=args.beam, lenpen=args.lenpen,
+                         nbest=args.mbr_candidates if args.mbr else args.nbest,
                          max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                          min_len=args.min_len, no_repeat_ngram=args.no_repeat_ngram_size,
                          batch_tokens=args.batch_tokens,
                          sampling=args.sampling, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, seed=args.seed,
+                         top_p=args.top_p, epsilon=args.epsilon, seed=args.seed,
                          workers=args.workers or default_workers(args.device))
     if interactive:
         with torch.inference_mode():
@@ -468,6 +500,8 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     results = search_lines(model, tokenizer, lines, opts, progress, given,
                                            generator=generator, warn=False)
+                    if args.mbr:
+                        results = mbr_lines(tokenizer, results, args.mbr)
                     unfit += sum(len(r.sources) > 1 for r in results)
                 fields = _fields(model, tokenizer, results, args, args.batch_tokens)
                 for i, (r, f) in enumerate(zip(results, fields, strict=True), start=done):

@@ -392,6 +392,11 @@ def test_sample_top_k_top_p_support_and_frequencies():
     hot = torch.bincount(_sample(lprobs, 2.0, 0, 1.0, g), minlength=4) / 20000
     expected = probs.sqrt() / probs.sqrt().sum()  # temperature 2 = square root, renormalised
     assert hot.tolist() == pytest.approx(expected.tolist(), abs=0.02)
+    assert _sample(lprobs[:50], 1.0, 0, 0.0, g).tolist() == [0] * 50  # top_p 0: greedy
+    eps = torch.bincount(_sample(lprobs, 1.0, 0, 1.0, g, epsilon=0.1), minlength=4) / 20000
+    assert eps[3] == 0 and eps[2] == pytest.approx(0.15 / 0.95, abs=0.02)  # 0.05 < 0.1: cut
+    flat = torch.tensor([0.3, 0.25, 0.25, 0.2]).log().expand(5, -1)  # none reaches epsilon:
+    assert _sample(flat, 1.0, 0, 1.0, g, epsilon=0.9).tolist() == [0] * 5  # the best stays
 
 
 def test_ensemble_of_copies_equals_the_model_and_mixes_log_probs():

@@ -698,6 +698,41 @@ def test_word_scores_are_per_word_and_sum_to_the_log_probability(models, tmp_pat
     assert scored[41] == "nan ||| "  # too long to score as one pair
 
 
+@pytest.mark.parametrize("source", ["sampling", "beam"])
+def test_mbr_prints_the_choice_among_the_searchs_candidates(models, tmp_path, capsys, source):
+    """--mbr: one line per input line (empty ones too), each the mbr_choose of the n-best list
+    the same search gives in Python; options that cannot combine with it are refused."""
+    from mt.mbr import mbr_choose
+
+    rng = random.Random(10)
+    lines = [_sentence(rng) for _ in range(12)] + [""]
+    path = _write(tmp_path / "in.txt", lines)
+    search = (["--sampling", "--epsilon", "0.02", "--seed", "3"] if source == "sampling"
+              else ["--beam", "6"])
+    out = _run(["-m", models["a"], "-i", path, "--mbr", "chrf", "--mbr-candidates", "6",
+                "--max-len-b", "8", "--quiet", *search], capsys)
+    model, tok, _ = load_model(models["a"])
+    opts = (SearchOptions(sampling=True, epsilon=0.02, seed=3, nbest=6, max_len_b=8)
+            if source == "sampling" else SearchOptions(beam=6, nbest=6, max_len_b=8))
+    nbest = translate_lines(model, tok, lines, opts)
+    assert out == [n[mbr_choose([t for t, _ in n])][0] for n in nbest]
+    assert out[-1] == "" and any(o != n[0][0] for o, n in zip(out, nbest, strict=True))
+    for bad in (["--nbest", "2"], ["--beam", "4"]):  # 16 candidates by default
+        with pytest.raises(SystemExit, match="--mbr"):
+            main(["-m", models["a"], "-i", path, "--mbr", "bleu", *bad])
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--sampling", "--nbest", "0"], "--nbest"), (["--sampling", "--top-p", "-1"], "--top-p"),
+    (["--sampling", "--top-k", "-2"], "--top-k"), (["--sampling", "--temperature", "0"],
+                                                   "--temperature"),
+    (["--sampling", "--epsilon", "1"], "--epsilon"), (["--beam", "2", "--nbest", "3"], "--nbest")])
+def test_search_options_out_of_range_are_one_line_errors(models, tmp_path, bad, message):
+    path = _write(tmp_path / "in.txt", ["a dog"])
+    with pytest.raises(SystemExit, match=f"^translate: {message}"):
+        main(["-m", models["a"], "-i", path, *bad])
+
+
 def test_dtype_prefix_and_seeded_sampling(models, tmp_path, capsys):
     rng = random.Random(8)
     lines = [_sentence(rng) for _ in range(30)]

@@ -1,0 +1,39 @@
+"""Minimum Bayes risk decoding: the choice against a plain double loop over sacrebleu's sentence
+scores, and the translate options that use it."""
+
+import random
+
+import pytest
+from sacrebleu.metrics import BLEU, CHRF
+
+from mt.mbr import mbr_choose
+
+WORDS = "a man woman dog runs sits in the park street red big".split()
+
+
+def _naive(candidates: list[str], utility: str) -> int:
+    """Mean utility of each candidate against every other position, first best on ties."""
+    metric = CHRF() if utility == "chrf" else BLEU(effective_order=True)
+    means = [round(sum(metric.sentence_score(h, [r]).score
+                       for j, r in enumerate(candidates) if j != i), 9)  # same text, same sum
+             for i, h in enumerate(candidates)]
+    return means.index(max(means))
+
+
+@pytest.mark.parametrize("utility", ["chrf", "bleu"])
+def test_mbr_choice_equals_the_plain_double_loop(utility):
+    rng = random.Random(0)
+    for _ in range(40):
+        pool = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 6)))
+                for _ in range(rng.randint(2, 5))]
+        candidates = [rng.choice(pool) for _ in range(rng.randint(1, 9))]  # with duplicates
+        assert mbr_choose(candidates, utility) == _naive(candidates, utility)
+
+
+def test_mbr_known_answers():
+    # The consensus wins over the first (most probable) candidate.
+    assert mbr_choose(["x y z", "a man runs", "a man walks", "a man runs"]) == 1
+    assert mbr_choose(["same text"] * 4) == 0  # ties go to the earlier candidate
+    assert mbr_choose(["only one"]) == 0
+    with pytest.raises(ValueError, match="utility must be one of"):
+        mbr_choose(["a", "b"], "ter")
