@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -43,10 +42,20 @@ def export_main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     if args.quantization and args.format != "ctranslate2":
         p.error("--quantization applies to --format ctranslate2 only")
-    out_dir = Path(args.out)
+    # Resolved: '.' and '..' become the directories they name, and a symlink keeps pointing at
+    # the directory that is replaced (as translate -o keeps a symlink).
+    out_dir = Path(args.out).resolve()
     taken = out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir()))
     if taken and not args.force:
-        sys.exit(f"mt-export: {out_dir} exists; choose another --out or pass --force to replace it")
+        sys.exit(f"mt-export: {args.out} exists; choose another --out or pass --force to replace "
+                 "it")
+    cwd = Path.cwd().resolve()
+    if out_dir == cwd or out_dir in cwd.parents:
+        sys.exit(f"mt-export: --out {args.out} holds the working directory; give the export a "
+                 "directory of its own")
+    if taken and Path(args.model).resolve().is_relative_to(out_dir):
+        sys.exit(f"mt-export: --out {args.out} holds the model {args.model}; --force would "
+                 "delete it")
     try:
         model, tokenizer, _ = load_model(args.model)
         if args.format == "hf":
@@ -60,16 +69,21 @@ def export_main(argv: list[str] | None = None) -> None:
                 export_hf(model, tokenizer, new)
             else:
                 export_ctranslate2(model, tokenizer, new, args.quantization)
-            if out_dir.is_dir() and not out_dir.is_symlink():
-                shutil.rmtree(out_dir)  # empty, or replaced with --force
-            elif out_dir.exists() or out_dir.is_symlink():
-                out_dir.unlink()
-            new.rename(out_dir)
+            if out_dir.exists():  # moved aside, not deleted, until the new one is in place
+                old = Path(tmp) / "old"
+                out_dir.rename(old)
+                try:
+                    new.rename(out_dir)
+                except BaseException:
+                    old.rename(out_dir)
+                    raise
+            else:
+                new.rename(out_dir)
     except ImportError as err:
         sys.exit(f"mt-export: {err}; install the export extra: pip install 'mt[export]'")
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"mt-export: {err}")
-    log.info("wrote %s (%s)", out_dir, args.format)
+    log.info("wrote %s (%s)", args.out, args.format)
 
 
 def import_main(argv: list[str] | None = None) -> None:

@@ -49,8 +49,9 @@ def mbr_choose(candidates: list[str], utility: str = "chrf") -> int:
         total = 0.0
         for ref in distinct:
             weight = counts[ref] - (ref == hyp)  # the candidate itself is not its own evidence
-            if weight:
-                total += weight * metric.sentence_score(hyp, [ref]).score
+            if weight:  # identical texts agree fully (sacrebleu scores "" against "" as 0)
+                same = hyp == ref
+                total += weight * (100.0 if same else metric.sentence_score(hyp, [ref]).score)
         expected[hyp] = total
     return max(range(len(candidates)), key=lambda i: (expected[candidates[i]], -i))
 

@@ -25,7 +25,9 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype for ``trainer.precision`` (None = float32)."""
     if precision == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            # Native bf16 only (Ampere on): before it, torch reports emulated bf16 as supported
+            return (torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False)
+                    else torch.float16)
         return torch.bfloat16 if cpu_has_fast_bf16() else None
     choices = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     if precision not in choices:

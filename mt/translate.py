@@ -416,6 +416,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.sampling and args.nbest < 1:
         raise SystemExit(f"translate: --nbest (samples per line) must be at least 1, got "
                          f"{args.nbest}")
+    shaped = [name for name, on in (("--temperature", args.temperature != 1.0),
+                                     ("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
+                                     ("--epsilon", args.epsilon != 0.0)) if on]
+    if shaped and not args.sampling:
+        raise SystemExit(f"translate: {shaped[0]} shapes the sampling distribution; add "
+                         "--sampling")
     if not 0 <= args.top_p <= 1:
         raise SystemExit(f"translate: --top-p must be between 0 and 1, got {args.top_p}")
     if args.top_k < 0:

@@ -254,6 +254,28 @@ def test_export_ctranslate2_int8(tmp_path, tokenizer_dir):
                  "--force"])
     assert (out / "model.bin").stat().st_size == (fp32 / "model.bin").stat().st_size
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ct2", "ct2_fp32", "m.pt"]
+    # Through a symlink the directory it points to is replaced, and the link stays.
+    (tmp_path / "link").symlink_to(out)
+    export_main(["-m", str(tmp_path / "m.pt"), "--format", "ctranslate2", "--out",
+                 str(tmp_path / "link"), "--quantization", "int8", "--force"])
+    assert (tmp_path / "link").is_symlink() and (out / "model.bin").stat().st_size < (
+        0.6 * (fp32 / "model.bin").stat().st_size)
+
+
+def test_export_refuses_to_replace_the_working_directory_or_the_model(tmp_path, tokenizer_dir,
+                                                                       monkeypatch):
+    tok = Tokenizer.load(tokenizer_dir)
+    (tmp_path / "run").mkdir()
+    ckpt = _save(_mt_model(tok), tok, tmp_path / "run" / "m.pt")
+    monkeypatch.chdir(tmp_path / "run")
+    for out, message in ((".", "holds the working directory"), ("..", "holds the working"),
+                         (str(tmp_path / "run"), "holds the working")):
+        with pytest.raises(SystemExit, match=message):
+            export_main(["-m", ckpt, "--format", "hf", "--out", out, "--force"])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="holds the model"):
+        export_main(["-m", ckpt, "--format", "hf", "--out", "run", "--force"])
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["m.pt"]
 
 
 # ----------------------------------------------------------------------------- HF (OPUS) -> mt

@@ -14,7 +14,7 @@ WORDS = "a man woman dog runs sits in the park street red big".split()
 def _naive(candidates: list[str], utility: str) -> int:
     """Mean utility of each candidate against every other position, first best on ties."""
     metric = CHRF() if utility == "chrf" else BLEU(effective_order=True)
-    means = [round(sum(metric.sentence_score(h, [r]).score
+    means = [round(sum(100.0 if h == r else metric.sentence_score(h, [r]).score
                        for j, r in enumerate(candidates) if j != i), 9)  # same text, same sum
              for i, h in enumerate(candidates)]
     return means.index(max(means))
@@ -35,5 +35,6 @@ def test_mbr_known_answers():
     assert mbr_choose(["x y z", "a man runs", "a man walks", "a man runs"]) == 1
     assert mbr_choose(["same text"] * 4) == 0  # ties go to the earlier candidate
     assert mbr_choose(["only one"]) == 0
+    assert mbr_choose(["a man", "", ""]) == 1  # two empty candidates agree with each other
     with pytest.raises(ValueError, match="utility must be one of"):
         mbr_choose(["a", "b"], "ter")

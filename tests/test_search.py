@@ -320,9 +320,17 @@ def test_length_limits():
                             max_len_b=6):
         for h in hyps:
             assert 4 <= len(h.tokens) <= 5  # EOS counts toward max_len_b
-    # min_len = budget: the output has exactly budget - 1 tokens, then EOS.
-    for h in greedy_search(model, _pad(srcs), min_len=7, max_len_a=0, max_len_b=8):
-        assert len(h.tokens) == 7
+    # min_len = budget: the output has exactly budget - 1 tokens, then EOS, whose score is the
+    # model's own although min_len forbade it (beyond the budget too: the budget wins).
+    for min_len in (7, 20):
+        greedy = greedy_search(model, _pad(srcs), min_len=min_len, max_len_a=0, max_len_b=8)
+        beam = beam_search(model, _pad(srcs), 3, 0.0, 3, min_len=min_len, max_len_a=0,
+                           max_len_b=8)
+        for src, g, b in zip(srcs, greedy, beam, strict=True):
+            for h in [g, *b]:
+                assert len(h.tokens) == 7
+                assert h.token_logprobs == pytest.approx(_token_lps(model, src, h.tokens),
+                                                         abs=1e-4)
 
 
 @pytest.mark.parametrize("search", ["greedy", "beam", "sampling"])

@@ -726,7 +726,9 @@ def test_mbr_prints_the_choice_among_the_searchs_candidates(models, tmp_path, ca
     (["--sampling", "--nbest", "0"], "--nbest"), (["--sampling", "--top-p", "-1"], "--top-p"),
     (["--sampling", "--top-k", "-2"], "--top-k"), (["--sampling", "--temperature", "0"],
                                                    "--temperature"),
-    (["--sampling", "--epsilon", "1"], "--epsilon"), (["--beam", "2", "--nbest", "3"], "--nbest")])
+    (["--sampling", "--epsilon", "1"], "--epsilon"), (["--beam", "2", "--nbest", "3"], "--nbest"),
+    (["--epsilon", "0.02"], "--epsilon shapes the sampling"),  # ignored without --sampling
+    (["--beam", "16", "--mbr", "chrf", "--top-p", "0.9"], "--top-p shapes the sampling")])
 def test_search_options_out_of_range_are_one_line_errors(models, tmp_path, bad, message):
     path = _write(tmp_path / "in.txt", ["a dog"])
     with pytest.raises(SystemExit, match=f"^translate: {message}"):
