@@ -28,7 +28,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mt.config import count_or_off, positive_int
+from mt.config import positive_int
+from mt.options import add_search_arguments, search_mistake, search_options
 from mt.report import METRICS, compare, render, score_system
 from mt.testsets import (
     EvalError,
@@ -166,7 +167,6 @@ def run(args: argparse.Namespace) -> dict:
 
 def _translate(system: System, test: TestSet, n: int, loaded: dict, args: argparse.Namespace,
                refs: list[list[str]]) -> tuple[list[str], dict]:
-    from mt.translate import SearchOptions
     from mt.workers import default_workers
 
     if not test.src:
@@ -193,10 +193,7 @@ def _translate(system: System, test: TestSet, n: int, loaded: dict, args: argpar
                        else [dict(vars(c)) for c in configs],
                        "load_seconds": time.perf_counter() - start}
     model, tokenizer = loaded[n]
-    opts = SearchOptions(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
-                         max_len_b=args.max_len_b, no_repeat_ngram=args.no_repeat_ngram_size,
-                         batch_tokens=args.batch_tokens,
-                         workers=args.workers or default_workers(args.device))
+    opts = search_options(args, args.workers or default_workers(args.device))
     log.info("translating %s (%d lines) with %s", test.name, len(sources), system.path)
     hyps, speed = translate_test(model, tokenizer, sources, opts)
     speed.update(search=asdict(opts), device=args.device, dtype=args.dtype)
@@ -267,14 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--paired-ar-n", type=int, default=10000, metavar="N",
                    help="approximate randomization trials (default: 10000)")
     g = p.add_argument_group("translation (with -m)")
-    g.add_argument("--beam", type=int, default=5, help="beam size; 1 = greedy (default: 5)")
-    g.add_argument("--lenpen", type=float, default=0.6, help="length penalty (default: 0.6)")
-    g.add_argument("--max-len-a", type=float, default=1.5)
-    g.add_argument("--max-len-b", type=int, default=10)
-    g.add_argument("--no-repeat-ngram-size", type=count_or_off, default=0, metavar="N",
-                   help="no n-gram of N tokens twice in one translation (default: 0, off)")
-    g.add_argument("--batch-tokens", type=int, default=4096,
-                   help="source tokens per batch, padding included (default: 4096)")
+    add_search_arguments(g, nbest=False)
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
     g.add_argument("--workers", type=positive_int, default=None,
                    help="batches translated at once, one core each, as translate --workers "
@@ -300,6 +290,9 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("sacrebleu").setLevel(logging.WARNING)
     args.systems = getattr(args, "systems", None)
+    mistake = search_mistake(args)
+    if mistake:
+        raise SystemExit(f"mt-eval: {mistake}")
     if any(kind == "model" for kind, _ in args.systems or []):
         from mt.inference import keep_freed_memory
 

@@ -20,16 +20,17 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from mt.alignment import align_lines, word_scores
 from mt.batching import pad
-from mt.config import EOS_ID, count_or_off, positive_int
+from mt.config import EOS_ID, positive_int
 from mt.inference import DTYPES, keep_freed_memory, load_models
-from mt.mbr import UTILITIES, mbr_lines
+from mt.mbr import mbr_lines
+from mt.options import SearchOptions, add_search_arguments, search_mistake, search_options
 from mt.search import (
     Ensemble,
     Hypothesis,
@@ -55,27 +56,6 @@ from mt.workers import default_workers, map_batches
 log = logging.getLogger("mt.translate")
 _IN_PIECES = "%d line(s) longer than the model's %d tokens were translated in pieces"
 _NOT_SCORED = "%d line pair(s) longer than the model's %d tokens were not scored (nan)"
-
-@dataclass
-class SearchOptions:
-    """How to search; plain values only (mt-eval records them as JSON)."""
-
-    beam: int = 5  # 1 with nbest 1: greedy
-    lenpen: float = 0.6  # GNMT alpha; 0 ranks by the raw log-probability sum
-    nbest: int = 1  # hypotheses (or samples) returned per line
-    max_len_a: float = 1.5  # output budget a * source tokens + b, EOS included
-    max_len_b: int = 10
-    min_len: int = 0  # no EOS before this many tokens
-    no_repeat_ngram: int = 0  # n > 0: no n-gram twice in one output; 0: off
-    batch_tokens: int = 4096  # source tokens per batch, padding included
-    sampling: bool = False  # draw nbest samples instead of searching (beam is ignored)
-    temperature: float = 1.0
-    top_k: int = 0  # 0: no top-k cut
-    top_p: float = 1.0  # 1.0: no nucleus cut
-    epsilon: float = 0.0  # 0: no epsilon cut
-    seed: int = 0  # the sampling stream (samples depend on the batching as well)
-    workers: int = 1  # batches searched at once, each on its own thread (see translate_ids)
-
 
 def _pieces(ids: list[int], limit: int) -> list[list[int]]:
     """Splits a source (ending in EOS) into pieces of at most ``limit`` tokens, each with EOS."""
@@ -159,7 +139,8 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
                  progress: bool | Any = False, prefixes: list[str] | None = None, *,
                  generator: torch.Generator | None = None,
                  warn: bool = True) -> list[LineResult]:
-    """Encodes, splits over-long lines into pieces, searches them all, and groups them by line.
+    """Encodes, splits over-long lines into pieces, searches them all, and groups them by line
+    (with ``opts.mbr``: each piece's ``opts.mbr_candidates`` cut to the one MBR chooses).
 
     Args:
         model: a Transformer, a list of them (an ensemble) or an Ensemble.
@@ -196,14 +177,16 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     if not isinstance(progress, bool):  # the caller's bar counts lines, the search pieces
         progress.total += len(sources) - len(set(owner))
         progress.update(len(lines) - len(set(owner)))
-    hyps = (translate_ids(model, sources, opts, progress,
+    # With MBR the search draws the candidates, and each line keeps the one MBR chooses.
+    search = replace(opts, nbest=opts.mbr_candidates) if opts.mbr else opts
+    hyps = (translate_ids(model, sources, search, progress,
                           forced if prefix_ids is not None else None, generator=generator)
             if sources else [])
     out = [LineResult([], []) for _ in lines]
     for i, src, h in zip(owner, sources, hyps, strict=True):
         out[i].sources.append(src)
         out[i].hyps.append(h)
-    return out
+    return mbr_lines(tokenizer, out, opts.mbr) if opts.mbr else out
 
 
 def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: float = 0.6,
@@ -287,34 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="input file (default: stdin; an interactive prompt on a terminal)")
     p.add_argument("-o", "--output", default=None,
                    help="output file, written whole or not at all (default, or '-': stdout)")
-    p.add_argument("--beam", type=int, default=5, help="beam size; 1 = greedy (default: 5)")
-    p.add_argument("--nbest", type=int, default=1,
-                   help="print up to N lines per input line, 'index<TAB>translation<TAB>score' "
-                        "(an empty line or one translated in pieces has one)")
-    p.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty alpha")
-    p.add_argument("--max-len-a", type=float, default=1.5,
-                   help="at most a * source tokens + b output tokens (EOS included)")
-    p.add_argument("--max-len-b", type=int, default=10)
-    p.add_argument("--min-len", type=int, default=0, help="no EOS before this many tokens")
-    p.add_argument("--no-repeat-ngram-size", type=count_or_off, default=0, metavar="N",
-                   help="no n-gram of N tokens twice in one translation (0: off), against the "
-                        "loops of an under-trained model; --score ignores it")
-    p.add_argument("--sampling", action="store_true",
-                   help="sample --nbest translations instead of beam search")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="sample from the smallest set of tokens with this much mass (1.0: all)")
-    p.add_argument("--epsilon", type=float, default=0.0,
-                   help="sample no token of probability below this (0: all); 0.02 with --mbr "
-                        "(Freitag et al., 2023)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--mbr", choices=UTILITIES, default=None,
-                   help="minimum Bayes risk: of --mbr-candidates translations per line (samples "
-                        "with --sampling, else the beam's n-best), print the one with the best "
-                        "mean chrF or BLEU against the others")
-    p.add_argument("--mbr-candidates", type=positive_int, default=16, metavar="N",
-                   help="candidates per line for --mbr (default: 16)")
+    add_search_arguments(p)
     p.add_argument("--prefix-file", default=None,
                    help="target prefixes, one line per input line (empty: none), forced at the "
                         "start of each translation")
@@ -331,8 +287,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "EOS's last, to every output line (after --alignment's links)")
     p.add_argument("--alignment-layer", type=int, default=None,
                    help="decoder layer for --alignment (Python index; default: penultimate)")
-    p.add_argument("--batch-tokens", type=int, default=4096,
-                   help="source tokens per batch, padding included")
     p.add_argument("--chunk-lines", type=positive_int, default=100_000,
                    help="lines read, sorted by length, translated and written at a time: bounds "
                         "the memory of a large file and streams a pipe")
@@ -396,8 +350,6 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
             return
         line = line.rstrip("\r\n")
         results = search_lines(model, tokenizer, [line], opts)
-        if args.mbr:
-            results = mbr_lines(tokenizer, results, args.mbr)
         fields = _fields(model, tokenizer, results, args)
         for out in _format(0, _texts(tokenizer, results[0]), fields[0], args.nbest):
             print(out, flush=True)
@@ -408,32 +360,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     keep_freed_memory()
-    if not args.sampling and not 1 <= args.nbest <= args.beam:
-        raise SystemExit(f"translate: --nbest {args.nbest} must be between 1 and --beam "
-                         f"{args.beam}")
-    if args.sampling and args.temperature <= 0:
-        raise SystemExit(f"translate: --temperature must be positive, got {args.temperature}")
-    if args.sampling and args.nbest < 1:
-        raise SystemExit(f"translate: --nbest (samples per line) must be at least 1, got "
-                         f"{args.nbest}")
-    shaped = [name for name, on in (("--temperature", args.temperature != 1.0),
-                                     ("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
-                                     ("--epsilon", args.epsilon != 0.0)) if on]
-    if shaped and not args.sampling:
-        raise SystemExit(f"translate: {shaped[0]} shapes the sampling distribution; add "
-                         "--sampling")
-    if not 0 <= args.top_p <= 1:
-        raise SystemExit(f"translate: --top-p must be between 0 and 1, got {args.top_p}")
-    if args.top_k < 0:
-        raise SystemExit(f"translate: --top-k must be 0 (off) or positive, got {args.top_k}")
-    if not 0 <= args.epsilon < 1:
-        raise SystemExit(f"translate: --epsilon must be in [0, 1), got {args.epsilon}")
-    if args.mbr and (args.nbest != 1 or args.score):
-        raise SystemExit("translate: --mbr prints one translation per line; it does not combine "
-                         "with --nbest or --score")
-    if args.mbr and not args.sampling and args.beam < args.mbr_candidates:
-        raise SystemExit(f"translate: --mbr-candidates {args.mbr_candidates} from beam search "
-                         f"needs --beam {args.mbr_candidates} or more (or --sampling)")
+    mistake = search_mistake(args)
+    if mistake:
+        raise SystemExit(f"translate: {mistake}")
+    if args.mbr and args.score:
+        raise SystemExit("translate: --mbr chooses among translations it searches; it does not "
+                         "combine with --score")
     if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file):
         raise SystemExit("translate: --score scores given translations; it does not combine with "
                          "--sampling, --nbest or --prefix-file")
@@ -467,14 +399,7 @@ def main(argv: list[str] | None = None) -> None:
         if not -n_layers <= args.alignment_layer < n_layers:
             raise SystemExit(f"translate: --alignment-layer {args.alignment_layer}: the decoder "
                              f"has {n_layers} layers")
-    opts = SearchOptions(beam=args.beam, lenpen=args.lenpen,
-                         nbest=args.mbr_candidates if args.mbr else args.nbest,
-                         max_len_a=args.max_len_a, max_len_b=args.max_len_b,
-                         min_len=args.min_len, no_repeat_ngram=args.no_repeat_ngram_size,
-                         batch_tokens=args.batch_tokens,
-                         sampling=args.sampling, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, epsilon=args.epsilon, seed=args.seed,
-                         workers=args.workers or default_workers(args.device))
+    opts = search_options(args, args.workers or default_workers(args.device))
     if interactive:
         with torch.inference_mode():
             _interactive(model, tokenizer, opts, args)
@@ -506,8 +431,6 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     results = search_lines(model, tokenizer, lines, opts, progress, given,
                                            generator=generator, warn=False)
-                    if args.mbr:
-                        results = mbr_lines(tokenizer, results, args.mbr)
                     unfit += sum(len(r.sources) > 1 for r in results)
                 fields = _fields(model, tokenizer, results, args, args.batch_tokens)
                 for i, (r, f) in enumerate(zip(results, fields, strict=True), start=done):

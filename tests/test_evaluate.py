@@ -313,6 +313,29 @@ def test_bfloat16_evaluation_scores_what_translate_writes(tmp_path, capsys):
     assert (tmp_path / "eval.txt").read_text() == (tmp_path / "tr.txt").read_text()
 
 
+@pytest.mark.parametrize("search", [["--sampling", "--epsilon", "0.02", "--seed", "4"],
+                                    ["--beam", "4", "--mbr", "chrf", "--mbr-candidates", "4"],
+                                    ["--sampling", "--mbr", "bleu", "--mbr-candidates", "5"]])
+def test_evaluation_searches_as_translate_does(tmp_path, capsys, search):
+    """mt-eval takes translate's search flags (one definition, mt.options) and scores exactly
+    what translate writes with them; their mistakes are refused in the same words."""
+    from mt.translate import main as translate_main
+
+    src_file, ref_file = _tiny_model_and_test_set(tmp_path)
+    model = str(tmp_path / "m.pt")
+    out = _run(["-m", model, "--src", src_file, "--ref", ref_file, "--max-len-b", "5", *search,
+                "--output", str(tmp_path / "eval.txt")], capsys)
+    translate_main(["-m", model, "-i", src_file, "-o", str(tmp_path / "tr.txt"),
+                    "--max-len-b", "5", *search, "--quiet"])
+    assert (tmp_path / "eval.txt").read_text() == (tmp_path / "tr.txt").read_text()
+    recorded = out["tests"][0]["systems"][0]["search"]
+    assert (recorded["sampling"], recorded["mbr"]) == ("--sampling" in search,
+                                                       "chrf" if "chrf" in search else
+                                                       "bleu" if "bleu" in search else "")
+    with pytest.raises(SystemExit, match="^mt-eval: --epsilon shapes the sampling"):
+        evaluate.main(["-m", model, "--src", src_file, "--ref", ref_file, "--epsilon", "0.1"])
+
+
 def test_model_translates_and_reports_speed(tmp_path, capsys):
     src_file, ref_file = _tiny_model_and_test_set(tmp_path)
     out = _run(["-m", str(tmp_path / "m.pt"), "--src", src_file, "--ref", ref_file, "--beam", "2",

@@ -1,0 +1,112 @@
+"""The search options that ``translate`` and ``mt-eval`` share: one dataclass, its command-line
+flags and their checks, so that both commands search alike and refuse the same mistakes in the
+same words. Free of torch, so that ``--help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from mt.config import count_or_off, positive_int
+from mt.mbr import UTILITIES
+
+
+@dataclass
+class SearchOptions:
+    """How to search; plain values only (mt-eval records them as JSON)."""
+
+    beam: int = 5  # 1 with nbest 1: greedy
+    lenpen: float = 0.6  # GNMT alpha; 0 ranks by the raw log-probability sum
+    nbest: int = 1  # hypotheses (or samples) returned per line
+    max_len_a: float = 1.5  # output budget a * source tokens + b, EOS included
+    max_len_b: int = 10
+    min_len: int = 0  # no EOS before this many tokens
+    no_repeat_ngram: int = 0  # n > 0: no n-gram twice in one output; 0: off
+    batch_tokens: int = 4096  # source tokens per batch, padding included
+    sampling: bool = False  # draw nbest samples instead of searching (beam is ignored)
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0  # 1.0: no nucleus cut
+    epsilon: float = 0.0  # 0: no epsilon cut
+    seed: int = 0  # the sampling stream (samples depend on the batching as well)
+    mbr: str = ""  # chrf | bleu: one translation per line, chosen among mbr_candidates; "": off
+    mbr_candidates: int = 16  # samples (sampling) or the beam's n-best that MBR chooses among
+    workers: int = 1  # batches searched at once, each on its own thread (see translate_ids)
+
+
+def add_search_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, *,
+                         nbest: bool = True) -> None:
+    """The flags of every SearchOptions field but ``workers`` (``--nbest`` where the command
+    prints n-best lists); docs/decoding.md describes each."""
+    p.add_argument("--beam", type=int, default=5, help="beam size; 1 = greedy (default: 5)")
+    if nbest:
+        p.add_argument("--nbest", type=int, default=1,
+                       help="print up to N lines per input line, 'index<TAB>translation<TAB>"
+                            "score' (an empty line or one translated in pieces has one)")
+    p.add_argument("--lenpen", type=float, default=0.6,
+                   help="GNMT length penalty alpha (default: 0.6)")
+    p.add_argument("--max-len-a", type=float, default=1.5,
+                   help="at most a * source tokens + b output tokens, EOS included (default: 1.5)")
+    p.add_argument("--max-len-b", type=int, default=10, help="(default: 10)")
+    p.add_argument("--min-len", type=int, default=0, help="no EOS before this many tokens")
+    p.add_argument("--no-repeat-ngram-size", type=count_or_off, default=0, metavar="N",
+                   help="no n-gram of N tokens twice in one translation (0: off), against the "
+                        "loops of an under-trained model")
+    p.add_argument("--sampling", action="store_true",
+                   help="sample translations instead of beam search")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens with this much mass (1.0: all)")
+    p.add_argument("--epsilon", type=float, default=0.0,
+                   help="sample no token of probability below this (0: all); 0.02 with --mbr "
+                        "(Freitag et al., 2023)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--mbr", choices=UTILITIES, default=None,
+                   help="minimum Bayes risk: of --mbr-candidates translations per line (samples "
+                        "with --sampling, else the beam's n-best), the one with the best mean "
+                        "chrF or BLEU against the others")
+    p.add_argument("--mbr-candidates", type=positive_int, default=16, metavar="N",
+                   help="candidates per line for --mbr (default: 16)")
+    p.add_argument("--batch-tokens", type=positive_int, default=4096,
+                   help="source tokens per batch, padding included (default: 4096)")
+
+
+def search_mistake(args: argparse.Namespace) -> str | None:
+    """The first search flag out of range or without the flag it needs, in words; None if none."""
+    nbest = getattr(args, "nbest", 1)
+    if not args.sampling and not 1 <= nbest <= args.beam:
+        return f"--nbest {nbest} must be between 1 and --beam {args.beam}"
+    if args.sampling and nbest < 1:
+        return f"--nbest (samples per line) must be at least 1, got {nbest}"
+    shaped = [name for name, on in (("--temperature", args.temperature != 1.0),
+                                    ("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
+                                    ("--epsilon", args.epsilon != 0.0)) if on]
+    if shaped and not args.sampling:
+        return f"{shaped[0]} shapes the sampling distribution; add --sampling"
+    if args.temperature <= 0:
+        return f"--temperature must be positive, got {args.temperature}"
+    if not 0 <= args.top_p <= 1:
+        return f"--top-p must be between 0 and 1, got {args.top_p}"
+    if args.top_k < 0:
+        return f"--top-k must be 0 (off) or positive, got {args.top_k}"
+    if not 0 <= args.epsilon < 1:
+        return f"--epsilon must be in [0, 1), got {args.epsilon}"
+    if args.mbr and nbest != 1:
+        return "--mbr gives one translation per line; it does not combine with --nbest"
+    if args.mbr and not args.sampling and args.beam < args.mbr_candidates:
+        return (f"--mbr-candidates {args.mbr_candidates} from beam search needs --beam "
+                f"{args.mbr_candidates} or more (or --sampling)")
+    return None
+
+
+def search_options(args: argparse.Namespace, workers: int) -> SearchOptions:
+    """SearchOptions from the flags of ``add_search_arguments``."""
+    return SearchOptions(
+        beam=args.beam, lenpen=args.lenpen, nbest=getattr(args, "nbest", 1),
+        max_len_a=args.max_len_a, max_len_b=args.max_len_b, min_len=args.min_len,
+        no_repeat_ngram=args.no_repeat_ngram_size, batch_tokens=args.batch_tokens,
+        sampling=args.sampling, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        epsilon=args.epsilon, seed=args.seed, mbr=args.mbr or "",
+        mbr_candidates=args.mbr_candidates, workers=workers)
