@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import gc
 import hashlib
 import io
@@ -74,6 +75,21 @@ class Tokenizer:
         digest = hashlib.sha256(self.src_proto)
         digest.update(b"joint" if self.tgt_proto is None else self.tgt_proto)
         return digest.hexdigest()[:16]
+
+    @functools.cached_property
+    def src_boundaries(self) -> tuple[list[bool], list[bool]]:
+        """Per source id: whether its piece starts a word, and whether it ends a sentence (., !,
+        ?, an ellipsis or their CJK forms, then closing quotes or brackets). ``translate`` cuts a
+        line longer than the model after a sentence where it can, else between words."""
+        sp = self.src
+        starts, ends = [], []
+        for i in range(sp.get_piece_size()):
+            piece = sp.id_to_piece(i)
+            control = sp.is_control(i)
+            starts.append(not control and (piece.startswith("\u2581") or sp.is_unknown(i)))
+            text = "" if control else piece.rstrip("\"'\u00bb\u201d\u2019)]")
+            ends.append(text[-1:] in (".", "!", "?", "\u2026", "\u3002", "\uff01", "\uff1f"))
+        return starts, ends
 
     def encode_src(self, texts: list[str]) -> list[list[int]]:
         """Source ids end with EOS so that every sentence, even an empty one, has a real token."""

@@ -4,9 +4,9 @@ Input is read a chunk of lines at a time (``--chunk-lines``); a chunk's lines ar
 by length, cut into batches by a token budget, searched, put back in input order and written
 before the next chunk is read, so memory is bounded whatever the input's size. Empty lines give
 empty lines without touching the model. A line longer than the model's maximum is translated in
-pieces that are joined (one warning), never dropped. ``-o FILE`` appears only once whole.
-stdout carries translations only; logs, the progress bar and the interactive prompt go to stderr.
-See docs/decoding.md for every option and output format.
+pieces, cut between sentences where it can, that are joined (one warning), never dropped.
+``-o FILE`` appears only once whole. stdout carries translations only; logs, the progress bar
+and the interactive prompt go to stderr. See docs/decoding.md for every option and output format.
 """
 
 from __future__ import annotations
@@ -57,13 +57,28 @@ log = logging.getLogger("mt.translate")
 _IN_PIECES = "%d line(s) longer than the model's %d tokens were translated in pieces"
 _NOT_SCORED = "%d line pair(s) longer than the model's %d tokens were not scored (nan)"
 
-def _pieces(ids: list[int], limit: int) -> list[list[int]]:
-    """Splits a source (ending in EOS) into pieces of at most ``limit`` tokens, each with EOS."""
+def _pieces(ids: list[int], limit: int,
+            boundaries: tuple[list[bool], list[bool]] | None = None) -> list[list[int]]:
+    """Splits a source (ending in EOS) into pieces of at most ``limit`` tokens, each with EOS.
+
+    Each cut goes after the last sentence end that fits, else before the last word start that
+    fits, else where the limit falls (``boundaries``: Tokenizer.src_boundaries; without them,
+    where the limit falls). A piece is translated on its own, so a cut inside a sentence, or a
+    word, costs the translation its context there.
+    """
     if len(ids) <= limit:
         return [ids]
-    body = ids[:-1]
-    step = limit - 1
-    return [body[i : i + step] + ids[-1:] for i in range(0, len(body), step)]
+    body, eos, step = ids[:-1], ids[-1:], limit - 1
+    starts, ends = boundaries or ([], [])
+    out, i = [], 0
+    while len(body) - i > step:
+        cut = i + step
+        if boundaries:  # the last cut in (i, i + step] before a word start, best after a sentence
+            words = [k for k in range(i + step, i, -1) if starts[body[k]]]
+            cut = next((k for k in words if ends[body[k - 1]]), words[0] if words else cut)
+        out.append(body[i:cut] + eos)
+        i = cut
+    return [*out, body[i:] + eos]
 
 
 def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
@@ -166,7 +181,7 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     for i, (line, ids) in enumerate(zip(lines, encoded, strict=True)):
         if not line.strip():
             continue
-        pieces = _pieces(ids, limit)
+        pieces = _pieces(ids, limit, tokenizer.src_boundaries)
         long_lines += len(pieces) > 1
         sources.extend(pieces)
         owner.extend([i] * len(pieces))

@@ -136,3 +136,17 @@ def test_special_ids_are_checked():
                                    vocab_size=40, minloglevel=2)  # default ids: unk=0, bos=1...
     with pytest.raises(ValueError, match="special ids"):
         Tokenizer(model.getvalue())
+
+
+def test_source_boundaries_mark_word_starts_and_sentence_ends():
+    text = [s + rng_end for s, rng_end in zip(SRC, [".", "!", "?", ".\"", "", ","] * 80,
+                                               strict=False)]
+    tok = train_tokenizer(text, text, TokenizerConfig(vocab_size=150), seed=0)
+    starts, ends = tok.src_boundaries
+    assert len(starts) == len(ends) == tok.src_vocab_size
+    for ids, line in zip(tok.encode_src(text[:60]), text[:60], strict=True):
+        words = [i for i, t in enumerate(ids[:-1]) if starts[t]]
+        assert len(words) == len(line.split())  # every word starts at a flagged piece
+        ended = bool(ids[:-1]) and ends[ids[-2]]
+        assert ended == line.rstrip('"').endswith((".", "!", "?"))
+    assert not any(starts[i] or ends[i] for i in (PAD_ID, BOS_ID, EOS_ID))

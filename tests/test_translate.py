@@ -92,6 +92,23 @@ def test_line_alignment_empty_long_and_many_lines(models, tmp_path, capsys):
     assert len(tok.encode_src([lines[100]])[0]) > 2000
 
 
+def test_long_lines_are_cut_after_sentences_else_between_words():
+    """Known cuts with a made-up vocabulary: 4 starts a word, 5 continues one, 6 starts a word
+    and ends a sentence ('▁.'), 3 is EOS; limit 6 = 5 body tokens + EOS per piece."""
+    from mt.translate import _pieces
+
+    starts = [False, False, False, False, True, False, True]
+    ends = [False, False, False, False, False, False, True]
+    line = [4, 5, 6, 4, 5, 5, 4, 5, 4, 4, 6, 4, 3]
+    pieces = _pieces(line, 6, (starts, ends))
+    assert pieces == [[4, 5, 6, 3], [4, 5, 5, 4, 5, 3], [4, 4, 6, 4, 3]]
+    # sentence end first (after 6), then the last word start, and always the whole body, in order
+    assert _pieces(line, 6) == [line[:5] + [3], line[5:10] + [3], line[10:]]  # no boundaries
+    one_word = [4] + [5] * 11 + [3]  # no word start to cut at: where the limit falls
+    assert _pieces(one_word, 6, (starts, ends)) == _pieces(one_word, 6)
+    assert [t for p in pieces for t in p[:-1]] == line[:-1]
+
+
 def test_output_does_not_depend_on_batch_size_or_order(models):
     model, tok, _ = load_model(models["a"])
     rng = random.Random(2)
