@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -69,21 +70,36 @@ def export_main(argv: list[str] | None = None) -> None:
                 export_hf(model, tokenizer, new)
             else:
                 export_ctranslate2(model, tokenizer, new, args.quantization)
-            if out_dir.exists():  # moved aside, not deleted, until the new one is in place
-                old = Path(tmp) / "old"
-                out_dir.rename(old)
-                try:
-                    new.rename(out_dir)
-                except BaseException:
-                    old.rename(out_dir)
-                    raise
-            else:
-                new.rename(out_dir)
+            _swap(new, out_dir, Path(tmp) / "old")
     except ImportError as err:
         sys.exit(f"mt-export: {err}; install the export extra: pip install 'mt[export]'")
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"mt-export: {err}")
     log.info("wrote %s (%s)", args.out, args.format)
+
+
+def _swap(new: Path, out_dir: Path, aside: Path) -> None:
+    """Puts ``new`` at ``out_dir``, the old one moved ``aside`` first (deleted with it later).
+
+    Ctrl-C and SIGTERM wait until both renames are done (they are blocked in between), so an
+    interrupt cannot leave the old export aside, where its temporary directory would delete it.
+    """
+    block = {signal.SIGINT, signal.SIGTERM}
+    masked = hasattr(signal, "pthread_sigmask")
+    if masked:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, block)
+    try:
+        if out_dir.exists() or out_dir.is_symlink():
+            out_dir.rename(aside)
+        try:
+            new.rename(out_dir)
+        except OSError:
+            if aside.exists():
+                aside.rename(out_dir)
+            raise
+    finally:
+        if masked:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def import_main(argv: list[str] | None = None) -> None:

@@ -34,6 +34,15 @@ class SearchOptions:
     mbr_candidates: int = 16  # samples (sampling) or the beam's n-best that MBR chooses among
     workers: int = 1  # batches searched at once, each on its own thread (see translate_ids)
 
+    def __post_init__(self) -> None:
+        if self.mbr and self.mbr not in UTILITIES:
+            raise ValueError(f"mbr must be one of {UTILITIES} (or '' for none), got {self.mbr!r}")
+        if self.mbr and self.nbest != 1:
+            raise ValueError("mbr gives one translation per line; leave nbest at 1")
+        if self.mbr and not self.sampling and self.beam < self.mbr_candidates:
+            raise ValueError(f"mbr_candidates={self.mbr_candidates} from beam search need "
+                             f"beam >= {self.mbr_candidates} (or sampling=True)")
+
 
 def add_search_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, *,
                          nbest: bool = True) -> None:
@@ -76,6 +85,8 @@ def add_search_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, *
 def search_mistake(args: argparse.Namespace) -> str | None:
     """The first search flag out of range or without the flag it needs, in words; None if none."""
     nbest = getattr(args, "nbest", 1)
+    if args.beam < 1:
+        return f"--beam must be at least 1, got {args.beam}"
     if not args.sampling and not 1 <= nbest <= args.beam:
         return f"--nbest {nbest} must be between 1 and --beam {args.beam}"
     if args.sampling and nbest < 1:

@@ -213,8 +213,8 @@ def _constrain(lprobs: Tensor, step: int, min_len: int, force_eos: Tensor,
     if prefix is not None and step < prefix.steps:
         original = lprobs.gather(1, prefix.tokens[rows, step][:, None])[:, 0]
     ban = no_repeat_ngram and history is not None and history.size(1) >= no_repeat_ngram
-    # The model's own EOS log-probability, for rows that end although min_len forbids it.
-    eos = lprobs[:, EOS_ID].clone() if ban or step < min_len else None
+    # The model's own EOS log-probability, for rows that end whatever the constraints below say.
+    eos = lprobs[:, EOS_ID].clone()
     lprobs[:, PAD_ID] = -torch.inf
     lprobs[:, BOS_ID] = -torch.inf
     if step < min_len:
@@ -229,10 +229,10 @@ def _constrain(lprobs: Tensor, step: int, min_len: int, force_eos: Tensor,
     if original is not None:
         prefix.force(lprobs, rows, step, original)
     if force_eos.any():  # after the prefix: a prefix longer than the model's limit is cut
-        own = eos[force_eos] if eos is not None else lprobs[force_eos, EOS_ID].clone()
+        own = eos[force_eos]
         lprobs[force_eos] = -torch.inf
-        # EOS keeps its own probability (the hypothesis score stays honest, min_len or not) but
-        # is the only option; 0 only where the model's own underflowed.
+        # EOS keeps its own probability (the hypothesis score stays honest, min_len, a prefix or
+        # not) but is the only option; 0 only where the model's own underflowed.
         lprobs[force_eos, EOS_ID] = torch.where(torch.isfinite(own), own, torch.zeros_like(own))
 
 

@@ -40,6 +40,26 @@ log = logging.getLogger(__name__)
 META_FILE = "tokenizer.json"
 
 
+# Closing quotes and brackets that may follow a sentence's final punctuation.
+_CLOSERS = "\"'\u00bb\u201d\u2019)]\u300d\u300f\uff09"
+
+
+@dataclasses.dataclass
+class Boundaries:
+    """Per source id, what its piece says about cutting a line before or after it.
+
+    starts: the piece starts a word (a '▁' piece), so a cut before it falls between words.
+    ends: the piece ends a sentence: ., !, ?, an ellipsis or 。 (then closing quotes or brackets).
+    closes: the piece is closing quotes or brackets alone (a sentence may end before it).
+    unspaced: the piece ends with 。, after which a sentence starts without a space.
+    """
+
+    starts: list[bool]
+    ends: list[bool]
+    closes: list[bool]
+    unspaced: list[bool]
+
+
 class Tokenizer:
     """Source and target SentencePiece processors (the same object when the vocabulary is joint)."""
 
@@ -77,19 +97,19 @@ class Tokenizer:
         return digest.hexdigest()[:16]
 
     @functools.cached_property
-    def src_boundaries(self) -> tuple[list[bool], list[bool]]:
-        """Per source id: whether its piece starts a word, and whether it ends a sentence (., !,
-        ?, an ellipsis or their CJK forms, then closing quotes or brackets). ``translate`` cuts a
-        line longer than the model after a sentence where it can, else between words."""
+    def src_boundaries(self) -> Boundaries:
+        """Where ``translate`` may cut a source line longer than the model (``Boundaries``)."""
         sp = self.src
-        starts, ends = [], []
+        marks = Boundaries([], [], [], [])
         for i in range(sp.get_piece_size()):
-            piece = sp.id_to_piece(i)
             control = sp.is_control(i)
-            starts.append(not control and (piece.startswith("\u2581") or sp.is_unknown(i)))
-            text = "" if control else piece.rstrip("\"'\u00bb\u201d\u2019)]")
-            ends.append(text[-1:] in (".", "!", "?", "\u2026", "\u3002", "\uff01", "\uff1f"))
-        return starts, ends
+            piece = "" if control else sp.id_to_piece(i)
+            marks.starts.append(piece.startswith("\u2581"))  # not <unk>: it may be mid-word
+            text = piece.rstrip(_CLOSERS)
+            marks.ends.append(text[-1:] in (".", "!", "?", "\u2026", "\u3002"))
+            marks.closes.append(bool(piece) and not text.lstrip("\u2581"))
+            marks.unspaced.append(text[-1:] == "\u3002")
+        return marks
 
     def encode_src(self, texts: list[str]) -> list[list[int]]:
         """Source ids end with EOS so that every sentence, even an empty one, has a real token."""

@@ -51,34 +51,48 @@ from mt.textio import (
     parallel_lines,
     read_lines,
 )
+from mt.tokenizer import Boundaries
 from mt.workers import default_workers, map_batches
 
 log = logging.getLogger("mt.translate")
 _IN_PIECES = "%d line(s) longer than the model's %d tokens were translated in pieces"
 _NOT_SCORED = "%d line pair(s) longer than the model's %d tokens were not scored (nan)"
 
-def _pieces(ids: list[int], limit: int,
-            boundaries: tuple[list[bool], list[bool]] | None = None) -> list[list[int]]:
+def _pieces(ids: list[int], limit: int, marks: Boundaries | None = None) -> list[list[int]]:
     """Splits a source (ending in EOS) into pieces of at most ``limit`` tokens, each with EOS.
 
-    Each cut goes after the last sentence end that fits, else before the last word start that
-    fits, else where the limit falls (``boundaries``: Tokenizer.src_boundaries; without them,
-    where the limit falls). A piece is translated on its own, so a cut inside a sentence, or a
-    word, costs the translation its context there.
+    Each cut goes after the last sentence end that fits (Tokenizer.src_boundaries; closing quotes
+    after it included, at least a quarter of the limit into the piece, so that "Dr." alone does
+    not become a piece), else before the last word start that fits, else where the limit falls
+    (without ``marks``, always there). A piece is translated on its own, so a cut inside a
+    sentence, or a word, costs the translation its context there.
     """
     if len(ids) <= limit:
         return [ids]
+    if limit < 2:
+        raise ValueError(f"a model of {limit} position(s) has no room for a token and EOS")
     body, eos, step = ids[:-1], ids[-1:], limit - 1
-    starts, ends = boundaries or ([], [])
     out, i = [], 0
     while len(body) - i > step:
-        cut = i + step
-        if boundaries:  # the last cut in (i, i + step] before a word start, best after a sentence
-            words = [k for k in range(i + step, i, -1) if starts[body[k]]]
-            cut = next((k for k in words if ends[body[k - 1]]), words[0] if words else cut)
+        cut = _cut(body, i, step, marks) if marks else i + step
         out.append(body[i:cut] + eos)
         i = cut
     return [*out, body[i:] + eos]
+
+
+def _cut(body: list[int], i: int, step: int, marks: Boundaries) -> int:
+    """Where the piece starting at ``body[i]`` ends (see ``_pieces``)."""
+    word = None
+    for k in range(i + step, i, -1):
+        spaced = marks.starts[body[k]]
+        word = k if word is None and spaced else word
+        j = k - 1
+        while j > i and marks.closes[body[j]]:
+            j -= 1
+        if (marks.ends[body[j]] and (spaced or marks.unspaced[body[j]])
+                and k - i >= max(step // 4, 1)):
+            return k
+    return word or i + step
 
 
 def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
@@ -193,7 +207,7 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         progress.total += len(sources) - len(set(owner))
         progress.update(len(lines) - len(set(owner)))
     # With MBR the search draws the candidates, and each line keeps the one MBR chooses.
-    search = replace(opts, nbest=opts.mbr_candidates) if opts.mbr else opts
+    search = replace(opts, nbest=opts.mbr_candidates, mbr="") if opts.mbr else opts
     hyps = (translate_ids(model, sources, search, progress,
                           forced if prefix_ids is not None else None, generator=generator)
             if sources else [])

@@ -334,6 +334,8 @@ def test_evaluation_searches_as_translate_does(tmp_path, capsys, search):
                                                        "bleu" if "bleu" in search else "")
     with pytest.raises(SystemExit, match="^mt-eval: --epsilon shapes the sampling"):
         evaluate.main(["-m", model, "--src", src_file, "--ref", ref_file, "--epsilon", "0.1"])
+    with pytest.raises(SystemExit, match="^mt-eval: --beam must be at least 1, got 0"):
+        evaluate.main(["-m", model, "--src", src_file, "--ref", ref_file, "--beam", "0"])
 
 
 def test_model_translates_and_reports_speed(tmp_path, capsys):

@@ -357,6 +357,9 @@ def test_prefix_longer_than_the_model_limit_is_cut():
     beam = beam_search(model, src, beam_size=2, prefixes=prefixes)
     for hyps in ([greedy[0]], beam[0]):
         assert hyps[0].tokens == [5] * 63
+        # the EOS that the limit forces inside the prefix keeps the model's own log-probability
+        assert hyps[0].token_logprobs == pytest.approx(
+            _token_lps(model, _sources(2)[0], [5] * 63), abs=1e-4)
     assert greedy[1].tokens[:3] == beam[1][0].tokens[:3] == [6] * 3
 
 

@@ -139,14 +139,18 @@ def test_special_ids_are_checked():
 
 
 def test_source_boundaries_mark_word_starts_and_sentence_ends():
-    text = [s + rng_end for s, rng_end in zip(SRC, [".", "!", "?", ".\"", "", ","] * 80,
-                                               strict=False)]
+    ends = [".", "!", "?", '."', "", ",", ' "Yes."']
+    text = [s + e for s, e in zip(SRC, ends * 60, strict=False)]
     tok = train_tokenizer(text, text, TokenizerConfig(vocab_size=150), seed=0)
-    starts, ends = tok.src_boundaries
-    assert len(starts) == len(ends) == tok.src_vocab_size
-    for ids, line in zip(tok.encode_src(text[:60]), text[:60], strict=True):
-        words = [i for i, t in enumerate(ids[:-1]) if starts[t]]
+    marks = tok.src_boundaries
+    assert len(marks.starts) == len(marks.ends) == len(marks.closes) == tok.src_vocab_size
+    assert marks.closes[tok.src.piece_to_id('"')] and marks.ends[tok.src.piece_to_id(".")]
+    for ids, line in zip(tok.encode_src(text[:70]), text[:70], strict=True):
+        words = [i for i, t in enumerate(ids[:-1]) if marks.starts[t]]
         assert len(words) == len(line.split())  # every word starts at a flagged piece
-        ended = bool(ids[:-1]) and ends[ids[-2]]
-        assert ended == line.rstrip('"').endswith((".", "!", "?"))
-    assert not any(starts[i] or ends[i] for i in (PAD_ID, BOS_ID, EOS_ID))
+        last = len(ids) - 2
+        while last > 0 and marks.closes[ids[last]]:
+            last -= 1
+        assert marks.ends[ids[last]] == line.rstrip('"').endswith((".", "!", "?"))
+    assert not any(marks.starts[i] or marks.ends[i] or marks.closes[i]
+                   for i in (PAD_ID, BOS_ID, EOS_ID, UNK_ID))

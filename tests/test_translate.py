@@ -94,19 +94,28 @@ def test_line_alignment_empty_long_and_many_lines(models, tmp_path, capsys):
 
 def test_long_lines_are_cut_after_sentences_else_between_words():
     """Known cuts with a made-up vocabulary: 4 starts a word, 5 continues one, 6 starts a word
-    and ends a sentence ('▁.'), 3 is EOS; limit 6 = 5 body tokens + EOS per piece."""
+    and ends a sentence ('▁.'), 7 is a closing quote alone, 8 ends a sentence with 。 (no space
+    after it), 3 is EOS."""
+    from mt.tokenizer import Boundaries
     from mt.translate import _pieces
 
-    starts = [False, False, False, False, True, False, True]
-    ends = [False, False, False, False, False, False, True]
-    line = [4, 5, 6, 4, 5, 5, 4, 5, 4, 4, 6, 4, 3]
-    pieces = _pieces(line, 6, (starts, ends))
+    marks = Boundaries(starts=[False] * 4 + [True, False, True, False, False],
+                       ends=[False] * 6 + [True, False, True],
+                       closes=[False] * 7 + [True, False], unspaced=[False] * 8 + [True])
+    line = [4, 5, 6, 4, 5, 5, 4, 5, 4, 4, 6, 4, 3]  # limit 6: 5 body tokens + EOS per piece
+    pieces = _pieces(line, 6, marks)
     assert pieces == [[4, 5, 6, 3], [4, 5, 5, 4, 5, 3], [4, 4, 6, 4, 3]]
-    # sentence end first (after 6), then the last word start, and always the whole body, in order
-    assert _pieces(line, 6) == [line[:5] + [3], line[5:10] + [3], line[10:]]  # no boundaries
+    assert [t for p in pieces for t in p[:-1]] == line[:-1]  # the whole body, in order
+    assert _pieces(line, 6) == [line[:5] + [3], line[5:10] + [3], line[10:]]  # no marks
     one_word = [4] + [5] * 11 + [3]  # no word start to cut at: where the limit falls
-    assert _pieces(one_word, 6, (starts, ends)) == _pieces(one_word, 6)
-    assert [t for p in pieces for t in p[:-1]] == line[:-1]
+    assert _pieces(one_word, 6, marks) == _pieces(one_word, 6)
+    # after closing quotes that follow the sentence's end; after 。 with no word start next
+    assert _pieces([4, 5, 6, 7, 4, 5, 5, 5, 3], 6, marks)[0] == [4, 5, 6, 7, 3]
+    assert _pieces([5, 5, 8, 5, 5, 5, 5, 5, 3], 6, marks)[0] == [5, 5, 8, 3]
+    # a sentence end too early in the piece ("Dr.") loses to the last word start
+    assert _pieces([6] + [4] * 9 + [3], 9, marks)[0] == [6, 4, 4, 4, 4, 4, 4, 4, 3]
+    with pytest.raises(ValueError, match="1 position"):
+        _pieces([4, 4, 3], 1, marks)
 
 
 def test_output_does_not_depend_on_batch_size_or_order(models):
