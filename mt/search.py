@@ -20,7 +20,6 @@ are averaged (and renormalised), each member with its own cache.
 from __future__ import annotations
 
 import functools
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -32,7 +31,7 @@ from mt.config import BOS_ID, EOS_ID, PAD_ID
 from mt.kvcache import float32_products_on_onednn
 
 
-def _search(fn):
+def inference_search(fn):
     """Runs a search under ``torch.inference_mode`` with float32 products in oneDNN where that
     keeps float32 (``mt.kvcache.float32_products_on_onednn``) for the whole of a CPU search.
 
@@ -89,19 +88,20 @@ class Ensemble:
         return min(m.cfg.max_positions for m in self.models)
 
 
-def _members(model) -> list:
+def ensemble_members(model) -> list:
+    """The models an Ensemble averages, or the one model."""
     return model.models if isinstance(model, Ensemble) else [model]
 
 
 def first_member(model):
     """The model itself, or an Ensemble's first member: where one model is enough (its device,
     its layers, the attention that alignments read)."""
-    return _members(model)[0]
+    return ensemble_members(model)[0]
 
 
 def max_positions(model) -> int:
     """The longest sequence a model (or every member of an ensemble) accepts."""
-    return min(m.cfg.max_positions for m in _members(model))
+    return min(m.cfg.max_positions for m in ensemble_members(model))
 
 
 class _Decoder:
@@ -118,7 +118,7 @@ class _Decoder:
     ROWS = 128
 
     def __init__(self, model, src: Tensor, max_len: int) -> None:
-        self.models = _members(model)
+        self.models = ensemble_members(model)
         self.caches = []
         for m in self.models:
             memory, src_mask = m.encode(src)
@@ -269,7 +269,7 @@ def _sample(lprobs: Tensor, temperature: float, top_k: int, top_p: float,
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-@_search
+@inference_search
 def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 10,
                   min_len: int = 0, lenpen: float = 0.0,
                   prefixes: list[list[int]] | None = None, sampling: bool = False,
@@ -394,7 +394,7 @@ def _best(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return values, which.gather(1, j // size) * size + j % size
 
 
-@_search
+@inference_search
 def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbest: int = 1,
                 max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
                 prefixes: list[list[int]] | None = None,
@@ -497,87 +497,3 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
         step += 1
 
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
-
-
-@_search
-def forced_scores(model, src: Tensor, tgt: Tensor, lenpen: float = 0.0) -> list[Hypothesis]:
-    """Scores given translations as a search would have scored them, had it produced them.
-
-    One teacher-forced pass per model (an Ensemble averages and renormalises its members'
-    log-probabilities as the searches do), so ``score`` and ``logprob`` equal what ``--nbest``
-    reports for the same tokens, up to the order of sums. What people score given translations
-    for: reranking n-best lists, filtering parallel data by model score, and the log-probability
-    (hence perplexity) of references.
-
-    Args:
-        model: a Transformer or an Ensemble.
-        src: (B, S) source ids, right-padded (each ending in EOS).
-        tgt: (B, T) target ids, each ending in EOS, right-padded with PAD.
-        lenpen: GNMT alpha for ``score`` (0: ``score`` is the log-probability).
-    Returns:
-        per sentence a Hypothesis of its tokens (EOS dropped).
-    """
-    bos = torch.full((tgt.size(0), 1), BOS_ID, dtype=tgt.dtype, device=tgt.device)
-    tgt_in = torch.cat([bos, tgt[:, :-1]], dim=1)  # after EOS only padding, which no token sees
-    members = _members(model)
-    real = tgt != PAD_ID
-    positions = real.flatten()  # padding is neither projected nor scored
-    states = [m.decode(tgt_in, *m.encode(src), project=False).flatten(0, 1)[positions]
-              for m in members]
-    targets = tgt.flatten()[positions]
-    target_lp = torch.empty(targets.shape, dtype=torch.float32, device=tgt.device)
-    # The log-probabilities over the vocabulary a block of positions at a time (16 MB of float32),
-    # keeping only the target's: (B, T, V) whole would be gigabytes for large batches.
-    block = max(1, 2**22 // members[0].cfg.tgt_vocab_size)
-    for i in range(0, targets.numel(), block):
-        total = None
-        for m, y in zip(members, states, strict=True):
-            lp = torch.log_softmax(m.project(y[i : i + block]), -1, dtype=torch.float32)
-            total = lp if total is None else total.add_(lp)
-        if len(members) > 1:
-            total = torch.log_softmax(total / len(members), -1)
-        target_lp[i : i + block] = total.gather(-1, targets[i : i + block, None])[:, 0]
-    token_lp = torch.zeros(tgt.shape, dtype=torch.float32, device=tgt.device)
-    token_lp.masked_scatter_(real, target_lp)
-    lengths = real.sum(dim=1)
-    logprob = token_lp.sum(dim=1)
-    score = logprob / length_penalty(lengths.float(), lenpen)
-    return [Hypothesis(row[: n - 1], s, lp_, t_lp[:n])
-            for row, n, s, lp_, t_lp in zip(tgt.tolist(), lengths.tolist(), score.tolist(),
-                                            logprob.tolist(), token_lp.tolist(), strict=True)]
-
-
-@_search
-def cross_attention(model, src: Tensor, tgt: Tensor, layer: int = -1) -> Tensor:
-    """Teacher-forced cross-attention weights of one decoder layer, averaged over heads.
-
-    Computed here from the layer's own modules (``softmax(q k^T / sqrt(K))`` with the source mask),
-    so the model needs no attention-returning code path. Row ``j`` is the attention of the decoder
-    position that predicts target token ``j``.
-
-    Args:
-        model: a Transformer (not an Ensemble: take one member).
-        src: (B, S) source ids, right-padded.
-        tgt: (B, T) target ids as generated (EOS included), right-padded.
-        layer: which decoder layer (Python index; -1 the last).
-    Returns:
-        (B, T, S) float32 attention weights; padded source positions get 0.
-    """
-    layers = model.decoder_layers
-    if not -len(layers) <= layer < len(layers):
-        raise ValueError(f"alignment layer {layer} does not exist: the decoder has {len(layers)} "
-                         "layers")
-    memory, src_mask = model.encode(src)
-    bos = torch.full((tgt.size(0), 1), BOS_ID, dtype=tgt.dtype, device=tgt.device)
-    y = model.embed(torch.cat([bos, tgt[:, :-1]], dim=1), model.tgt_embed, model.tgt_positions)
-    index = layer % len(layers)
-    for block in layers[:index]:
-        y = block(y, memory, src_mask)
-    block = layers[index]
-    y = block.self_sub.output(y, block.self_attn(block.self_sub.input(y), causal=True))
-    attn = block.cross_attn
-    q = attn.split_heads(attn.q_proj(block.cross_sub.input(y))).float()  # (B, H, T, K)
-    k, _ = attn.project_kv(memory)
-    weights = q @ k.float().transpose(-1, -2) / math.sqrt(attn.head_dim)  # (B, H, T, S)
-    weights = weights.masked_fill(~src_mask, -torch.inf)
-    return F.softmax(weights, dim=-1).mean(dim=1)

@@ -31,12 +31,12 @@ from mt.config import EOS_ID, positive_int
 from mt.inference import DTYPES, keep_freed_memory, load_models
 from mt.mbr import mbr_lines
 from mt.options import SearchOptions, add_search_arguments, search_mistake, search_options
+from mt.scoring import forced_scores
 from mt.search import (
     Ensemble,
     Hypothesis,
     beam_search,
     first_member,
-    forced_scores,
     greedy_search,
     max_positions,
     sample_search,

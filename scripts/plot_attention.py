@@ -2,7 +2,7 @@
 
 The model translates the sentence (beam search, or ``--target`` forces a given translation), then
 one decoder layer's cross-attention, heads averaged, is computed teacher-forced on that translation
-(``mt.search.cross_attention``, the weights ``translate --alignment`` links by). Rows are target
+(``mt.scoring.cross_attention``, the weights ``translate --alignment`` links by). Rows are target
 pieces (EOS included), columns source pieces; the arg-max of each row is outlined. Needs the
 ``plot`` extra (matplotlib).
 
@@ -17,7 +17,8 @@ import torch
 
 from mt.checkpoint import load_model
 from mt.config import EOS_ID
-from mt.search import beam_search, cross_attention
+from mt.scoring import cross_attention
+from mt.search import beam_search
 
 
 def main(argv: list[str] | None = None) -> None:

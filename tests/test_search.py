@@ -8,14 +8,13 @@ import torch
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
 from mt.model import build_model
+from mt.scoring import cross_attention, forced_scores
 from mt.search import (
     Ensemble,
     _ban_repeats,
     _best,
     _sample,
     beam_search,
-    cross_attention,
-    forced_scores,
     greedy_search,
     length_penalty,
     sample_search,
