@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_type_hints
 
 # Special token ids, fixed for every SentencePiece model that `mt` trains (see mt.tokenizer).
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -170,10 +170,8 @@ def check_keys(node, schema: type | None = None, prefix: str = "") -> None:
     error message suggests) adds the key, and ``OmegaConf.to_object`` then sets it as a stray
     attribute that nothing reads: a typo that would silently train with the default.
     """
-    import typing
-
     schema = schema or TrainConfig
-    hints = typing.get_type_hints(schema)
+    hints = get_type_hints(schema)
     known = {f.name for f in dataclasses.fields(schema)}
     for key in node:
         name = f"{prefix}{key}"

@@ -89,7 +89,7 @@ def _swap(new: Path, out_dir: Path, aside: Path) -> None:
     if masked:
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, block)
     try:
-        if out_dir.exists() or out_dir.is_symlink():
+        if out_dir.exists():  # resolved by the caller: a directory or a file, not a link
             out_dir.rename(aside)
         try:
             new.rename(out_dir)

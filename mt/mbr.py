@@ -48,10 +48,10 @@ def mbr_choose(candidates: list[str], utility: str = "chrf") -> int:
     for hyp in distinct:
         total = 0.0
         for ref in distinct:
-            weight = counts[ref] - (ref == hyp)  # the candidate itself is not its own evidence
-            if weight:  # identical texts agree fully (sacrebleu scores "" against "" as 0)
-                same = hyp == ref
-                total += weight * (100.0 if same else metric.sentence_score(hyp, [ref]).score)
+            if ref == hyp:  # its other copies agree fully (sacrebleu scores "" against "" as 0)
+                total += (counts[ref] - 1) * 100.0
+            else:
+                total += counts[ref] * metric.sentence_score(hyp, [ref]).score
         expected[hyp] = total
     return max(range(len(candidates)), key=lambda i: (expected[candidates[i]], -i))
 
