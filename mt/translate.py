@@ -28,6 +28,7 @@ import torch
 from mt.alignment import align_lines, word_scores
 from mt.batching import pad
 from mt.config import EOS_ID, positive_int
+from mt.constraints import constrained_beam_search, encode_phrases, satisfied, split_phrases
 from mt.inference import DTYPES, keep_freed_memory, load_models
 from mt.mbr import mbr_lines
 from mt.options import SearchOptions, add_search_arguments, search_mistake, search_options
@@ -57,6 +58,10 @@ from mt.workers import default_workers, map_batches
 log = logging.getLogger("mt.translate")
 _IN_PIECES = "%d line(s) longer than the model's %d tokens were translated in pieces"
 _NOT_SCORED = "%d line pair(s) longer than the model's %d tokens were not scored (nan)"
+_UNMET = ("%d translation(s) lack a constraint: the output budget ran out first (a larger "
+          "--beam or --max-len-b helps), or the line was empty or translated in pieces "
+          "(constraints then go unused)")
+
 
 def _pieces(ids: list[int], limit: int, marks: Boundaries | None = None) -> list[list[int]]:
     """Splits a source (ending in EOS) into pieces of at most ``limit`` tokens, each with EOS.
@@ -97,7 +102,8 @@ def _cut(body: list[int], i: int, step: int, marks: Boundaries) -> int:
 
 def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
                   progress: bool | Any = False, prefixes: list[list[int]] | None = None, *,
-                  generator: torch.Generator | None = None) -> list[list[Hypothesis]]:
+                  generator: torch.Generator | None = None,
+                  constraints: list[list[list[int]]] | None = None) -> list[list[Hypothesis]]:
     """Searches every source (ids ending in EOS); returns n-best lists in input order.
 
     Batches are formed from length-sorted sources (longest first, so memory peaks early) and each
@@ -114,7 +120,11 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
         progress: a tqdm bar on stderr (True), or the caller's bar to advance per sentence.
         prefixes: per sentence, target ids to force before the free search (or None).
         generator: the random stream for sampling (default: a new one from ``opts.seed``).
+        constraints: per sentence, target phrases (ids) its translation must contain
+            (``mt.constraints``; beam search only).
     """
+    if constraints is not None and opts.sampling:
+        raise ValueError("constraints need beam search; they do not combine with sampling")
     if opts.sampling:
         if opts.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {opts.temperature}")
@@ -131,6 +141,10 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
     def search(batch: list[int]) -> list[list[Hypothesis]]:
         src = pad([sources[i] for i in batch]).to(device)
         pre = [prefixes[i] for i in batch] if prefixes is not None else None
+        phrases = [constraints[i] for i in batch] if constraints is not None else None
+        if phrases is not None and any(phrases):
+            return constrained_beam_search(model, src, phrases, opts.beam, opts.lenpen,
+                                           opts.nbest, prefixes=pre, **lens)
         if opts.sampling:
             return sample_search(model, src, opts.nbest, opts.lenpen, prefixes=pre,
                                  temperature=opts.temperature, top_k=opts.top_k,
@@ -166,8 +180,8 @@ def _one_model(model):
 
 def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
                  progress: bool | Any = False, prefixes: list[str] | None = None, *,
-                 generator: torch.Generator | None = None,
-                 warn: bool = True) -> list[LineResult]:
+                 generator: torch.Generator | None = None, warn: bool = True,
+                 constraints: list[list[str]] | None = None) -> list[LineResult]:
     """Encodes, splits over-long lines into pieces, searches them all, and groups them by line
     (with ``opts.mbr``: each piece's ``opts.mbr_candidates`` cut to the one MBR chooses).
 
@@ -180,16 +194,24 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         prefixes: per line, target text to force at the start of its translation ("" = none).
         generator: the random stream for sampling (default: a new one from ``opts.seed``); a
             caller that searches a file in chunks passes one stream for all of them.
-        warn: log a warning for lines translated in pieces (a caller with chunks sums them).
+        warn: log a warning for lines translated in pieces, and for translations that lack a
+            constraint (a caller with chunks sums them: ``unmet``).
+        constraints: per line, target phrases its translation must contain (``mt.constraints``).
+            A line translated in pieces cannot say which piece a phrase belongs to: its
+            constraints go unused.
     """
     model = _one_model(model)
     if prefixes is not None and len(prefixes) != len(lines):
         raise ValueError(f"{len(prefixes)} prefixes for {len(lines)} lines")
+    if constraints is not None and len(constraints) != len(lines):
+        raise ValueError(f"{len(constraints)} constraint lists for {len(lines)} lines")
     limit = max_positions(model)
     encoded = tokenizer.encode_src(lines)
     prefix_ids = tokenizer.encode_tgt(prefixes) if prefixes is not None else None
+    phrase_ids = encode_phrases(tokenizer, constraints) if constraints is not None else None
     sources: list[list[int]] = []
     forced: list[list[int]] = []
+    wanted: list[list[list[int]]] = []
     owner: list[int] = []  # which line each source piece belongs to
     long_lines = 0
     for i, (line, ids) in enumerate(zip(lines, encoded, strict=True)):
@@ -201,6 +223,7 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         owner.extend([i] * len(pieces))
         # A prefix belongs to the start of the translation: the first piece only.
         forced.extend([prefix_ids[i] if prefix_ids else []] + [[]] * (len(pieces) - 1))
+        wanted.extend([phrase_ids[i] if phrase_ids and len(pieces) == 1 else []] * len(pieces))
     if long_lines and warn:
         log.warning(_IN_PIECES, long_lines, limit)
     if not isinstance(progress, bool):  # the caller's bar counts lines, the search pieces
@@ -209,13 +232,23 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     # With MBR the search draws the candidates, and each line keeps the one MBR chooses.
     search = replace(opts, nbest=opts.mbr_candidates, mbr="") if opts.mbr else opts
     hyps = (translate_ids(model, sources, search, progress,
-                          forced if prefix_ids is not None else None, generator=generator)
+                          forced if prefix_ids is not None else None, generator=generator,
+                          constraints=wanted if phrase_ids is not None else None)
             if sources else [])
     out = [LineResult([], []) for _ in lines]
     for i, src, h in zip(owner, sources, hyps, strict=True):
         out[i].sources.append(src)
         out[i].hyps.append(h)
-    return mbr_lines(tokenizer, out, opts.mbr) if opts.mbr else out
+    out = mbr_lines(tokenizer, out, opts.mbr) if opts.mbr else out
+    if phrase_ids is not None and warn and (missed := unmet(out, phrase_ids)):
+        log.warning(_UNMET, missed)
+    return out
+
+
+def unmet(results: list[LineResult], constraints: list[list[list[int]]]) -> int:
+    """Lines whose (first) translation lacks one of their constraints (ids)."""
+    return sum(bool(c) and (len(r.hyps) != 1 or not satisfied(r.hyps[0][0].tokens, c))
+               for r, c in zip(results, constraints, strict=True))
 
 
 def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: float = 0.6,
@@ -273,13 +306,16 @@ def _texts(tokenizer, result: LineResult) -> list[tuple[str, float]]:
 
 def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | None = None,
                     progress: bool = False,
-                    prefixes: list[str] | None = None) -> list[list[tuple[str, float]]]:
+                    prefixes: list[str] | None = None,
+                    constraints: list[list[str]] | None = None) -> list[list[tuple[str, float]]]:
     """Translates sentences; returns per line its n-best (text, score), best first.
 
     Empty (or whitespace-only) lines give ``[("", 0.0)]`` without being searched. ``model`` may be
-    a list of models (an ensemble sharing ``tokenizer``).
+    a list of models (an ensemble sharing ``tokenizer``). ``constraints``: per line, target
+    phrases its translation must contain (``mt.constraints``).
     """
-    results = search_lines(model, tokenizer, lines, opts or SearchOptions(), progress, prefixes)
+    results = search_lines(model, tokenizer, lines, opts or SearchOptions(), progress, prefixes,
+                           constraints=constraints)
     return [_texts(tokenizer, r) for r in results]
 
 
@@ -303,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-file", default=None,
                    help="target prefixes, one line per input line (empty: none), forced at the "
                         "start of each translation")
+    p.add_argument("--constraints-file", default=None, metavar="FILE",
+                   help="target phrases each translation must contain, one line per input line, "
+                        "phrases separated by tabs (empty: none); beam search, best with --beam "
+                        "above the phrases' total pieces")
     p.add_argument("--score", metavar="FILE", default=None,
                    help="score the translations in FILE (one per input line) instead of "
                         "searching: each output line is the score --nbest would give that "
@@ -395,9 +435,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.mbr and args.score:
         raise SystemExit("translate: --mbr chooses among translations it searches; it does not "
                          "combine with --score")
-    if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file):
+    if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file
+                                   or args.constraints_file):
         raise SystemExit("translate: --score scores given translations; it does not combine with "
-                         "--sampling, --nbest or --prefix-file")
+                         "--sampling, --nbest, --prefix-file or --constraints-file")
+    if args.constraints_file and (args.sampling or args.beam < 2):
+        raise SystemExit("translate: --constraints-file needs beam search with --beam 2 or more "
+                         "(a beam of 1 has no room for a hypothesis that places a phrase)")
     if args.output in STDOUT_NAMES:
         args.output = None
     try:
@@ -405,13 +449,16 @@ def main(argv: list[str] | None = None) -> None:
     except InputError as err:
         raise SystemExit(f"translate: {err}") from None
     interactive = args.input in (None, "-") and sys.stdin.isatty()
-    if interactive and (args.prefix_file or args.score):
-        option = "--prefix-file" if args.prefix_file else "--score"
-        raise SystemExit(f"translate: {option} needs -i (or piped input)")
-    parallel = [path for path in (args.prefix_file, args.score) if path]
+    # Files read line by line beside the input.
+    parallel = {option: path for option, path in (("--prefix-file", args.prefix_file),
+                                                  ("--score", args.score),
+                                                  ("--constraints-file", args.constraints_file))
+                if path}
+    if interactive and parallel:
+        raise SystemExit(f"translate: {next(iter(parallel))} needs -i (or piped input)")
     try:  # a regular file's mistakes stop translate before any work
         total = None if interactive else count_lines(args.input, args.errors)
-        for path in parallel:
+        for path in parallel.values():
             n = count_lines(path, args.errors)
             if None not in (n, total) and n != total:
                 raise InputError(f"{path}: {n} lines, but the input has {total}; one line per "
@@ -436,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("model %s%s", " + ".join(names), "" if total is None else f", {total} lines")
     start = time.perf_counter()
     rows = parallel_lines(read_lines(args.input, args.errors),
-                          [(path, read_lines(path, args.errors)) for path in parallel])
+                          [(path, read_lines(path, args.errors)) for path in parallel.values()])
     # One random stream for the whole input, not one per chunk (which would repeat itself).
     generator = (torch.Generator(device=args.device).manual_seed(args.seed) if args.sampling
                  else None)
@@ -446,21 +493,32 @@ def main(argv: list[str] | None = None) -> None:
 
         bar = tqdm(total=total, unit="line", file=sys.stderr, leave=False)
     progress = False if bar is None else bar
-    done = unfit = 0  # lines written; lines too long for the model (in pieces, or not scored)
+    done = unfit = missed = 0  # lines written; too long for the model; lacking a constraint
     try:
         with _terminate_as_interrupt(), atomic_output(args.output) as out, \
                 torch.inference_mode():
             for chunk in chunks(rows, args.chunk_lines):
                 lines = [row[0] for row in chunk]
-                given = [row[1] for row in chunk] if parallel else None
+                side = {option: [row[j] for row in chunk]
+                        for j, option in enumerate(parallel, start=1)}
                 if args.score:
-                    results = score_lines(model, tokenizer, lines, given, args.lenpen,
+                    results = score_lines(model, tokenizer, lines, side["--score"], args.lenpen,
                                           args.batch_tokens, opts.workers, progress, warn=False)
                     unfit += sum(not r.hyps for r in results)
                 else:
-                    results = search_lines(model, tokenizer, lines, opts, progress, given,
-                                           generator=generator, warn=False)
+                    phrases = None
+                    if args.constraints_file:
+                        phrases = [split_phrases(c) for c in side["--constraints-file"]]
+                        try:
+                            ids = encode_phrases(tokenizer, phrases, args.constraints_file,
+                                                 done + 1)
+                        except ValueError as err:
+                            raise InputError(str(err)) from None
+                    results = search_lines(model, tokenizer, lines, opts, progress,
+                                           side.get("--prefix-file"), generator=generator,
+                                           warn=False, constraints=phrases)
                     unfit += sum(len(r.sources) > 1 for r in results)
+                    missed += unmet(results, ids) if phrases is not None else 0
                 fields = _fields(model, tokenizer, results, args, args.batch_tokens)
                 for i, (r, f) in enumerate(zip(results, fields, strict=True), start=done):
                     lines_out = ([_format_score(r, f)] if args.score
@@ -486,6 +544,8 @@ def main(argv: list[str] | None = None) -> None:
             bar.close()
     if unfit:
         log.warning(_NOT_SCORED if args.score else _IN_PIECES, unfit, max_positions(model))
+    if missed:
+        log.warning(_UNMET, missed)
     seconds = time.perf_counter() - start
     log.info("%s %d lines in %.1f s (%.1f lines/s)", "scored" if args.score else "translated",
              done, seconds, done / max(seconds, 1e-9))

@@ -20,6 +20,7 @@ import torch
 
 from mt.checkpoint import load_model, model_state, save_atomic
 from mt.config import ModelConfig, TokenizerConfig
+from mt.constraints import split_phrases
 from mt.inference import Int8Linear, PackedFeedForward, PackedLinear, can_pack, prepare_model
 from mt.model import build_model
 from mt.tokenizer import train_tokenizer
@@ -781,6 +782,40 @@ def test_dtype_prefix_and_seeded_sampling(models, tmp_path, capsys):
     s1 = _run([*sample, "--seed", "1"], capsys)
     assert s1 == _run([*sample, "--seed", "1"], capsys)
     assert s1 != _run([*sample, "--seed", "2"], capsys)
+
+
+def test_constraints_file_puts_every_phrase_in_its_translation(models, tmp_path, capsys,
+                                                              caplog):
+    rng = random.Random(9)
+    long = " ".join(WORDS * 4)  # over the model's 64 tokens: translated in pieces
+    lines = [_sentence(rng) for _ in range(20)] + ["", long, "the dog"]
+    words = [w for w in WORDS if len(w) > 2]
+    wanted = ["\t".join(rng.sample(words, rng.randint(1, 2))) if i % 3 else ""
+              for i in range(len(lines))]
+    wanted[20:] = ["dog", "dog", "big red\t\tball"]  # the last: two words, a blank field
+    path, cpath = _write(tmp_path / "in.txt", lines), _write(tmp_path / "c.txt", wanted)
+    args = ["-m", models["a"], "-i", path, "--beam", "4", "--max-len-b", "12", "--quiet"]
+    free = _run(args, capsys)
+    out = _run([*args, "--constraints-file", cpath], capsys)
+    assert len(out) == len(lines) and out[20] == ""
+    for i, (c, hyp) in enumerate(zip(wanted, out, strict=True)):
+        if i in (20, 21):  # empty; in pieces (the constraints go unused)
+            assert hyp == free[i]
+            continue
+        assert all(p in hyp for p in split_phrases(c)), (c, hyp)
+        if not c:
+            assert hyp == free[i]
+    assert "2 translation(s) lack a constraint" in caplog.text
+    bad = _write(tmp_path / "bad.txt", ["dog", "жук"] + [""] * (len(lines) - 2))
+    with pytest.raises(SystemExit, match=f"^translate: {bad}:2: constraint 'жук'"):
+        main([*args, "--constraints-file", bad])
+    with pytest.raises(SystemExit, match="c3.txt: 3 lines, but the input has 23"):
+        main([*args, "--constraints-file", _write(tmp_path / "c3.txt", ["a", "b", "c"])])
+    for wrong in (["--sampling"], ["--beam", "1"]):
+        with pytest.raises(SystemExit, match="--constraints-file needs beam search"):
+            main(["-m", models["a"], "-i", path, "--constraints-file", cpath, *wrong])
+    with pytest.raises(SystemExit, match="does not combine"):
+        main([*args, "--constraints-file", cpath, "--score", path])
 
 
 def test_interactive_prompt(models, monkeypatch, capsys):
