@@ -95,16 +95,16 @@ class _Phrases:
         self.done = (1 << len(self.phrases)) - 1
         self.start = _State(0, (0,) * len(self.phrases))
 
-    def advance(self, state: _State, tokens: list[int]) -> _State:
-        """The state of ``tokens`` (the output so far), one token past ``state``'s."""
+    def advance(self, state: _State, tokens: list[int], tok: int) -> _State:
+        """The state of ``tokens + [tok]``, from ``state``, that of ``tokens``."""
         met, partial = state.met, []
         for i, p in enumerate(self.phrases):
             if met >> i & 1:
                 partial.append(0)
                 continue
-            # The longest start of p that tokens end with; only the one before may grow by one.
+            # The longest start of p that the output ends with: at most one longer than before.
             j = min(state.partial[i] + 1, len(p))
-            while j and tokens[len(tokens) - j :] != p[:j]:
+            while j and (p[j - 1] != tok or tokens[len(tokens) - j + 1 :] != p[: j - 1]):
                 j -= 1
             if j == len(p):
                 met |= 1 << i
@@ -224,7 +224,7 @@ def constrained_beam_search(model, src: Tensor, constraints: list[list[list[int]
             phrases = sentences[s]
             cands = sorted(((v, w, t) for (w, t), v in per_sentence[i].items()
                             if v != -torch.inf), key=lambda c: -c[0])
-            states = [phrases.advance(hs[w][3], hs[w][1] + [t]) for _, w, t in cands]
+            states = [phrases.advance(hs[w][3], hs[w][1], t) for _, w, t in cands]
             banks = [phrases.bank(st) for st in states]
             # Finished: EOS candidates among the k the beam would take; then the k that go on.
             for j in allot(banks, k):

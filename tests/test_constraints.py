@@ -134,7 +134,7 @@ def test_phrase_states_follow_the_output():
         book, state, out = _Phrases(phrases), _Phrases(phrases).start, []
         for _ in range(8):
             out.append(rng.choice([4, 5, 6]))
-            state = book.advance(state, out)
+            state = book.advance(state, out[:-1], out[-1])
             met = [contains(out, p) for p in phrases]
             assert [bool(state.met >> i & 1) for i in range(len(phrases))] == met
             for i, p in enumerate(phrases):
