@@ -19,7 +19,7 @@ from mt.scoring import cross_attention
 from mt.search import first_member
 
 if TYPE_CHECKING:
-    from mt.translate import LineResult
+    from mt.lines import LineResult
 
 
 def _word_index(sp, ids: list[int], first: int = 0) -> list[int]:

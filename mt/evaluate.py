@@ -84,7 +84,7 @@ def translate_test(model, tokenizer, sources: list[str], opts) -> tuple[list[str
     """Best translations and decoding speed (target tokens of the hypotheses per second)."""
     import torch
 
-    from mt.translate import translate_lines
+    from mt.lines import translate_lines
 
     start = time.perf_counter()
     with torch.inference_mode():

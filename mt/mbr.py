@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mt.translate import LineResult
+    from mt.lines import LineResult
 
 UTILITIES = ("chrf", "bleu")
 

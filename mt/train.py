@@ -215,7 +215,8 @@ class Trainer:
 
     def validate(self) -> dict:
         from mt.evaluate import score
-        from mt.translate import SearchOptions, translate_lines
+        from mt.lines import translate_lines
+        from mt.options import SearchOptions
 
         self.model.eval()
         c = self.corpus
@@ -524,7 +525,8 @@ def finish(trainer: Trainer) -> None:
     if cfg.trainer.test_at_end and cfg.data.test:
         from mt.data import split_files
         from mt.evaluate import score
-        from mt.translate import SearchOptions, translate_lines
+        from mt.lines import translate_lines
+        from mt.options import SearchOptions
 
         test = load_split(cfg.data, cfg.data.test)
         src, ref = list(test["src"]), list(test["tgt"])

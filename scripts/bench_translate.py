@@ -3,7 +3,7 @@
 ``bench_decode.py`` holds every sentence of random weights to a fixed length, so all systems do
 the same work. Real text does not: sentences finish at different steps and leave the batch, and
 lengths vary. This script decodes a real source file with a trained mt checkpoint, through the
-code ``translate`` runs (``mt.translate.translate_ids``), and with the same weights exported to
+code ``translate`` runs (``mt.lines.translate_ids``), and with the same weights exported to
 CTranslate2 (``mt.export.export_ctranslate2``), at the same beam and length penalty, one batch per
 core in both (mt ``--workers``, CTranslate2 ``inter_threads``). It reports seconds, sentences and
 target tokens per second (model loading excluded), and BLEU when a reference is given, as JSON.
@@ -28,7 +28,8 @@ from bench_decode import set_up_process, write_report  # this folder is on sys.p
 from mt.checkpoint import load_model
 from mt.export import export_ctranslate2
 from mt.inference import load_models
-from mt.translate import SearchOptions, translate_ids
+from mt.lines import translate_ids
+from mt.options import SearchOptions
 
 SYSTEMS = ("mt-float32", "mt-bfloat16", "mt-int8", "ct2-float32", "ct2-int8")
 

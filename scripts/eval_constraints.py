@@ -25,8 +25,8 @@ import sacrebleu  # noqa: E402
 import torch  # noqa: E402
 
 from mt.inference import load_models  # noqa: E402
+from mt.lines import translate_lines  # noqa: E402
 from mt.options import SearchOptions  # noqa: E402
-from mt.translate import translate_lines  # noqa: E402
 
 
 def draw(reference: str, phrases: int, words: int, rng: random.Random) -> list[str]:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import sacrebleu  # noqa: E402
 import torch  # noqa: E402
 
-import mt.translate  # noqa: E402
+import mt.lines  # noqa: E402
 from mt.inference import load_models  # noqa: E402
 from mt.options import SearchOptions  # noqa: E402
 
@@ -44,16 +44,16 @@ def main() -> None:
     model.cfg.max_positions = args.limit
     result = {"lines": len(lines), "limit": args.limit,
               "cut": sum(len(ids) > args.limit for ids in tok.encode_src(lines))}
-    cut_anywhere = mt.translate._pieces
+    cut_anywhere = mt.lines._pieces
     for name, ignore_boundaries in (("at_the_limit", True), ("between_sentences", False)):
         if ignore_boundaries:
-            mt.translate._pieces = lambda ids, limit, boundaries=None: cut_anywhere(ids, limit)
+            mt.lines._pieces = lambda ids, limit, boundaries=None: cut_anywhere(ids, limit)
         try:
             with torch.inference_mode():
-                hyps = [n[0][0] for n in mt.translate.translate_lines(
+                hyps = [n[0][0] for n in mt.lines.translate_lines(
                     model, tok, lines, SearchOptions(workers=args.workers))]
         finally:
-            mt.translate._pieces = cut_anywhere
+            mt.lines._pieces = cut_anywhere
         result[name] = {"bleu": round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
                         "chrf": round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2)}
     print(json.dumps(result, indent=2))

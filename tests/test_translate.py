@@ -97,8 +97,8 @@ def test_long_lines_are_cut_after_sentences_else_between_words():
     """Known cuts with a made-up vocabulary: 4 starts a word, 5 continues one, 6 starts a word
     and ends a sentence ('▁.'), 7 is a closing quote alone, 8 ends a sentence with 。 (no space
     after it), 3 is EOS."""
+    from mt.lines import _pieces
     from mt.tokenizer import Boundaries
-    from mt.translate import _pieces
 
     marks = Boundaries(starts=[False] * 4 + [True, False, True, False, False],
                        ends=[False] * 6 + [True, False, True],
