@@ -12,10 +12,10 @@ from array import array
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from mt.config import TrainConfig
 from mt.data import load_split
+from mt.distributed import barrier
 from mt.tokenizer import Tokenizer
 
 log = logging.getLogger("mt.train")
@@ -96,8 +96,3 @@ class Corpus:
 
     def collate(self, batch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.pairs.collate(batch)
-
-
-def barrier(world: int) -> None:
-    if world > 1:
-        dist.barrier()

@@ -288,7 +288,7 @@ def test_nan_loss_skips_the_step_and_stops_a_diverging_run(tmp_path, corpus_dir,
 def test_trainer_device_is_read_whole():
     """`trainer.device=cuda:1` means that GPU (it once fell back to the CPU unnoticed), and a
     value that names no device is refused with the key."""
-    from mt.train import setup_distributed
+    from mt.distributed import setup_distributed
 
     assert setup_distributed("cpu")[2] == torch.device("cpu")
     with pytest.raises(ValueError, match="trainer.device"):
