@@ -24,6 +24,7 @@ step, which dominates, is batched as in ``beam_search``.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,12 @@ def encode_phrases(tokenizer, constraints: list[list[str]], name: str = "constra
     return out
 
 
+def _f32(x: float) -> float:
+    """x rounded to float32: a token's log-probability as beam_search's float32 subtraction of
+    two float32 scores gives it (the exact difference, correctly rounded)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def contains(tokens: list[int], phrase: list[int]) -> bool:
     """Whether ``phrase`` occurs in ``tokens`` as a contiguous run."""
     n = len(phrase)
@@ -94,9 +101,12 @@ class _Phrases:
         self.phrases = [list(p) for p in phrases]
         self.done = (1 << len(self.phrases)) - 1
         self.start = _State(0, (0,) * len(self.phrases))
+        self.firsts = {p[0] for p in self.phrases}
 
     def advance(self, state: _State, tokens: list[int], tok: int) -> _State:
         """The state of ``tokens + [tok]``, from ``state``, that of ``tokens``."""
+        if tok not in self.firsts and not any(state.partial):
+            return state  # most candidates: no phrase under way, none starts here
         met, partial = state.met, []
         for i, p in enumerate(self.phrases):
             if met >> i & 1:
@@ -162,6 +172,8 @@ def constrained_beam_search(model, src: Tensor, constraints: list[list[list[int]
         raise ValueError(f"got {len(constraints)} constraint lists for {b} sentences")
     if not 1 <= nbest <= beam_size:
         raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
+    if no_repeat_ngram < 0:
+        raise ValueError(f"no_repeat_ngram must be 0 (off) or positive, got {no_repeat_ngram}")
     for i, phrases in enumerate(constraints):
         for p in phrases:
             if not p or any(t in (PAD_ID, BOS_ID, EOS_ID) for t in p):
@@ -191,13 +203,16 @@ def constrained_beam_search(model, src: Tensor, constraints: list[list[list[int]
                                    device=device).view(n * width, step)
         _constrain(lprobs, step, min_len, force_eos, prefix,
                    rows if step < prefix.steps else None, history, no_repeat_ngram)
-        # EOS only for a hypothesis holding every phrase (or out of budget: it ends as it is).
+        # EOS only for a hypothesis holding every phrase, or with nothing else left: out of
+        # budget, or every other token banned (no_repeat_ngram): it ends as it is.
         flat = [(sentences[s], h) for s, hs in zip(active, beams, strict=True) for h in hs]
         open_ = [r for r, (phrases, h) in enumerate(flat) if h[3].met != phrases.done]
         if open_:
             open_rows = torch.tensor(open_, device=device)
-            open_rows = open_rows[~force_eos[open_rows]]
+            eos = lprobs[open_rows, EOS_ID]
             lprobs[open_rows, EOS_ID] = -torch.inf
+            stuck = ~torch.isfinite(lprobs.amax(dim=-1)[open_rows]) | force_eos[open_rows]
+            lprobs[open_rows[stuck], EOS_ID] = eos[stuck]
         vocab = lprobs.size(-1)
         base = torch.tensor([h[0] for _, h in flat], device=device)
         totals = lprobs.add_(base.unsqueeze(1)).view(n, width * vocab)
@@ -231,8 +246,7 @@ def constrained_beam_search(model, src: Tensor, constraints: list[list[list[int]
                 v, w, t = cands[j]
                 if t == EOS_ID and len(finished[s]) < k:
                     h = hs[w]
-                    lp = v - h[0]
-                    finished[s].append(Hypothesis(h[1], v / norm, v, h[2] + [lp]))
+                    finished[s].append(Hypothesis(h[1], v / norm, v, h[2] + [_f32(v - h[0])]))
             going = [j for j, (_, _, t) in enumerate(cands) if t != EOS_ID]
             chosen = [going[j] for j in allot([banks[j] for j in going], k)]
             if len(finished[s]) >= k or not chosen:
@@ -241,7 +255,7 @@ def constrained_beam_search(model, src: Tensor, constraints: list[list[list[int]
             for j in chosen:
                 v, w, t = cands[j]
                 h = hs[w]
-                kept.append((v, h[1] + [t], h[2] + [v - h[0]], states[j]))
+                kept.append((v, h[1] + [t], h[2] + [_f32(v - h[0])], states[j]))
                 parents.append(i * width + w)
                 next_tokens.append(t)
             while len(kept) < k:  # fewer live candidates than slots: dead beams fill them

@@ -218,6 +218,10 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     for i, src, h in zip(owner, sources, hyps, strict=True):
         out[i].sources.append(src)
         out[i].hyps.append(h)
+    if opts.mbr and phrase_ids is not None:  # MBR chooses among the candidates holding them all
+        for r, wanted in zip(out, phrase_ids, strict=True):
+            if wanted and len(r.hyps) == 1:
+                r.hyps[0] = [h for h in r.hyps[0] if satisfied(h.tokens, wanted)] or r.hyps[0]
     out = mbr_lines(tokenizer, out, opts.mbr) if opts.mbr else out
     if phrase_ids is not None and warn and (missed := unmet(out, phrase_ids)):
         log.warning(UNMET, missed)

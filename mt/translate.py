@@ -211,6 +211,14 @@ def main(argv: list[str] | None = None) -> None:
                                               pack=not args.no_pack)
     except ValueError as err:
         raise SystemExit(f"translate: {err}") from None
+    if args.constraints_file and os.path.isfile(args.constraints_file):
+        try:  # a phrase the target vocabulary cannot spell stops translate before any work
+            for n, part in enumerate(chunks(read_lines(args.constraints_file, args.errors),
+                                            args.chunk_lines)):
+                encode_phrases(tokenizer, [split_phrases(c) for c in part],
+                               args.constraints_file, n * args.chunk_lines + 1)
+        except ValueError as err:
+            raise SystemExit(f"translate: {err}") from None
     if args.alignment_layer is not None:
         n_layers = len(first_member(model).decoder_layers)
         if not -n_layers <= args.alignment_layer < n_layers:

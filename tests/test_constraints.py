@@ -30,9 +30,11 @@ def _phrases(n: int, seed: int) -> list[list[list[int]]]:
              for _ in range(rng.randint(0, 2))] for _ in range(n)]
 
 
-def _same(a, b) -> None:
+def _same(a, b, exact: bool = False) -> None:
     assert [[h.tokens for h in n] for n in a] == [[h.tokens for h in n] for n in b]
     for x, y in zip(itertools.chain(*a), itertools.chain(*b), strict=True):
+        if exact:
+            assert (x.score, x.logprob, x.token_logprobs) == (y.score, y.logprob, y.token_logprobs)
         assert x.score == pytest.approx(y.score, abs=1e-5)
         assert x.token_logprobs == pytest.approx(y.token_logprobs, abs=1e-5)
 
@@ -42,7 +44,8 @@ def _same(a, b) -> None:
 def test_no_constraints_is_plain_beam_search(extra):
     model, src = _model(), _pad(_sources(7))
     kw = dict(beam_size=5, nbest=3, **extra)
-    _same(constrained_beam_search(model, src, [[]] * 7, **kw), beam_search(model, src, **kw))
+    _same(constrained_beam_search(model, src, [[]] * 7, **kw), beam_search(model, src, **kw),
+          exact=True)
 
 
 @pytest.mark.parametrize("members", [1, 2])
@@ -110,11 +113,25 @@ def test_a_phrase_longer_than_the_budget_gives_the_best_it_can():
     _same(out[1:], beam_search(model, src[1:], beam_size=4, nbest=2, max_len_a=0, max_len_b=5))
 
 
+def test_a_row_with_nothing_but_eos_left_ends_even_without_its_phrases():
+    """With no n-gram twice, a tiny vocabulary runs out of tokens long before the budget; a
+    phrase that repeats a token can never be placed. Every sentence still gets its n-best."""
+    model = _model(vocab=8)
+    src = _pad([[4, 5, 6, EOS_ID], [7, EOS_ID]])
+    out = constrained_beam_search(model, src, [[[5, 5]], [[6]]], beam_size=3, nbest=2,
+                                  max_len_a=0, max_len_b=30, no_repeat_ngram=1)
+    assert [len(n) for n in out] == [2, 2]
+    assert not satisfied(out[0][0].tokens, [[5, 5]]) and satisfied(out[1][0].tokens, [[6]])
+    assert all(len(h.tokens) <= 5 for n in out for h in n)  # 5 real tokens, each once
+
+
 def test_bad_constraints_are_refused():
     model, src = _model(), _pad(_sources(2))
     for bad in ([[[]], []], [[[5, EOS_ID]], []], [[[5]]]):
         with pytest.raises(ValueError):
             constrained_beam_search(model, src, bad)
+    with pytest.raises(ValueError, match="no_repeat_ngram"):
+        constrained_beam_search(model, src, [[[5]], []], no_repeat_ngram=-1)
 
 
 def test_allot_lets_the_banks_take_turns_fullest_first():

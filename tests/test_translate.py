@@ -806,9 +806,10 @@ def test_constraints_file_puts_every_phrase_in_its_translation(models, tmp_path,
         if not c:
             assert hyp == free[i]
     assert "2 translation(s) lack a constraint" in caplog.text
-    bad = _write(tmp_path / "bad.txt", ["dog", "жук"] + [""] * (len(lines) - 2))
-    with pytest.raises(SystemExit, match=f"^translate: {bad}:2: constraint 'жук'"):
-        main([*args, "--constraints-file", bad])
+    bad = _write(tmp_path / "bad.txt", [""] * 12 + ["dog", "жук"] + [""] * (len(lines) - 14))
+    with pytest.raises(SystemExit, match=f"^translate: {bad}:14: constraint 'жук'"):
+        main([*args, "--constraints-file", bad, "--chunk-lines", "5"])
+    assert capsys.readouterr().out == ""  # refused before any line is translated
     with pytest.raises(SystemExit, match="c3.txt: 3 lines, but the input has 23"):
         main([*args, "--constraints-file", _write(tmp_path / "c3.txt", ["a", "b", "c"])])
     for wrong in (["--sampling"], ["--beam", "1"]):
@@ -816,6 +817,24 @@ def test_constraints_file_puts_every_phrase_in_its_translation(models, tmp_path,
             main(["-m", models["a"], "-i", path, "--constraints-file", cpath, *wrong])
     with pytest.raises(SystemExit, match="does not combine"):
         main([*args, "--constraints-file", cpath, "--score", path])
+
+
+def test_mbr_chooses_among_the_candidates_holding_the_constraints(models):
+    model, tok, _ = load_model(models["a"])
+    rng = random.Random(11)
+    lines = [_sentence(rng) for _ in range(30)]
+    wanted = [rng.sample([w for w in WORDS if len(w) > 2], 2) for _ in lines]
+    opts = SearchOptions(beam=4, nbest=4, max_len_b=6)  # a budget that some lines run out of
+    nbest = search_lines(model, tok, lines, opts, constraints=wanted, warn=False)
+    mbr = translate_lines(model, tok, lines, SearchOptions(beam=4, max_len_b=6, mbr="chrf",
+                                                          mbr_candidates=4), constraints=wanted)
+    some = 0
+    for r, (text, _), phrases in zip(nbest, (n[0] for n in mbr), wanted, strict=True):
+        held = [all(p in t for p in phrases) for t in tok.decode_tgt([h.tokens for h in r.hyps[0]])]
+        if any(held) and not all(held):
+            some += 1
+        assert all(p in text for p in phrases) == any(held)
+    assert some  # lines where MBR had candidates of both kinds to choose from
 
 
 def test_interactive_prompt(models, monkeypatch, capsys):
