@@ -12,7 +12,8 @@ fixes the start. Dynamic beam allocation (Post & Vilar, 2018; Sockeye's and fair
   produced), which take turns filling it, so that hypotheses that have placed a phrase survive
   beside freer, better-scoring ones instead of being pushed out by them;
 - EOS is allowed only to a hypothesis that holds every phrase, unless the output budget
-  (``max_len_a``, ``max_len_b``, the model's maximum) is spent: then it ends as it is.
+  (``max_len_a``, ``max_len_b``, the model's maximum) is spent or nothing else is left (every
+  other token banned by ``no_repeat_ngram``): then it ends as it is.
 
 Scores stay the model's own log-probabilities, as in every search here: constraints choose which
 hypotheses live, never what a token costs. With no phrase for a sentence its search is plain
@@ -165,7 +166,7 @@ def constrained_beam_search(model, src: Tensor, constraints: list[list[list[int]
     Returns:
         per sentence (input order), its ``nbest`` hypotheses: those holding every phrase first,
         then by score. A hypothesis without them all comes only when the output budget ran out
-        first (``satisfied`` tells).
+        first, or ``no_repeat_ngram`` left it nothing but EOS (``satisfied`` tells).
     """
     b, k, device = src.size(0), beam_size, src.device
     if len(constraints) != b:

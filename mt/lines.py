@@ -38,8 +38,8 @@ log = logging.getLogger("mt.lines")
 IN_PIECES = "%d line(s) longer than the model's %d tokens were translated in pieces"
 NOT_SCORED = "%d line pair(s) longer than the model's %d tokens were not scored (nan)"
 UNMET = ("%d translation(s) lack a constraint: the output budget ran out first (a larger "
-          "--beam or --max-len-b helps), or the line was empty or translated in pieces "
-          "(constraints then go unused)")
+          "--beam or --max-len-b helps), --no-repeat-ngram-size left no way to place it, or the "
+          "line was empty or translated in pieces (constraints then go unused)")
 
 
 def _pieces(ids: list[int], limit: int, marks: Boundaries | None = None) -> list[list[int]]:
@@ -231,9 +231,9 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         out[i].sources.append(src)
         out[i].hyps.append(h)
     if opts.mbr and phrase_ids is not None:  # MBR chooses among the candidates holding them all
-        for r, wanted in zip(out, phrase_ids, strict=True):
-            if wanted and len(r.hyps) == 1:
-                r.hyps[0] = [h for h in r.hyps[0] if satisfied(h.tokens, wanted)] or r.hyps[0]
+        for r, phrases in zip(out, phrase_ids, strict=True):
+            if phrases and len(r.hyps) == 1:
+                r.hyps[0] = [h for h in r.hyps[0] if satisfied(h.tokens, phrases)] or r.hyps[0]
     out = mbr_lines(tokenizer, out, opts.mbr) if opts.mbr else out
     if phrase_ids is not None and warn and (missed := unmet(out, phrase_ids)):
         log.warning(UNMET, missed)

@@ -42,6 +42,18 @@ def is_stdin(path: str | None) -> bool:
     return path is None or path == "-"
 
 
+def is_regular(path: str | None) -> bool:
+    """Whether ``path`` names a regular file, which can be read twice (once to check it); stdin
+    ('-', even beside a file named '-'), a pipe or a device cannot. Raises InputError if it
+    cannot be read."""
+    if is_stdin(path):
+        return False
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError as err:
+        raise InputError(f"{path}: cannot read ({err.strerror})") from None
+
+
 def read_lines(path: str | None, errors: str = "strict") -> Iterator[str]:
     """The lines of a file, or of stdin for None or '-', read as they are needed; a file named
     ``*.gz`` is decompressed on the way (large corpora are kept gzipped)."""
@@ -62,13 +74,8 @@ def read_lines(path: str | None, errors: str = "strict") -> Iterator[str]:
 def count_lines(path: str | None, errors: str = "strict") -> int | None:
     """Lines in a regular file, every one checked for UTF-8, so that its mistakes stop before any
     work; None for stdin, a pipe or a device, which reading here would consume."""
-    if is_stdin(path):
+    if not is_regular(path):
         return None
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            return None
-    except OSError as err:
-        raise InputError(f"{path}: cannot read ({err.strerror})") from None
     return sum(1 for _ in read_lines(path, errors))
 
 

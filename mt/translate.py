@@ -52,6 +52,7 @@ from mt.textio import (
     check_output,
     chunks,
     count_lines,
+    is_regular,
     parallel_lines,
     read_lines,
 )
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
                                               pack=not args.no_pack)
     except ValueError as err:
         raise SystemExit(f"translate: {err}") from None
-    if args.constraints_file and os.path.isfile(args.constraints_file):
+    if args.constraints_file and is_regular(args.constraints_file):
         try:  # a phrase the target vocabulary cannot spell stops translate before any work
             for n, part in enumerate(chunks(read_lines(args.constraints_file, args.errors),
                                             args.chunk_lines)):

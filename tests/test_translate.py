@@ -819,6 +819,19 @@ def test_constraints_file_puts_every_phrase_in_its_translation(models, tmp_path,
         main([*args, "--constraints-file", cpath, "--score", path])
 
 
+def test_constraints_from_stdin_are_read_once(models, tmp_path, capsys, monkeypatch):
+    """'-' is stdin, even beside a file named '-': it cannot be checked ahead, only read once."""
+    lines = ["the dog runs", "a red ball", "the man sees a cat"]
+    path = _write(tmp_path / "in.txt", lines)
+    cpath = _write(tmp_path / "c.txt", ["park", "", "woman\tstreet"])
+    args = ["-m", models["a"], "-i", path, "--beam", "4", "--max-len-b", "12", "--quiet"]
+    want = _run([*args, "--constraints-file", cpath], capsys)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-").write_text("a file named '-'\n")
+    _stdin(monkeypatch, Path(cpath).read_bytes())
+    assert _run([*args, "--constraints-file", "-"], capsys) == want
+
+
 def test_mbr_chooses_among_the_candidates_holding_the_constraints(models):
     model, tok, _ = load_model(models["a"])
     rng = random.Random(11)
