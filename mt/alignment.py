@@ -15,8 +15,8 @@ import torch
 
 from mt.batching import budget_batches, pad
 from mt.config import EOS_ID
+from mt.incremental import first_member
 from mt.scoring import cross_attention
-from mt.search import first_member
 
 if TYPE_CHECKING:
     from mt.lines import LineResult

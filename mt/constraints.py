@@ -32,10 +32,10 @@ import torch
 from torch import Tensor
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from mt.incremental import Decoder
 from mt.search import (
     Hypothesis,
     _constrain,
-    _Decoder,
     _limits,
     _Prefix,
     inference_search,
@@ -183,7 +183,7 @@ def constrained_beam_search(model, src: Tensor, constraints: list[list[list[int]
     sentences = [_Phrases(c) for c in constraints]
     prefix = _Prefix(prefixes, b, device)
     limits = _limits(model, src, max_len_a, max_len_b, prefix)
-    dec = _Decoder(model, src, int(limits.max()))
+    dec = Decoder(model, src, int(limits.max()))
 
     active = list(range(b))  # original sentence of each active sentence
     # Per active sentence, its live beams: (score, tokens, token log-probs, state).

@@ -14,8 +14,8 @@ import sys
 import torch
 from torch import nn
 
+from mt.incremental import Ensemble
 from mt.model import FeedForward
-from mt.search import Ensemble
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int8": torch.float32}  # int8: float32 with int8 linear layers (quantize_int8)

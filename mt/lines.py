@@ -19,18 +19,11 @@ import torch
 from mt.batching import pad
 from mt.config import EOS_ID
 from mt.constraints import constrained_beam_search, encode_phrases, satisfied
+from mt.incremental import Ensemble, first_member, max_positions
 from mt.mbr import mbr_lines
 from mt.options import SearchOptions
 from mt.scoring import forced_scores
-from mt.search import (
-    Ensemble,
-    Hypothesis,
-    beam_search,
-    first_member,
-    greedy_search,
-    max_positions,
-    sample_search,
-)
+from mt.search import Hypothesis, beam_search, greedy_search, sample_search
 from mt.tokenizer import Boundaries
 from mt.workers import map_batches
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mt.config import BOS_ID, PAD_ID
-from mt.search import Hypothesis, ensemble_members, inference_search, length_penalty
+from mt.incremental import ensemble_members
+from mt.search import Hypothesis, inference_search, length_penalty
 
 
 @inference_search

@@ -30,6 +30,7 @@ import torch
 from mt.alignment import align_lines, word_scores
 from mt.config import positive_int
 from mt.constraints import encode_phrases, split_phrases
+from mt.incremental import first_member, max_positions
 from mt.inference import DTYPES, keep_freed_memory, load_models
 from mt.lines import (
     IN_PIECES,
@@ -44,7 +45,6 @@ from mt.lines import (
     unmet,
 )
 from mt.options import SearchOptions, add_search_arguments, search_mistake, search_options
-from mt.search import first_member, max_positions
 from mt.textio import (
     STDOUT_NAMES,
     InputError,

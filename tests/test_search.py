@@ -132,7 +132,7 @@ def test_log_probs_in_blocks_equal_all_rows_at_once(monkeypatch, search):
     steps (and modified in place by the search): blocks of 3 rows, which split sentences and
     beams and leave a ragged last block as the batch shrinks, give what one block of all rows
     gives."""
-    from mt import search as search_module
+    from mt.incremental import Decoder
 
     model, src = _model(), _pad(_sources(9))
 
@@ -141,9 +141,9 @@ def test_log_probs_in_blocks_equal_all_rows_at_once(monkeypatch, search):
             return [[h] for h in greedy_search(model, src, max_len_b=8)]
         return beam_search(model, src, beam_size=4, nbest=3, max_len_b=8)
 
-    monkeypatch.setattr(search_module._Decoder, "ROWS", 10_000)
+    monkeypatch.setattr(Decoder, "ROWS", 10_000)
     whole = run()
-    monkeypatch.setattr(search_module._Decoder, "ROWS", 3)
+    monkeypatch.setattr(Decoder, "ROWS", 3)
     blocks = run()
     for a, b in zip(whole, blocks, strict=True):
         assert [h.tokens for h in a] == [h.tokens for h in b]

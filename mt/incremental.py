@@ -1,0 +1,98 @@
+"""Incremental decoding, what every search steps through: each model's encoder output and cache,
+and the next token's log-probabilities, averaged over the members of an :class:`Ensemble`.
+
+The searches (``mt.search``, ``mt.constraints``) see a model only through ``Decoder``; the teacher-
+forced passes (``mt.scoring``) and the loaders (``mt.inference``) use ``Ensemble`` and its helpers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class Ensemble:
+    """Several models that decode as one: per step, the average of their log-probabilities.
+
+    The average of log-probabilities is a product of experts; it is renormalised so that scores
+    stay log-probabilities. Every member encodes the source and keeps its own cache, so members may
+    differ in depth or width, but they must share the target vocabulary (a token id has to mean the
+    same piece to all of them) and the source ids are given to all of them.
+    """
+
+    def __init__(self, models: list) -> None:
+        if not models:
+            raise ValueError("an ensemble needs at least one model")
+        sizes = [m.cfg.tgt_vocab_size for m in models]
+        if len(set(sizes)) > 1:
+            raise ValueError(f"ensemble members must share the target vocabulary; got target "
+                             f"vocabulary sizes {sizes}")
+        self.models = list(models)
+
+    @property
+    def max_positions(self) -> int:
+        return min(m.cfg.max_positions for m in self.models)
+
+
+def ensemble_members(model) -> list:
+    """The models an Ensemble averages, or the one model."""
+    return model.models if isinstance(model, Ensemble) else [model]
+
+
+def first_member(model):
+    """The model itself, or an Ensemble's first member: where one model is enough (its device,
+    its layers, the attention that alignments read)."""
+    return ensemble_members(model)[0]
+
+
+def max_positions(model) -> int:
+    """The longest sequence a model (or every member of an ensemble) accepts."""
+    return min(m.cfg.max_positions for m in ensemble_members(model))
+
+
+class Decoder:
+    """The incremental state of one search: a cache per model, next-token log-probabilities.
+
+    On a CPU the output layer and the log-softmax run a block of ``ROWS`` hypotheses at a time
+    into one float32 buffer kept for the whole search. A step's logits are large (1,460 rows x
+    8,000 tokens: 47 MB); produced whole, they and the log-probabilities were new memory every
+    step and each passed through RAM, while a block stays in cache. The search then works on the
+    buffer in place. Measured on those shapes (one thread): output layer, log-softmax, beam-score
+    add and top-k 97 ms whole, 43 ms in blocks, as long as the output layer alone.
+    """
+
+    ROWS = 128
+
+    def __init__(self, model, src: Tensor, max_len: int) -> None:
+        self.models = ensemble_members(model)
+        self.caches = []
+        for m in self.models:
+            memory, src_mask = m.encode(src)
+            self.caches.append(m.init_cache(memory, src_mask, max_len))
+        self.buffer: Tensor | None = None  # (rows, V) float32, reused across steps
+
+    def log_probs(self, tokens: Tensor) -> Tensor:
+        """tokens (N,) -> float32 log-probabilities of the next token (N, V). The result is the
+        decoder's buffer (valid until the next call), which the caller may modify."""
+        if len(self.models) == 1:
+            m = self.models[0]
+            states = m.decode_step(tokens, self.caches[0], project=False)
+            rows = states.size(0)
+            if self.buffer is None or self.buffer.size(0) < rows:
+                self.buffer = states.new_empty(rows, m.cfg.tgt_vocab_size, dtype=torch.float32)
+            out = self.buffer[:rows]
+            block = self.ROWS if states.device.type == "cpu" else max(rows, 1)
+            for i in range(0, rows, block):
+                # dtype= reads bf16 logits and writes float32 in one pass (no separate cast)
+                torch.log_softmax(m.project(states[i : i + block]), -1, dtype=torch.float32,
+                                  out=out[i : i + block])
+            return out
+        total = None
+        for m, cache in zip(self.models, self.caches, strict=True):
+            lp = torch.log_softmax(m.decode_step(tokens, cache), -1, dtype=torch.float32)
+            total = lp if total is None else total.add_(lp)
+        return torch.log_softmax(total / len(self.models), -1)
+
+    def reorder(self, index: Tensor, beams: int = 1) -> None:
+        for cache in self.caches:
+            cache.reorder(index, beams)
