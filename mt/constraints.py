@@ -89,10 +89,12 @@ class _State:
     """What a hypothesis holds of its sentence's phrases: ``met``, a bit per phrase it contains,
     and ``partial``, per phrase, the longest start of it that its output ends with (0 for a
     phrase met). Both follow from the output alone, so phrases that share pieces ("einem" and
-    "einem Hut") or overlap themselves are tracked exactly."""
+    "einem Hut") or overlap themselves are tracked exactly. ``bank``: the constraint tokens held,
+    those of the phrases met and the longest part of one under way."""
 
     met: int = 0
     partial: tuple[int, ...] = ()
+    bank: int = 0
 
 
 class _Phrases:
@@ -108,10 +110,11 @@ class _Phrases:
         """The state of ``tokens + [tok]``, from ``state``, that of ``tokens``."""
         if tok not in self.firsts and not any(state.partial):
             return state  # most candidates: no phrase under way, none starts here
-        met, partial = state.met, []
+        met, partial, held = state.met, [], 0
         for i, p in enumerate(self.phrases):
             if met >> i & 1:
                 partial.append(0)
+                held += len(p)
                 continue
             # The longest start of p that the output ends with: at most one longer than before.
             j = min(state.partial[i] + 1, len(p))
@@ -119,14 +122,10 @@ class _Phrases:
                 j -= 1
             if j == len(p):
                 met |= 1 << i
+                held += j
                 j = 0
             partial.append(j)
-        return _State(met, tuple(partial))
-
-    def bank(self, state: _State) -> int:
-        """Constraint tokens held: the phrases met, and the longest part of one under way."""
-        done = sum(len(p) for i, p in enumerate(self.phrases) if state.met >> i & 1)
-        return done + max(state.partial, default=0)
+        return _State(met, tuple(partial), held + max(partial, default=0))
 
     def next_tokens(self, state: _State) -> list[int]:
         """The tokens that advance a phrase not yet met: each one's next piece."""
@@ -241,7 +240,7 @@ def constrained_beam_search(model, src: Tensor, constraints: list[list[list[int]
             cands = sorted(((v, w, t) for (w, t), v in per_sentence[i].items()
                             if v != -torch.inf), key=lambda c: -c[0])
             states = [phrases.advance(hs[w][3], hs[w][1], t) for _, w, t in cands]
-            banks = [phrases.bank(st) for st in states]
+            banks = [st.bank for st in states]
             # Finished: EOS candidates among the k the beam would take; then the k that go on.
             for j in allot(banks, k):
                 v, w, t = cands[j]

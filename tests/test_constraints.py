@@ -143,7 +143,7 @@ def test_allot_lets_the_banks_take_turns_fullest_first():
 
 def test_phrase_states_follow_the_output():
     """The state after each token equals what a plain reading of the output gives: which phrases
-    it contains, and the longest start of a phrase not met that it ends with."""
+    it contains, the longest start of a phrase not met that it ends with, and its bank."""
     rng = random.Random(0)
     for _ in range(300):
         phrases = [[rng.choice([4, 5, 6]) for _ in range(rng.randint(1, 3))]
@@ -160,6 +160,8 @@ def test_phrase_states_follow_the_output():
                 assert state.partial[i] == (0 if met[i] else longest)
             want = {p[j] for p, j, m in zip(phrases, state.partial, met, strict=True) if not m}
             assert set(book.next_tokens(state)) == want
+            held = sum(len(p) for p, m in zip(phrases, met, strict=True) if m)
+            assert state.bank == held + max(state.partial)
 
 
 def test_split_phrases():
