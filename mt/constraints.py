@@ -201,26 +201,22 @@ def constrained_beam_search(model, src: Tensor, constraints: list[list[list[int]
         if no_repeat_ngram:
             history = torch.tensor([h[1] for hs in beams for h in hs], dtype=torch.long,
                                    device=device).view(n * width, step)
-        _constrain(lprobs, step, min_len, force_eos, prefix,
-                   rows if step < prefix.steps else None, history, no_repeat_ngram)
         # EOS only for a hypothesis holding every phrase, or with nothing else left: out of
         # budget, or every other token banned (no_repeat_ngram): it ends as it is.
         flat = [(sentences[s], h) for s, hs in zip(active, beams, strict=True) for h in hs]
-        open_ = [r for r, (phrases, h) in enumerate(flat) if h[3].met != phrases.done]
-        if open_:
-            open_rows = torch.tensor(open_, device=device)
-            eos = lprobs[open_rows, EOS_ID]
-            lprobs[open_rows, EOS_ID] = -torch.inf
-            stuck = ~torch.isfinite(lprobs.amax(dim=-1)[open_rows]) | force_eos[open_rows]
-            lprobs[open_rows[stuck], EOS_ID] = eos[stuck]
+        open_ = [h[3].met != phrases.done for phrases, h in flat]
+        _constrain(lprobs, step, min_len, force_eos, prefix,
+                   rows if step < prefix.steps else None, history, no_repeat_ngram,
+                   hold_eos=torch.tensor(open_, device=device))
         vocab = lprobs.size(-1)
         base = torch.tensor([h[0] for _, h in flat], device=device)
         totals = lprobs.add_(base.unsqueeze(1)).view(n, width * vocab)
         top_v, top_i = totals.topk(min(2 * k, width * vocab), dim=1)
         best_v, best_t = lprobs.view(n, width, vocab).max(dim=-1)
         # The tokens that advance a phrase, and EOS where every phrase is held.
-        extra = [(r // width, r % width, t) for r, (phrases, h) in enumerate(flat)
-                 for t in (phrases.next_tokens(h[3]) if h[3].met != phrases.done else [EOS_ID])]
+        extra = [(r // width, r % width, t) for r, ((phrases, h), unmet) in
+                 enumerate(zip(flat, open_, strict=True))
+                 for t in (phrases.next_tokens(h[3]) if unmet else [EOS_ID])]
         extra_v = (totals[[e[0] for e in extra], [e[1] * vocab + e[2] for e in extra]].tolist()
                    if extra else [])
         per_sentence: list[dict[tuple[int, int], float]] = [{} for _ in range(n)]

@@ -110,25 +110,27 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
     lens = dict(max_len_a=opts.max_len_a, max_len_b=opts.max_len_b, min_len=opts.min_len,
                 no_repeat_ngram=opts.no_repeat_ngram)
 
+    def inputs(batch: list[int]) -> tuple[torch.Tensor, list[list[int]] | None]:
+        src = pad([sources[i] for i in batch]).to(device)
+        return src, [prefixes[i] for i in batch] if prefixes is not None else None
+
     def search(batch: list[int]) -> list[list[Hypothesis]]:
-        if constraints is not None and any(constraints[i] for i in batch):
-            # Sentences with phrases take the constrained search (its bookkeeping is Python);
-            # the others the plain one, as fast as without a constraints file.
-            bound = [i for i in batch if constraints[i]]
-            free = [i for i in batch if not constraints[i]]
-            src = pad([sources[i] for i in bound]).to(device)
-            pre = [prefixes[i] for i in bound] if prefixes is not None else None
-            found = dict(zip(bound, constrained_beam_search(
-                model, src, [constraints[i] for i in bound], opts.beam, opts.lenpen, opts.nbest,
-                prefixes=pre, **lens), strict=True))
-            if free:
-                found.update(zip(free, plain(free), strict=True))
-            return [found[i] for i in batch]
-        return plain(batch)
+        # Sentences with phrases take the constrained search (its bookkeeping is Python); the
+        # others the plain one, as fast as without constraints.
+        bound = [i for i in batch if constraints[i]] if constraints is not None else []
+        if not bound:
+            return plain(batch)
+        src, pre = inputs(bound)
+        found = dict(zip(bound, constrained_beam_search(
+            model, src, [constraints[i] for i in bound], opts.beam, opts.lenpen, opts.nbest,
+            prefixes=pre, **lens), strict=True))
+        free = [i for i in batch if not constraints[i]]
+        if free:
+            found.update(zip(free, plain(free), strict=True))
+        return [found[i] for i in batch]
 
     def plain(batch: list[int]) -> list[list[Hypothesis]]:
-        src = pad([sources[i] for i in batch]).to(device)
-        pre = [prefixes[i] for i in batch] if prefixes is not None else None
+        src, pre = inputs(batch)
         if opts.sampling:
             return sample_search(model, src, opts.nbest, opts.lenpen, prefixes=pre,
                                  temperature=opts.temperature, top_k=opts.top_k,

@@ -125,10 +125,12 @@ def _ban_repeats(lprobs: Tensor, history: Tensor, n: int) -> None:
 
 def _constrain(lprobs: Tensor, step: int, min_len: int, force_eos: Tensor,
                prefix: _Prefix | None = None, rows: Tensor | None = None,
-               history: Tensor | None = None, no_repeat_ngram: int = 0) -> None:
-    """In place: no PAD/BOS ever, no EOS before min_len, no repeated n-gram of ``history`` (with
-    ``no_repeat_ngram``), only EOS where the budget is spent, only the prefix token while a
-    sentence is inside its prefix (``rows``: lprobs row -> sentence)."""
+               history: Tensor | None = None, no_repeat_ngram: int = 0,
+               hold_eos: Tensor | None = None) -> None:
+    """In place: no PAD/BOS ever, no EOS before min_len (nor in the ``hold_eos`` rows, unless
+    nothing else is left), no repeated n-gram of ``history`` (with ``no_repeat_ngram``), only EOS
+    where the budget is spent, only the prefix token while a sentence is inside its prefix
+    (``rows``: lprobs row -> sentence)."""
     original = None
     if prefix is not None and step < prefix.steps:
         original = lprobs.gather(1, prefix.tokens[rows, step][:, None])[:, 0]
@@ -139,10 +141,13 @@ def _constrain(lprobs: Tensor, step: int, min_len: int, force_eos: Tensor,
     lprobs[:, BOS_ID] = -torch.inf
     if step < min_len:
         lprobs[:, EOS_ID] = -torch.inf
+    if hold_eos is not None:
+        lprobs[hold_eos, EOS_ID] = -torch.inf
     if ban:
         _ban_repeats(lprobs, history, no_repeat_ngram)
         # A row with nothing left (a tiny vocabulary, or min_len) may still end: EOS is never
-        # part of an n-gram, so this only undoes min_len, and keeps the model's own score.
+        # part of an n-gram, so this only undoes min_len (or hold_eos), and keeps the model's own
+        # score. Without the ban some token other than EOS is always left.
         stuck = ~torch.isfinite(lprobs.amax(dim=-1))
         if stuck.any():
             lprobs[stuck, EOS_ID] = eos[stuck]
