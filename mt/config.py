@@ -150,7 +150,8 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    init_from: str | None = None  # a model to start from (fine-tuning); its weights, not its state
+    # a model to start from (fine-tuning): its weights, shape and tokenizer, not its optimizer state
+    init_from: str | None = None
 
 
 def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
@@ -160,6 +161,32 @@ def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
     if unknown:
         raise ValueError(f"model config has unknown keys {unknown}: was it made by a newer mt?")
     return ModelConfig(**values)
+
+
+# Model keys that are training choices, not the network's shape: a fine-tuning run takes them from
+# its own config (fine-tuning on little data often wants more dropout than the model was trained
+# with), every other key from the model it starts from.
+REGULARIZATION_KEYS = ("dropout", "attention_dropout", "activation_dropout")
+
+
+def finetune_model_config(config: ModelConfig, saved: dict[str, Any]) -> tuple[ModelConfig, str]:
+    """The model config of a run that starts from a saved model (``init_from``).
+
+    Its shape is the saved model's, whatever ``model=...`` the run's config composed (the weights
+    fit nothing else); its dropouts are the run's.
+
+    Returns:
+        the config, and a note of the run's shape keys that the saved model overrides ("" if
+        none), for the log.
+    """
+    model = model_config_from_dict(saved)
+    for key in REGULARIZATION_KEYS:
+        setattr(model, key, getattr(config, key))
+    ignored = [f"model.{f.name}={getattr(config, f.name)} (model: {getattr(model, f.name)})"
+               for f in dataclasses.fields(ModelConfig)
+               if f.name not in ("name", "src_vocab_size", "tgt_vocab_size")
+               and getattr(config, f.name) != getattr(model, f.name)]
+    return model, ", ".join(ignored)
 
 
 def check_keys(node, schema: type | None = None, prefix: str = "") -> None:

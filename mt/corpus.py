@@ -30,7 +30,9 @@ class Corpus:
     memory-mapped Arrow table: 4.5M WMT-sized pairs hold about 110 MB (docs/benchmarks.md).
     """
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> None:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, rank: int, world: int,
+                 tokenizer: Tokenizer | None = None) -> None:
+        """``tokenizer``: the one the run must use (``init_from``'s), instead of its own."""
         from dataclasses import replace
 
         from mt.batching import EncodedPairs, SampledPairs, encode_split
@@ -43,7 +45,7 @@ class Corpus:
 
             write_demo_corpus(data.dir)
         train = load_split(data, data.train)
-        self.tokenizer = self._tokenizer(cfg, run_dir, train)
+        self.tokenizer = self._tokenizer(cfg, run_dir, train, tokenizer)
         rules = data.filter
         if rules.max_tokens >= cfg.model.max_positions:  # longer pairs would not fit the model
             rules = replace(rules, max_tokens=cfg.model.max_positions - 1)
@@ -71,13 +73,16 @@ class Corpus:
         self.valid_src, self.valid_tgt = list(valid["src"][:n]), list(valid["tgt"][:n])
 
     @staticmethod
-    def _tokenizer(cfg: TrainConfig, run_dir: Path, train) -> Tokenizer:
-        """data.tokenizer.path (trained there if empty) or run_dir/tokenizer, reused if complete."""
+    def _tokenizer(cfg: TrainConfig, run_dir: Path, train, given: Tokenizer | None) -> Tokenizer:
+        """data.tokenizer.path (trained there if empty) or run_dir/tokenizer, reused if complete;
+        ``given`` is written there instead (or checked against the one there)."""
         from mt.data import sample_texts
-        from mt.tokenizer import load_or_train
+        from mt.tokenizer import load_or_train, place
 
         tok_cfg, seed = cfg.data.tokenizer, cfg.trainer.seed
         directory = Path(tok_cfg.path) if tok_cfg.path else run_dir / "tokenizer"
+        if given is not None:
+            return place(directory, given, f"init_from={cfg.init_from}")
         return load_or_train(
             directory,
             lambda: sample_texts(train, tok_cfg.input_sentence_size, seed, tok_cfg.joint),

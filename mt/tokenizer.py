@@ -246,6 +246,30 @@ def _release_memory() -> None:
         pass
 
 
+def place(directory: str | os.PathLike, tokenizer: Tokenizer, origin: str) -> Tokenizer:
+    """Puts a model's own tokenizer in a run's tokenizer directory, or checks the one there.
+
+    A model fine-tuned with another segmentation would see ids that mean other pieces: its
+    embeddings would be noise. So the directory must be empty (the tokenizer is written there)
+    or hold this very tokenizer (a resumed run, or a rank that came second).
+
+    Args:
+        directory: the run's tokenizer directory.
+        tokenizer: the model's tokenizer.
+        origin: where it came from, for the error and ``tokenizer.json`` (``init_from=...``).
+    """
+    directory = Path(directory)
+    if (directory / META_FILE).exists():
+        there = Tokenizer.load(directory)
+        if there.fingerprint != tokenizer.fingerprint:
+            raise ValueError(f"{origin}: the model's tokenizer is not the one in {directory}; "
+                             "a model keeps its own (leave data.tokenizer.path unset)")
+        return there
+    tokenizer.save(directory, {"from": origin})
+    log.info("tokenizer of %s -> %s", origin, directory)
+    return tokenizer
+
+
 def load_or_train(
     directory: str | os.PathLike,
     texts: Callable[[], tuple[Iterable[str], Iterable[str]]],

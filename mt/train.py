@@ -32,13 +32,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from mt import checkpoint
 from mt.batching import collate, token_batches
-from mt.config import PAD_ID, TrainConfig, check_keys, register_configs
+from mt.config import PAD_ID, TrainConfig, check_keys, finetune_model_config, register_configs
 from mt.corpus import Corpus
 from mt.distributed import barrier, setup_distributed
 from mt.loss import label_smoothed_nll
 from mt.model import build_model, count_parameters
 from mt.optim import autocast_dtype, build_optimizer, lr_lambda
 from mt.runlog import Window, finish, plot_curves
+from mt.tokenizer import Tokenizer
 
 log = logging.getLogger("mt.train")
 
@@ -54,14 +55,27 @@ class Trainer:
         self.rank, self.world, self.device = setup_distributed(cfg.trainer.device)
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
-        torch.manual_seed(cfg.trainer.seed)
-        random.seed(cfg.trainer.seed)
-        self.corpus = Corpus(cfg, run_dir, self.rank, self.world)
+        # Rank 0 keeps the seed; other ranks draw dropout from streams of their own (no 32-bit seed
+        # starts them), not copies of rank 0's. Data order and subword sampling do not use these.
+        torch.manual_seed(cfg.trainer.seed + self.rank * 2**32)
+        random.seed(cfg.trainer.seed + self.rank * 2**32)
+        self.ckpt_dir = run_dir / "checkpoints"
+        base = None
+        if cfg.init_from:  # fine-tuning: the shape and the tokenizer of the model it starts from
+            last = self.ckpt_dir / "last.pt"  # (a resumed run: the same, as saved there)
+            base = checkpoint.load(last if last.exists() else cfg.init_from)
+            cfg.model, replaced = finetune_model_config(cfg.model, base["model_config"])
+            if replaced:
+                log.info("init_from=%s: the model's shape replaces %s", cfg.init_from, replaced)
+        self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
+                             Tokenizer.from_state(base["tokenizer"]) if base is not None else None)
         tok = self.corpus.tokenizer
         cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
         self.model = build_model(cfg.model).to(self.device)
-        if cfg.init_from:
-            self._init_from(cfg.init_from)
+        if base is not None:
+            self.model.load_state_dict(base["model"])  # its own config: every key fits
+            log.info("initialised weights from %s", base["path"])
+            del base
         log.info("model %s: %s parameters\n%s", cfg.model.name, f"{count_parameters(self.model):,}",
                  OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
         self.optimizer = build_optimizer(self.model, cfg, self.device)
@@ -89,25 +103,15 @@ class Trainer:
             torch.zeros((), dtype=torch.long, device=self.device) for _ in range(3))
         self.validated_step = -1
         self.writer = self._tensorboard() if self.rank == 0 else None
-        self.ckpt_dir = run_dir / "checkpoints"
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
         if (self.ckpt_dir / "last.pt").exists():
             self._resume(self.ckpt_dir / "last.pt")
             if self.history and self.history[-1]["step"] == self.step:
                 self.validated_step = self.step  # a finished run restarted: do not validate again
 
-    def _init_from(self, path: str) -> None:
-        ckpt = checkpoint.load(path)
-        missing = self.model.load_state_dict(ckpt["model"], strict=False)
-        if missing.missing_keys or missing.unexpected_keys:
-            raise ValueError(f"init_from={path}: weights do not fit model {self.cfg.model.name} "
-                             f"(missing {missing.missing_keys[:3]}, unexpected "
-                             f"{missing.unexpected_keys[:3]})")
-        log.info("initialised weights from %s", ckpt["path"])
-
     # -- checkpoints
 
-    def _trainer_state(self) -> dict:
+    def _trainer_state(self, rng: list[dict]) -> dict:
         return {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -116,8 +120,7 @@ class Trainer:
             "best": self.best, "bad_validations": self.bad_validations, "history": self.history,
             "skipped_steps": self.skipped_steps,
             "seconds": self.seconds(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []},
+            "rng": rng[0], "rng_ranks": rng,  # "rng": rank 0's, as checkpoints before rng_ranks
             "world_size": self.world,
         }
 
@@ -137,11 +140,12 @@ class Trainer:
         self.history = state["history"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.seconds_before = self.elapsed = state.get("seconds", 0.0)
-        if state["world_size"] == self.world:
-            torch.set_rng_state(state["rng"]["torch"])
-            random.setstate(_as_python_state(state["rng"]["python"]))
-            if state["rng"]["cuda"]:
-                torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        if state["world_size"] == self.world:  # else the streams are new ones: no exact resume
+            rng = state.get("rng_ranks", [state["rng"]] * self.world)[self.rank]
+            torch.set_rng_state(rng["torch"])
+            random.setstate(_as_python_state(rng["python"]))
+            if rng["cuda"]:
+                torch.cuda.set_rng_state_all(rng["cuda"])
         log.info("resumed %s at step %d (epoch %d, step %d of it)", path, self.step, self.epoch,
                  self.step_in_epoch)
 
@@ -155,10 +159,15 @@ class Trainer:
             raise RuntimeError(f"training diverged: non-finite weights ({', '.join(bad[:3])}); "
                                f"not overwriting {self.ckpt_dir / 'last.pt'}. Lower optim.lr, "
                                "raise optim.warmup_steps or set optim.clip_norm")
+        mine = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []}
+        rng = [mine] * self.world
+        if self.world > 1:  # every rank's stream, so that each draws on after a resume as before
+            dist.all_gather_object(rng, mine)
         if self.rank != 0:
             return
         inference = checkpoint.model_state(self.model, self.corpus.tokenizer, self.config_dict)
-        checkpoint.save_atomic({**inference, "trainer": self._trainer_state()},
+        checkpoint.save_atomic({**inference, "trainer": self._trainer_state(rng)},
                                self.ckpt_dir / "last.pt")
         t = self.cfg.trainer
         if step_checkpoint and (t.keep_last > 0 or t.keep_best > 0 or t.average_last > 0):

@@ -267,6 +267,24 @@ def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, c
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_two_process_ddp_with_dropout_resumes_exactly(tmp_path, corpus_dir, tokenizer_dir):
+    """Each rank draws its own dropout masks, and a resumed run draws on from where each stopped."""
+    common = ["trainer.validate_every=3", "trainer.test_at_end=false", "model.dropout=0.3"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    run_train(tmp_path, full, corpus_dir, tokenizer_dir, *common, "trainer.max_steps=6",
+              torchrun=2)
+    run_train(tmp_path, split, corpus_dir, tokenizer_dir, *common, "trainer.max_steps=3",
+              torchrun=2)
+    resumed = run_train(tmp_path, split, corpus_dir, tokenizer_dir, *common,
+                        "trainer.max_steps=6", torchrun=2)
+    assert "resumed" in resumed.stderr
+    a, b = weights(full), weights(split)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    rng = torch.load(full / "checkpoints" / "last.pt", weights_only=True)["trainer"]["rng_ranks"]
+    assert not torch.equal(rng[0]["torch"], rng[1]["torch"])
+
+
 def test_nan_loss_skips_the_step_and_stops_a_diverging_run(tmp_path, corpus_dir, tokenizer_dir):
     # lr = inf makes the weights NaN after the first update, so every later loss is NaN:
     # the run must stop with a clear message instead of saving NaN weights.

@@ -1,0 +1,72 @@
+"""Fine-tuning (``init_from``): a saved model's shape, tokenizer and weights; the run's dropouts."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+from conftest import PYTHON, cli_env, tiny_train_args
+from test_train import run_train, weights
+
+from mt.config import ModelConfig, TokenizerConfig, finetune_model_config
+from mt.data import read_lines
+from mt.tokenizer import Tokenizer, place, train_tokenizer
+
+
+def test_finetune_config_keeps_the_models_shape_and_the_runs_dropout():
+    saved = vars(ModelConfig(name="small", d_model=64, heads=2, dropout=0.1, norm="pre",
+                             src_vocab_size=300, tgt_vocab_size=300))
+    run = ModelConfig(d_model=256, dropout=0.3, attention_dropout=0.2)
+    model, replaced = finetune_model_config(run, dict(saved))
+    assert (model.d_model, model.heads, model.norm, model.src_vocab_size) == (64, 2, "pre", 300)
+    assert (model.dropout, model.attention_dropout) == (0.3, 0.2)
+    assert replaced == ("model.d_model=256 (model: 64), model.heads=4 (model: 2), "
+                        "model.norm=post (model: pre)")
+    same = ModelConfig(**{**saved, "dropout": 0.5})
+    assert finetune_model_config(same, dict(saved))[1] == ""
+
+
+def test_place_writes_a_models_tokenizer_and_refuses_another(tmp_path, corpus_dir,
+                                                             tokenizer_dir):
+    mine = Tokenizer.load(tokenizer_dir)
+    placed = place(tmp_path / "tok", mine, "init_from=x")
+    assert Tokenizer.load(tmp_path / "tok").fingerprint == mine.fingerprint == placed.fingerprint
+    assert place(tmp_path / "tok", mine, "init_from=x").fingerprint == mine.fingerprint  # again
+    other = train_tokenizer(read_lines(corpus_dir / "train.en"),
+                            read_lines(corpus_dir / "train.zz"), TokenizerConfig(vocab_size=150))
+    with pytest.raises(ValueError, match=r"init_from=x: the model's tokenizer is not the one in"):
+        place(tmp_path / "tok", other, "init_from=x")
+
+
+def test_init_from_trains_on_from_the_saved_model(tmp_path, corpus_dir, tokenizer_dir):
+    base = tmp_path / "base"
+    run_train(tmp_path, base, corpus_dir, tokenizer_dir, "trainer.max_steps=2",
+              "trainer.test_at_end=false")
+    # The fine-tuning run names neither the model's shape nor its tokenizer: both come from base.
+    # With lr 0 the weights stay those it started from, so they show where it started.
+    args = [a for a in tiny_train_args(corpus_dir, tokenizer_dir)
+            if not a.startswith(("model.", "data.tokenizer.path"))]
+    tuned = tmp_path / "tuned"
+    common = [f"hydra.run.dir={tuned}", f"init_from={base}", "model.dropout=0.3",
+              "optim.lr=0", "trainer.test_at_end=false"]
+    def train(*more: str) -> subprocess.CompletedProcess:
+        result = subprocess.run([PYTHON, "-m", "mt.train", *args, *common, *more],
+                                env=cli_env(tmp_path), capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result
+
+    first = train("trainer.max_steps=2")
+    assert "the model's shape replaces model.encoder_layers=3 (model: 1)" in first.stderr
+    a, b = weights(base), weights(tuned)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    saved = torch.load(tuned / "checkpoints" / "last.pt", weights_only=True)
+    expected = torch.load(base / "checkpoints" / "last.pt", weights_only=True)["model_config"]
+    assert saved["model_config"] == {**expected, "dropout": 0.3}
+    assert (Tokenizer.load(tuned / "tokenizer").fingerprint
+            == Tokenizer.load(tokenizer_dir).fingerprint)
+    again = train("trainer.max_steps=3")  # a fine-tuning run resumes like any other
+    assert "resumed" in again.stderr
