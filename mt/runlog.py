@@ -1,22 +1,80 @@
 """What a training run reports besides its checkpoints: the loss and speed of each log window,
-``curves.png`` after every validation, and at the end the test-set BLEU of ``best.pt`` and
-``averaged.pt`` (``test.json``) with the command to run next.
+the valid-split scores, ``curves.png`` after every validation, and at the end the test-set BLEU
+of ``best.pt`` and ``averaged.pt`` (``test.json``) with the command to run next.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
 import torch
 
 from mt import checkpoint
-from mt.config import TrainConfig
+from mt.batching import collate, token_batches
+from mt.config import PAD_ID, TrainConfig, TrainerConfig
 from mt.data import load_split
+from mt.loss import label_smoothed_nll
 
 log = logging.getLogger("mt.train")
+
+
+def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
+             trainer: TrainerConfig, device: torch.device) -> dict:
+    """Loss and perplexity on the valid pairs (teacher forced, without label smoothing, so runs
+    with different smoothing compare), and BLEU and chrF of the search the test at the end uses.
+
+    The caller puts the model in eval mode and under inference mode (and autocast, if any).
+    """
+    from mt.evaluate import score
+    from mt.lines import translate_lines
+    from mt.options import SearchOptions
+
+    src_ids, tgt_ids = tokenizer.encode_src(src), tokenizer.encode_tgt(tgt)
+    loss_sum, tokens = 0.0, 0
+    batches = token_batches([len(s) for s in src_ids], [len(t) for t in tgt_ids],
+                            trainer.max_tokens, 0, 0, shuffle=False)
+    for batch in batches:
+        src_t, tgt_in, tgt_out = (t.to(device) for t in collate(
+            [src_ids[i] for i in batch], [tgt_ids[i] for i in batch]))
+        _, nll = label_smoothed_nll(model(src_t, tgt_in), tgt_out, 0.0)
+        loss_sum += float(nll)
+        tokens += int((tgt_out != PAD_ID).sum())
+    opts = SearchOptions(beam=trainer.beam_size, lenpen=trainer.lenpen)
+    hyps = [n[0][0] for n in translate_lines(model, tokenizer, src, opts)]
+    scores = score(hyps, tgt)
+    loss = loss_sum / max(tokens, 1)
+    return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50)),
+            "valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
+
+
+class Metrics:
+    """``metrics.jsonl`` (one JSON object per log line and per validation), TensorBoard events
+    when tensorboard is installed, and ``curves.png`` redrawn at each validation (rank 0 only)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+        self.run_dir, self.writer = run_dir, None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                log.info("tensorboard is not installed: metrics go to metrics.jsonl only")
+            else:
+                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key not in ("step", "epoch") and isinstance(value, int | float):
+                    self.writer.add_scalar(key, value, record["step"])
+            self.writer.flush()
+        if "valid_loss" in record:
+            plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
 
 
 def plot_curves(metrics_file: Path, out: Path) -> bool:

@@ -15,9 +15,7 @@ schedule, RNG states and the position in the data (epoch, step within the epoch)
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import random
 import sys
@@ -31,14 +29,13 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from mt import checkpoint
-from mt.batching import collate, token_batches
-from mt.config import PAD_ID, TrainConfig, check_keys, finetune_model_config, register_configs
+from mt.config import TrainConfig, check_keys, finetune_model_config, register_configs
 from mt.corpus import Corpus
 from mt.distributed import barrier, setup_distributed
 from mt.loss import label_smoothed_nll
 from mt.model import build_model, count_parameters
 from mt.optim import autocast_dtype, build_optimizer, lr_lambda
-from mt.runlog import Window, finish, plot_curves
+from mt.runlog import Metrics, Window, finish, validate
 from mt.tokenizer import Tokenizer
 
 log = logging.getLogger("mt.train")
@@ -102,7 +99,7 @@ class Trainer:
         self.bad_run, self.worst_run, self.bad_since_check = (
             torch.zeros((), dtype=torch.long, device=self.device) for _ in range(3))
         self.validated_step = -1
-        self.writer = self._tensorboard() if self.rank == 0 else None
+        self.metrics = Metrics(run_dir, cfg.trainer.tensorboard) if self.rank == 0 else None
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
         if (self.ckpt_dir / "last.pt").exists():
             self._resume(self.ckpt_dir / "last.pt")
@@ -192,31 +189,13 @@ class Trainer:
     # -- validation
 
     def validate(self) -> dict:
-        from mt.evaluate import score
-        from mt.lines import translate_lines
-        from mt.options import SearchOptions
-
         self.model.eval()
         c = self.corpus
-        tok = c.tokenizer
-        src_ids, tgt_ids = tok.encode_src(c.valid_src), tok.encode_tgt(c.valid_tgt)
-        loss_sum, tokens = 0.0, 0
         with torch.inference_mode(), self._autocast():
-            batches = token_batches([len(s) for s in src_ids], [len(t) for t in tgt_ids],
-                                    self.cfg.trainer.max_tokens, 0, 0, shuffle=False)
-            for batch in batches:
-                src, tgt_in, tgt_out = (t.to(self.device) for t in collate(
-                    [src_ids[i] for i in batch], [tgt_ids[i] for i in batch]))
-                _, nll = label_smoothed_nll(self.model(src, tgt_in), tgt_out, 0.0)
-                loss_sum += float(nll)
-                tokens += int((tgt_out != PAD_ID).sum())
-            opts = SearchOptions(beam=self.cfg.trainer.beam_size, lenpen=self.cfg.trainer.lenpen)
-            hyps = [n[0][0] for n in translate_lines(self.model, tok, c.valid_src, opts)]
+            metrics = validate(self.model, c.tokenizer, c.valid_src, c.valid_tgt, self.cfg.trainer,
+                               self.device)
         self.model.train()
-        scores = score(hyps, c.valid_tgt)
-        loss = loss_sum / max(tokens, 1)
-        return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50)),
-                "valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
+        return metrics
 
     def _autocast(self):
         if self.amp_dtype is None:
@@ -350,7 +329,7 @@ class Trainer:
                 if self.step % t.log_every == 0 and bar is not None:
                     record = {"step": self.step, "epoch": self.epoch, **window.read(),
                               "lr": self.scheduler.get_last_lr()[0]}
-                    self._log(record)
+                    self.metrics.write(record)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
                                     tok_s=f"{record['tgt_tokens_per_s']:.0f}", refresh=False)
                 if bar is not None:
@@ -389,7 +368,7 @@ class Trainer:
                 self.bad_validations += 1
             record = {"step": self.step, "epoch": self.epoch, **metrics, "best": self.best}
             self.history.append(record)
-            self._log(record)
+            self.metrics.write(record)
             log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f%s", self.step,
                      metrics["valid_loss"], metrics["valid_ppl"], metrics["valid_bleu"],
                      metrics["valid_chrf"], " (best)" if improved else "")
@@ -399,30 +378,6 @@ class Trainer:
             self.bad_validations, self.best = state
         self.save(improved)
         barrier(self.world)
-
-    def _tensorboard(self):
-        if not self.cfg.trainer.tensorboard:
-            return None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            log.info("tensorboard is not installed: metrics go to metrics.jsonl only")
-            return None
-        return SummaryWriter(str(self.run_dir / "tensorboard"))
-
-    def _log(self, record: dict) -> None:
-        """Appends to metrics.jsonl (and TensorBoard); a validation record redraws the plot."""
-        if self.rank != 0:
-            return
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for key, value in record.items():
-                if key not in ("step", "epoch") and isinstance(value, int | float):
-                    self.writer.add_scalar(key, value, record["step"])
-            self.writer.flush()
-        if "valid_loss" in record:
-            plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
 
 
 def _as_python_state(state):
