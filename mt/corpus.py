@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from mt.config import TrainConfig
-from mt.data import load_split
+from mt.data import count_tagged, load_split, load_train
 from mt.distributed import barrier
 from mt.tokenizer import Tokenizer
 
@@ -42,7 +42,11 @@ class Corpus:
             from mt.demo import write_demo_corpus
 
             write_demo_corpus(data.dir)
-        train = load_split(data, data.train)
+        train = load_train(data)
+        if data.tagged and rank == 0:
+            log.info("data.tagged: %s of %s training pairs have sources tagged %s (splits %s)",
+                     f"{count_tagged(train, data.tag):,}", f"{len(train):,}", data.tag,
+                     ", ".join(data.tagged))
         self.tokenizer = self._tokenizer(cfg, run_dir, train)
         rules = data.filter
         if rules.max_tokens >= cfg.model.max_positions:  # longer pairs would not fit the model
@@ -73,10 +77,10 @@ class Corpus:
     @staticmethod
     def _tokenizer(cfg: TrainConfig, run_dir: Path, train) -> Tokenizer:
         """data.tokenizer.path (trained there if empty) or run_dir/tokenizer, reused if complete."""
-        from mt.data import sample_texts
+        from mt.data import sample_texts, tokenizer_config
         from mt.tokenizer import load_or_train
 
-        tok_cfg, seed = cfg.data.tokenizer, cfg.trainer.seed
+        tok_cfg, seed = tokenizer_config(cfg.data), cfg.trainer.seed
         directory = Path(tok_cfg.path) if tok_cfg.path else run_dir / "tokenizer"
         return load_or_train(
             directory,
