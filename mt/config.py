@@ -64,6 +64,10 @@ class TokenizerConfig:
     joint: bool = True  # one vocabulary for both languages (needed for tie_embeddings=all)
     character_coverage: float = 1.0
     input_sentence_size: int = 2_000_000  # sample this many sentences from a huge corpus
+    # always one source piece where a word starts (SentencePiece user_defined_symbols, given as
+    # '▁' + symbol so that "<BT> Hello" is <BT> ▁Hello, not ▁ <BT> ▁Hello); mt-train adds data.tag
+    # here when data.tagged is set
+    user_symbols: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -93,6 +97,11 @@ class DataConfig:
     # 0 = off (the one best). Unigram tokenizers; the candidates are held in memory.
     subword_alpha: float = 0.0
     subword_nbest: int = 64
+    # tagged back-translation (Caswell et al., 2019): the sources of these splits of data.train
+    # (e.g. [bt] with train=train+bt) start with the token data.tag, so the model can tell
+    # synthetic sources from real ones; valid, test and translate input are never tagged
+    tagged: list[str] = field(default_factory=list)
+    tag: str = "<BT>"
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
 
@@ -187,6 +196,12 @@ def finetune_model_config(config: ModelConfig, saved: dict[str, Any]) -> tuple[M
                if f.name not in ("name", "src_vocab_size", "tgt_vocab_size")
                and getattr(config, f.name) != getattr(model, f.name)]
     return model, ", ".join(ignored)
+
+
+def is_user_symbol(text: str) -> bool:
+    """Whether SentencePiece can take ``text`` as a user symbol (``data.tag``): one non-empty word
+    (it cuts at spaces, '▁' once encoded), no ',' (its trainer takes the list joined by commas)."""
+    return bool(text) and not any(c.isspace() or c in ",\u2581" for c in text)
 
 
 def check_keys(node, schema: type | None = None, prefix: str = "") -> None:

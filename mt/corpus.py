@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from mt.config import TrainConfig
-from mt.data import load_split
+from mt.data import count_tagged, load_split, load_train
 from mt.distributed import barrier
 from mt.tokenizer import Tokenizer
 
@@ -44,7 +44,11 @@ class Corpus:
             from mt.demo import write_demo_corpus
 
             write_demo_corpus(data.dir)
-        train = load_split(data, data.train)
+        train = load_train(data)
+        if data.tagged and rank == 0:
+            log.info("data.tagged: %s of %s training pairs have sources tagged %s (splits %s)",
+                     f"{count_tagged(train, data.tag):,}", f"{len(train):,}", data.tag,
+                     ", ".join(data.tagged))
         self.tokenizer = self._tokenizer(cfg, run_dir, train, tokenizer)
         rules = data.filter
         if rules.max_tokens >= cfg.model.max_positions:  # longer pairs would not fit the model
@@ -76,13 +80,17 @@ class Corpus:
     def _tokenizer(cfg: TrainConfig, run_dir: Path, train, given: Tokenizer | None) -> Tokenizer:
         """data.tokenizer.path (trained there if empty) or run_dir/tokenizer, reused if complete;
         ``given`` is written there instead (or checked against the one there)."""
-        from mt.data import sample_texts
-        from mt.tokenizer import load_or_train, place
+        from mt.data import sample_texts, tokenizer_config
+        from mt.tokenizer import load_or_train, place, require_symbols
 
-        tok_cfg, seed = cfg.data.tokenizer, cfg.trainer.seed
+        tok_cfg, seed = tokenizer_config(cfg.data), cfg.trainer.seed
         directory = Path(tok_cfg.path) if tok_cfg.path else run_dir / "tokenizer"
         if given is not None:
-            return place(directory, given, f"init_from={cfg.init_from}")
+            tok = place(directory, given, f"init_from={cfg.init_from}")
+            require_symbols(tok, tok_cfg.user_symbols,
+                            f"the tokenizer of init_from={cfg.init_from}",
+                            "the model was trained without it")
+            return tok
         return load_or_train(
             directory,
             lambda: sample_texts(train, tok_cfg.input_sentence_size, seed, tok_cfg.joint),

@@ -22,24 +22,28 @@ Local layouts (``data.format``), each optionally gzip-compressed (``.gz``):
 Bad input stops with the file and line: line counts that differ, invalid UTF-8, a TSV line without
 exactly one tab, a JSON line that does not parse or lacks a language.
 
+Tagged back-translation: ``load_train`` starts the sources of ``data.tagged``'s splits with
+``data.tag`` (cached like the rest, keyed by the tag); nothing else is ever tagged.
+
 Encoding, filtering and batching the pairs read here is ``mt.batching``'s job.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import json
 import os
 import pickle
 import zlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from itertools import zip_longest
 from pathlib import Path
 
 import numpy as np
 
-from mt.config import DataConfig
+from mt.config import DataConfig, TokenizerConfig, is_user_symbol
 
 
 class DataError(ValueError):
@@ -131,24 +135,92 @@ def read_pairs(files: str, fmt: str, src_lang: str, tgt_lang: str) -> Iterator[d
             yield {"src": src, "tgt": tgt}
 
 
-def load_split(cfg: DataConfig, split: str, cache_dir: str | None = None):
+def load_split(cfg: DataConfig, split: str, cache_dir: str | None = None,
+               tagged: Collection[str] = ()):
     """A ``datasets.Dataset`` with string columns ``src`` and ``tgt`` for one split.
 
     ``split`` may join several with ``+`` (``train+backtranslated``), as Hugging Face's split
     syntax does: their pairs in that order, e.g. the original corpus and a synthetic one.
     ``cache_dir`` overrides the ``datasets`` cache (``HF_DATASETS_CACHE``) for local files.
+    The sources of the splits named in ``tagged`` start with ``cfg.tag`` (see ``load_train``).
     """
     import datasets
 
     datasets.disable_progress_bars()  # our own progress goes to stderr; theirs is noise here
-    if "+" in split:
-        parts = split.split("+")
+    parts = split.split("+")
+    if len(parts) > 1:
         if not all(parts):
             raise ValueError(f"split {split!r}: join split names with '+', e.g. train+extra")
         if cfg.source == "hub" and cfg.hub_name and (Path(cfg.hub_name) / "state.json").exists():
             raise ValueError(f"split {split!r}: {cfg.hub_name} holds one saved Dataset, without "
                              "split names to join; save a DatasetDict")
-        return datasets.concatenate_datasets([load_split(cfg, p, cache_dir) for p in parts])
+    loaded = []
+    for part in parts:
+        ds = _load_one(cfg, part, cache_dir)
+        loaded.append(tag_sources(ds, cfg.tag) if part in tagged else ds)
+    return loaded[0] if len(loaded) == 1 else datasets.concatenate_datasets(loaded)
+
+
+def load_train(cfg: DataConfig, cache_dir: str | None = None):
+    """The training pairs of ``data.train``, the sources of ``data.tagged``'s splits tagged.
+
+    Tagged back-translation (Caswell et al., 2019): a synthetic source that starts with a reserved
+    token lets the model learn from back-translated pairs without taking their sources for real
+    ones. Only training data is tagged: valid and test sources, and whatever ``translate`` reads,
+    are real text and stay untagged.
+    """
+    check_tagging(cfg)
+    return load_split(cfg, cfg.train, cache_dir, tagged=cfg.tagged)
+
+
+def check_tagging(cfg: DataConfig) -> None:
+    """Raises ValueError naming the key when data.tag or data.tagged cannot work."""
+    if not is_user_symbol(cfg.tag):
+        raise ValueError("data.tag must be one non-empty word without whitespace, ',' or "
+                         f"'\u2581', got {cfg.tag!r}")
+    parts = cfg.train.split("+")
+    for name in cfg.tagged:
+        if name not in parts:
+            raise ValueError(f"data.tagged: {name!r} is not one of data.train's splits "
+                             f"({', '.join(parts)})")
+
+
+def tokenizer_config(cfg: DataConfig) -> TokenizerConfig:
+    """``data.tokenizer``, with ``data.tag`` among its user symbols when ``data.tagged`` is set:
+    the tag must be one piece that no ordinary text segments into."""
+    symbols = cfg.tokenizer.user_symbols
+    if cfg.tagged and cfg.tag not in symbols:
+        symbols = [*symbols, cfg.tag]
+    return dataclasses.replace(cfg.tokenizer, user_symbols=symbols)
+
+
+def tag_sources(ds, tag: str):
+    """``ds`` with every non-empty source prefixed by ``tag`` and a space (cached Arrow).
+
+    The fingerprint names the tag, so the encoding cache downstream (keyed by it) never serves
+    pairs tagged otherwise, or untagged.
+    """
+    return ds.map(_prefix, batched=True, batch_size=10_000, fn_kwargs={"tag": tag},
+                  new_fingerprint=stable_hash([ds._fingerprint, "tag_sources", tag]),
+                  desc="tagging")
+
+
+def _prefix(batch: dict[str, list[str]], tag: str) -> dict[str, list[str]]:
+    # An empty source stays empty: tagged, it would slip past the filter that drops empty pairs.
+    return {"src": [f"{tag} {s}" if s.strip() else s for s in batch["src"]]}
+
+
+def count_tagged(ds, tag: str) -> int:
+    """How many pairs of ``ds`` have a source that starts with ``tag`` (one pass in Arrow)."""
+    import pyarrow.compute as pc
+
+    return pc.sum(pc.starts_with(ds.with_format("arrow")["src"], f"{tag} ")).as_py() or 0
+
+
+def _load_one(cfg: DataConfig, split: str, cache_dir: str | None):
+    """One split (no '+'), from the hub or local files."""
+    import datasets
+
     if cfg.source == "hub":
         return _load_hub(cfg, split, cache_dir)
     if cfg.source not in ("files", "demo"):

@@ -28,12 +28,12 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
 
-from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TokenizerConfig
+from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TokenizerConfig, is_user_symbol
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,12 @@ class Tokenizer:
             marks.unspaced.append(text[-1:] == "\u3002")
         return marks
 
+    def symbol_id(self, symbol: str) -> int | None:
+        """The source id of ``symbol`` if it encodes to one known piece (a user symbol such as
+        the back-translation tag does), else None."""
+        ids = self.src.encode(symbol)
+        return ids[0] if len(ids) == 1 and ids[0] != UNK_ID else None
+
     def encode_src(self, texts: list[str]) -> list[list[int]]:
         """Source ids end with EOS so that every sentence, even an empty one, has a real token."""
         return self.src.encode(texts, add_eos=True)
@@ -178,9 +184,14 @@ def _sample(texts: Iterable[str], size: int, seed: int) -> list[str]:
     return reservoir
 
 
-def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int) -> bytes:
+def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
+               user_symbols: Sequence[str] = ()) -> bytes:
     if not sentences:
         raise ValueError("no non-empty sentence to train SentencePiece on")
+    # With the '▁' that SentencePiece puts before every word, a symbol at a sentence's start (where
+    # data.tag goes) is one piece, and the first. The sample may hold tagged sources: a user
+    # symbol is cut out of the text before pieces are learned, so it bends no other piece.
+    symbols = {"user_defined_symbols": ["\u2581" + u for u in user_symbols]} if user_symbols else {}
     model = io.BytesIO()
     spm.set_random_generator_seed(seed)  # SentencePiece's own sampling, for reproducible models
     spm.SentencePieceTrainer.train(
@@ -196,6 +207,7 @@ def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int) -> bytes:
         input_sentence_size=0,  # all of them: we sampled already
         num_threads=os.cpu_count() or 1,
         minloglevel=2,
+        **symbols,
     )
     return model.getvalue()
 
@@ -217,6 +229,10 @@ def train_tokenizer(
     if cfg.input_sentence_size < 1:
         raise ValueError("data.tokenizer.input_sentence_size must be positive, "
                          f"got {cfg.input_sentence_size}")
+    for symbol in cfg.user_symbols:
+        if not is_user_symbol(symbol):
+            raise ValueError("data.tokenizer.user_symbols: each must be non-empty, without "
+                             f"whitespace, ',' or '\u2581', got {symbol!r}")
     if cfg.joint:
         def both() -> Iterator[str]:
             yield from src_texts
@@ -226,9 +242,9 @@ def train_tokenizer(
             sentences = _sample(src_texts + tgt_texts, cfg.input_sentence_size, seed)
         else:
             sentences = _sample(both(), cfg.input_sentence_size, seed)
-        return Tokenizer(_train_one(sentences, cfg, seed))
-    return Tokenizer(
-        _train_one(_sample(src_texts, cfg.input_sentence_size, seed), cfg, seed),
+        return Tokenizer(_train_one(sentences, cfg, seed, cfg.user_symbols))
+    return Tokenizer(  # user symbols mark sources: the target vocabulary has no use for them
+        _train_one(_sample(src_texts, cfg.input_sentence_size, seed), cfg, seed, cfg.user_symbols),
         _train_one(_sample(tgt_texts, cfg.input_sentence_size, seed), cfg, seed),
     )
 
@@ -244,6 +260,15 @@ def _release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
+
+
+def require_symbols(tok: Tokenizer, symbols: Sequence[str], which: str, fix: str) -> None:
+    """Stops a run whose tokenizer cannot give a user symbol (the back-translation tag) as one
+    piece: the model could not tell tagged sources from others."""
+    for symbol in symbols:
+        if tok.symbol_id(symbol) is None:
+            raise ValueError(f"data.tagged / data.tokenizer.user_symbols: {which} has no single "
+                             f"piece for {symbol!r}; {fix}")
 
 
 def place(directory: str | os.PathLike, tokenizer: Tokenizer, origin: str) -> Tokenizer:
@@ -282,6 +307,7 @@ def load_or_train(
         directory: where the model(s) and ``tokenizer.json`` live.
         texts: called only when training is needed; returns (source, target) sentences.
         cfg: training settings; if a reused directory was made with others, a warning says which.
+            A reused tokenizer without one of ``cfg.user_symbols`` as a piece is an error.
         seed: for the sentence sample and SentencePiece.
     """
     directory = Path(directory)
@@ -289,14 +315,20 @@ def load_or_train(
     if (directory / META_FILE).exists():
         meta = json.loads((directory / META_FILE).read_text())
         made = meta.get("config", {})
-        # path says where the tokenizer lives, not how it was made: pointing at it is no change
+        # path says where the tokenizer lives, not how it was made: pointing at it is no change;
+        # nor are user symbols the tokenizer has and this run does not use
         differ = sorted(k for k, v in wanted["config"].items()
-                        if k in made and made[k] != v and k != "path")
+                        if k in made and made[k] != v and k != "path"
+                        and not (k == "user_symbols" and set(v) <= set(made[k])))
         if differ:
             changes = ", ".join(f"{k}={made[k]!r} (now {wanted['config'][k]!r})" for k in differ)
             log.warning("reusing the tokenizer in %s, trained with different settings: %s",
                         directory, changes)
-        return Tokenizer.load(directory)
+        tok = Tokenizer.load(directory)
+        require_symbols(tok, cfg.user_symbols,
+                        f"the tokenizer in {directory} (data.tokenizer.path, or the run's own)",
+                        "retrain it: set data.tokenizer.path to a new directory")
+        return tok
     start = time.perf_counter()
     src, tgt = texts()
     tok = train_tokenizer(src, tgt, cfg, seed)

@@ -1,0 +1,210 @@
+"""Tagged back-translation (Caswell et al., 2019): the sources of data.tagged's splits start with
+data.tag, one piece of the source vocabulary that ordinary text never segments into."""
+
+import json
+import logging
+import random
+import shutil
+import subprocess
+
+import datasets
+import pytest
+import torch
+from conftest import PYTHON, cli_env, tiny_train_args
+
+from mt.batching import encode_split
+from mt.config import EOS_ID, UNK_ID, DataConfig, TokenizerConfig, TrainConfig
+from mt.data import (
+    count_tagged,
+    load_split,
+    load_train,
+    sample_texts,
+    tokenizer_config,
+)
+from mt.tokenizer import META_FILE, Tokenizer, load_or_train, train_tokenizer
+
+WORDS = ["house", "garden", "green", "small", "river", "stone", "Light", "water", "tree", "bird"]
+# Sources as they come: glued punctuation, quotes, a leading space, one made of punctuation only.
+ODD = ['"Hello," she said.', "(tree) bird!", " water", ".", "«stone»", "x<BT>y", "BT", "<B"]
+
+
+def _sentences(n: int, seed: int, suffix: str = "") -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) + suffix for _ in range(rng.randint(1, 10)))
+            + rng.choice(["", ".", "?", "!"]) for _ in range(n)]
+
+
+def _write(directory, split: str, src: list[str], tgt: list[str]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{split}.en").write_text("".join(s + "\n" for s in src), encoding="utf-8")
+    (directory / f"{split}.de").write_text("".join(t + "\n" for t in tgt), encoding="utf-8")
+
+
+TRAIN = (_sentences(150, 1), _sentences(150, 2, "en"))
+BT = ([*_sentences(60, 3), "", *ODD], [*_sentences(60 + 1 + len(ODD), 4, "en")])
+
+
+def _cfg(directory, **kw) -> DataConfig:
+    return DataConfig(**{"source": "files", "dir": str(directory), "src_lang": "en",
+                         "tgt_lang": "de", "train": "train+bt", "tagged": ["bt"], **kw})
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bt")
+    _write(out, "train", *TRAIN)
+    _write(out, "bt", *BT)
+    _write(out, "valid", TRAIN[0][:5], TRAIN[1][:5])
+    return out
+
+
+def _tokenizer(ds, cfg: DataConfig) -> Tokenizer:
+    """As mt.corpus trains one: a sample of the (tagged) training pairs, data.tag a user symbol."""
+    tok_cfg = tokenizer_config(cfg)
+    return train_tokenizer(*sample_texts(ds, 10_000, 0, tok_cfg.joint), tok_cfg, seed=0)
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_tagged_sources_start_with_the_tag_id_and_untagged_ones_never_hold_it(
+        data_dir, tmp_path, model_type):
+    cfg = _cfg(data_dir, tokenizer=TokenizerConfig(vocab_size=80, model_type=model_type))
+    ds = load_train(cfg, cache_dir=str(tmp_path / "cache"))
+    tok = _tokenizer(ds, cfg)
+    tag = tok.symbol_id("<BT>")
+    assert tag is not None
+    rows = encode_split(ds, tok, num_proc=1)["src_ids"]
+    n = len(TRAIN[0])
+    for ids in rows[:n]:
+        assert tag not in ids
+    for src, ids in zip(BT[0], rows[n:], strict=True):
+        if src.strip():
+            assert ids[0] == tag and tag not in ids[1:]
+        else:  # an empty source stays empty, so the filters still drop the pair
+            assert ids == [EOS_ID]
+    assert count_tagged(ds, "<BT>") == sum(1 for s in BT[0] if s.strip())
+    valid = load_split(cfg, cfg.valid, cache_dir=str(tmp_path / "cache"))
+    assert all(tag not in ids for ids in tok.encode_src(list(valid["src"])))
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+@pytest.mark.parametrize("joint", [True, False])
+def test_the_tag_is_one_piece_whatever_the_source_starts_with(model_type, joint):
+    src, tgt = _sentences(300, 5), _sentences(300, 6, "en")
+    cfg = TokenizerConfig(vocab_size=80, model_type=model_type, joint=joint,
+                          user_symbols=["<BT>"])
+    tok = train_tokenizer(["<BT> " + s for s in src[:100]] + src, tgt, cfg, seed=0)
+    tag = tok.symbol_id("<BT>")
+    assert tag is not None
+    for s in [*ODD, *src[:20]]:  # the tag, then the source exactly as it encodes untagged
+        assert tok.src.encode(f"<BT> {s}") == [tag, *tok.src.encode(s)], s
+    if model_type == "unigram":  # subword sampling never splits it either
+        assert all(c[0] == tag for c in tok.src.nbest_encode("<BT> " + src[0], nbest_size=8))
+    pieces = [tok.src.id_to_piece(i) for i in range(tok.src_vocab_size)
+              if i != tag and not tok.src.is_control(i) and not tok.src.is_unknown(i)]
+    assert not any(set(p) & set("<>") for p in pieces)  # the tagged sample taught no other
+    if not joint:  # only sources are tagged
+        assert tok.tgt.piece_to_id("\u2581<BT>") == UNK_ID
+    plain = train_tokenizer(src, tgt, TokenizerConfig(vocab_size=80, model_type=model_type,
+                                                      joint=joint), seed=0)
+    assert plain.symbol_id("<BT>") is None
+
+
+def test_a_change_of_tag_or_tagged_splits_is_not_served_a_stale_cache(data_dir, tmp_path):
+    cache = str(tmp_path / "cache")
+    tagged = load_train(_cfg(data_dir), cache_dir=cache)
+    assert load_train(_cfg(data_dir), cache_dir=cache)._fingerprint == tagged._fingerprint
+    other_tag = load_train(_cfg(data_dir, tag="<SYN>"), cache_dir=cache)
+    untagged = load_train(_cfg(data_dir, tagged=[]), cache_dir=cache)
+    both = load_train(_cfg(data_dir, tagged=["train", "bt"]), cache_dir=cache)
+    fingerprints = {d._fingerprint for d in (tagged, other_tag, untagged, both)}
+    assert len(fingerprints) == 4
+    n = len(TRAIN[0])
+    assert list(other_tag["src"][n:n + 2]) == ["<SYN> " + s for s in BT[0][:2]]
+    assert list(untagged["src"]) == TRAIN[0] + BT[0]
+    assert count_tagged(both, "<BT>") == sum(1 for s in TRAIN[0] + BT[0] if s.strip())
+    tok = train_tokenizer(TRAIN[0], TRAIN[1], TokenizerConfig(vocab_size=60, user_symbols=["<BT>"]))
+    encoded = [encode_split(d, tok, num_proc=1) for d in (tagged, other_tag, untagged)]
+    assert len({e._fingerprint for e in encoded}) == 3
+    assert encoded[0]["src_ids"][n][0] == tok.symbol_id("<BT>")
+    assert encoded[2]["src_ids"][n][0] != tok.symbol_id("<BT>")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [({"tagged": ["bx"]}, r"^data\.tagged: 'bx' is not one of data\.train's splits \(train, bt\)$"),
+     ({"tagged": ["valid"]}, r"^data\.tagged: 'valid' is not one of data\.train's splits"),
+     ({"tag": ""}, r"^data\.tag must be one non-empty word"),
+     ({"tag": "<B T>"}, r"^data\.tag must be one non-empty word"),
+     ({"tag": "<B,T>"}, r"^data\.tag must be one non-empty word")],
+)
+def test_bad_tagged_names_and_tags_fail_naming_the_key(data_dir, changes, message):
+    with pytest.raises(ValueError, match=message):
+        load_train(_cfg(data_dir, **changes))
+
+
+def test_a_reused_tokenizer_without_the_tag_fails_at_start_up(data_dir, tmp_path, monkeypatch,
+                                                               caplog):
+    from mt.corpus import Corpus
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    plain = train_tokenizer(TRAIN[0], TRAIN[1], TokenizerConfig(vocab_size=60))
+    plain.save(tmp_path / "plain")
+    cfg = TrainConfig()
+    cfg.data = _cfg(data_dir, tokenizer=TokenizerConfig(vocab_size=60,
+                                                        path=str(tmp_path / "plain")))
+    with pytest.raises(ValueError, match=r"^data\.tagged / data\.tokenizer\.user_symbols: .*plain"
+                                         r".*data\.tokenizer\.path.*'<BT>'; retrain it"):
+        Corpus(cfg, tmp_path / "run", rank=0, world=1)
+    # a tokenizer trained here has it, is recorded as such, and is reused without a word
+    cfg.data.tokenizer.path = str(tmp_path / "tagged")
+    with caplog.at_level(logging.INFO, logger="mt.train"):
+        corpus = Corpus(cfg, tmp_path / "run", rank=0, world=1)
+    tagged_pairs = sum(1 for s in BT[0] if s.strip())
+    assert f"data.tagged: {tagged_pairs} of {len(TRAIN[0]) + len(BT[0])} training pairs" in (
+        caplog.text)
+    assert corpus.tokenizer.symbol_id("<BT>") is not None
+    assert corpus.valid_src == TRAIN[0][:5]  # valid stays untagged
+    meta = json.loads((tmp_path / "tagged" / META_FILE).read_text())
+    assert meta["config"]["user_symbols"] == ["<BT>"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mt.tokenizer"):
+        again = load_or_train(tmp_path / "tagged", lambda: pytest.fail("trained again"),
+                              TokenizerConfig(vocab_size=60), seed=cfg.trainer.seed)
+    assert again.fingerprint == corpus.tokenizer.fingerprint
+    assert "different settings" not in caplog.text  # an unused extra symbol is no change
+
+
+def test_fine_tuning_a_model_without_the_tag_on_tagged_data_fails_at_start_up(data_dir, tmp_path,
+                                                                              monkeypatch):
+    from mt.corpus import Corpus
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    plain = train_tokenizer(TRAIN[0], TRAIN[1], TokenizerConfig(vocab_size=60))
+    cfg = TrainConfig(init_from="base.pt")
+    cfg.data = _cfg(data_dir)
+    with pytest.raises(ValueError, match=r"^data\.tagged / data\.tokenizer\.user_symbols: the "
+                                         r"tokenizer of init_from=base\.pt has no single piece "
+                                         r"for '<BT>'; the model was trained without it$"):
+        Corpus(cfg, tmp_path / "run", rank=0, world=1, tokenizer=plain)
+
+
+def test_mt_train_with_tagged_back_translation(tmp_path, corpus_dir, tokenizer_dir):
+    data = tmp_path / "data"
+    shutil.copytree(corpus_dir, data)
+    for lang in ("en", "zz"):  # a synthetic corpus: some training pairs again
+        lines = (corpus_dir / f"train.{lang}").read_text().splitlines()[:100]
+        (data / f"bt.{lang}").write_text("".join(line + "\n" for line in lines))
+    run = tmp_path / "run"
+    cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"data.dir={data}", "data.train=train+bt", "data.tagged=[bt]",
+           f"data.tokenizer.path={tmp_path / 'tok'}", "data.tokenizer.vocab_size=200",
+           "trainer.max_steps=3", "trainer.validate_every=3", "trainer.test_at_end=false",
+           f"hydra.run.dir={run}"]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data.tagged: 100 of 500 training pairs have sources tagged <BT>" in result.stderr
+    ckpt = torch.load(run / "checkpoints" / "last.pt", weights_only=False)
+    tok = Tokenizer.from_state(ckpt["tokenizer"])
+    assert tok.symbol_id("<BT>") is not None
+    assert ckpt["config"]["data"]["tagged"] == ["bt"]
