@@ -3,7 +3,8 @@
 Training pairs are encoded once with ``Dataset.map`` (batched, several processes) into cached Arrow
 columns of token ids; the cache key is the text's fingerprint plus the tokenizer's, so a second run
 reads them back. Only per-pair lengths stay in memory; a batch's ids are gathered from the
-memory-mapped table when it is collated (``EncodedPairs``). Reading the text is ``mt.data``'s job.
+memory-mapped table when it is collated (``EncodedPairs``). Reading the text is ``mt.data``'s job;
+sampling other segmentations each epoch (subword regularization) is ``mt.subwords``'.
 """
 
 from __future__ import annotations
@@ -215,101 +216,6 @@ class EncodedPairs:
         src, tgt = sub.column("src_ids"), sub.column("tgt_ids")
         return collate_flat(pc.list_flatten(src).to_numpy(), _list_lens(src),
                             pc.list_flatten(tgt).to_numpy(), _list_lens(tgt))
-
-
-class SampledPairs:
-    """Subword regularization: each epoch, each side of each pair takes one of its n best splits.
-
-    Kudo (2018) trains on a segmentation sampled, per sentence and epoch, from the sentence's l best
-    with probability proportional to P(segmentation)^alpha: the model sees the ambiguity of
-    subwords instead of one fixed split, which is worth about 1 BLEU on small corpora. The
-    candidates of every kept pair of ``pairs`` (same filtering, same pair indices) are found once
-    and held in memory as flat arrays (``Segmentations``); an epoch's choice is a Gumbel-max draw
-    seeded by (seed, epoch), so a resumed run sees the segmentations it would have seen. The
-    lengths ``src_lens``/``tgt_lens`` are those of the epoch last drawn by ``batches``.
-    """
-
-    def __init__(self, pairs: EncodedPairs, src_texts: list[str], tgt_texts: list[str], tokenizer,
-                 alpha: float, nbest: int, max_tokens: int) -> None:
-        if len(src_texts) != len(pairs) or len(tgt_texts) != len(pairs):
-            raise ValueError(f"{len(src_texts)}/{len(tgt_texts)} texts for {len(pairs)} pairs")
-        self.report, self.rows, self.alpha = pairs.report, pairs.rows, alpha
-        self.src = Segmentations(tokenizer.src, src_texts, nbest, max_tokens, add_eos=True)
-        self.tgt = Segmentations(tokenizer.tgt, tgt_texts, nbest, max_tokens, add_eos=False)
-        self._draw(None)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def _draw(self, rng: np.random.Generator | None) -> None:
-        self._src_pick, self.src_lens = self.src.pick(self.alpha, rng)
-        self._tgt_pick, self.tgt_lens = self.tgt.pick(self.alpha, rng)
-
-    def batches(self, max_tokens: int, seed: int, epoch: int) -> list[list[int]]:
-        self._draw(np.random.default_rng([abs(seed), epoch, 1]))  # not token_batches' stream
-        return token_batches(self.src_lens, self.tgt_lens, max_tokens, seed, epoch)
-
-    def collate(self, batch: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
-        """(src (B, S), tgt_in (B, T), tgt_out (B, T)) for pair indices ``batch``."""
-        batch = np.asarray(batch, dtype=np.int64)
-        return collate_flat(*self.src.gather(self._src_pick[batch]),
-                            *self.tgt.gather(self._tgt_pick[batch]))
-
-
-class Segmentations:
-    """The n best SentencePiece segmentations of each sentence, with their log-probabilities.
-
-    Flat arrays: ``ids`` holds every candidate's ids one after another, candidate ``c`` spanning
-    ``ids[offsets[c]:offsets[c + 1]]``; sentence ``i`` owns candidates ``first[i]:first[i + 1]``,
-    best first. Candidates longer than ``max_tokens`` (EOS not counted) are dropped, but not the
-    best.
-    """
-
-    def __init__(self, sp, texts: list[str], nbest: int, max_tokens: int, add_eos: bool) -> None:
-        if nbest < 1:
-            raise ValueError(f"data.subword_nbest must be at least 1, got {nbest}")
-        try:
-            sp.nbest_encode("a", nbest_size=2)
-        except RuntimeError as err:
-            raise ValueError("data.subword_alpha needs a unigram SentencePiece model "
-                             f"(data.tokenizer.model_type=unigram): {err}") from None
-        pieces, counts = [], np.zeros(len(texts), np.int64)
-        for start in range(0, len(texts), 4096):
-            chunk = sp.nbest_encode(texts[start : start + 4096], nbest_size=nbest, add_eos=add_eos,
-                                    return_type="numpy")
-            for i, cands in enumerate(chunk, start):
-                kept = [c for c in cands if len(c) - add_eos <= max_tokens] or cands[:1]
-                pieces.extend(kept)
-                counts[i] = len(kept)
-        lens = np.fromiter((len(c) for c in pieces), np.int64, len(pieces))
-        self.ids = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
-        self.offsets = np.concatenate([[0], np.cumsum(lens)])
-        self.first = np.concatenate([[0], np.cumsum(counts)])
-        self.owner = np.repeat(np.arange(len(texts)), counts)
-        piece_scores = np.array([sp.get_score(i) for i in range(sp.get_piece_size())])
-        cum = np.concatenate([[0.0], np.cumsum(piece_scores[self.ids])])
-        self.scores = cum[self.offsets[1:]] - cum[self.offsets[:-1]]  # log P of each candidate
-
-    def pick(self, alpha: float, rng: np.random.Generator | None) -> tuple[np.ndarray, array]:
-        """One candidate per sentence (the best when ``rng`` is None) and its length, EOS included.
-
-        Gumbel-max: the argmax of ``alpha * log P + Gumbel noise`` within each sentence is a draw
-        with probability ``P^alpha / sum P'^alpha`` over its candidates.
-        """
-        if rng is None:
-            chosen = self.first[:-1]
-        else:
-            key = alpha * self.scores + rng.gumbel(size=len(self.scores))
-            chosen = np.lexsort((-key, self.owner))[self.first[:-1]]
-        lens = (self.offsets[chosen + 1] - self.offsets[chosen]).astype(np.int32)
-        return chosen, array("i", lens.tobytes())
-
-    def gather(self, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The flat ids and the lengths of candidates ``chosen``."""
-        lens = self.offsets[chosen + 1] - self.offsets[chosen]
-        starts = self.offsets[chosen] - np.cumsum(lens) + lens  # where each one's ids begin, minus
-        index = np.repeat(starts, lens) + np.arange(lens.sum())  # its position in the output
-        return self.ids[index], lens
 
 
 def collate_flat(src_ids: np.ndarray, src_lens: np.ndarray, tgt_ids: np.ndarray,

@@ -35,7 +35,8 @@ class Corpus:
         """``tokenizer``: the one the run must use (``init_from``'s), instead of its own."""
         from dataclasses import replace
 
-        from mt.batching import EncodedPairs, SampledPairs, encode_split
+        from mt.batching import EncodedPairs, encode_split
+        from mt.subwords import SampledPairs
 
         data = cfg.data
         if rank != 0:

@@ -13,8 +13,6 @@ import pytest  # noqa: E402
 
 from mt.batching import (  # noqa: E402
     EncodedPairs,
-    SampledPairs,
-    Segmentations,
     collate,
     encode_split,
     filter_lengths,
@@ -25,6 +23,7 @@ from mt.batching import (  # noqa: E402
 )
 from mt.config import BOS_ID, EOS_ID, PAD_ID, DataConfig, FilterConfig, TokenizerConfig  # noqa: E402
 from mt.data import DataError, load_split, read_lines, sample_texts  # noqa: E402
+from mt.subwords import SampledPairs, Segmentations  # noqa: E402
 from mt.tokenizer import train_tokenizer  # noqa: E402
 
 PAIRS = [
