@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,9 @@ from mt.tokenizer import Tokenizer
 
 SPECIAL_PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
 HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "silu": "silu", "swish": "silu"}
+# A target-language code, which MarianTokenizer cuts off the start of a source: '>>' to the first
+# '<<'. mt's piece for it is '▁' + the code (mt.import_hf.remap_spm).
+LANGUAGE_CODE = re.compile(r">>[^\s<]+<<")
 
 
 # ---------------------------------------------------------------------------------- tensor names
@@ -153,12 +157,26 @@ def _vocab(proto: bytes) -> dict[str, int]:
     return {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
 
 
+def _source_vocab(proto: bytes) -> dict[str, int]:
+    """vocab.json: a code's piece ``▁>>fra<<`` is listed as ``>>fra<<``, the name under which
+    MarianTokenizer looks up the code it cuts off a source (else it reads ``<unk>``)."""
+    vocab = _vocab(proto)
+
+    def name(piece: str) -> str:
+        code = piece.removeprefix("\u2581")
+        taken = code == piece or code in vocab
+        return code if not taken and LANGUAGE_CODE.fullmatch(code) else piece
+
+    return {name(piece): i for piece, i in vocab.items()}
+
+
 def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLike) -> Path:
     """Writes a directory that ``MarianMTModel`` / ``MarianTokenizer.from_pretrained`` load.
 
     Files: config.json, generation_config.json, model.safetensors, source.spm / target.spm (the
     same model twice for a joint vocabulary), vocab.json (piece -> id, in SentencePiece order, so
-    the ids are mt's), target_vocab.json for separate vocabularies, tokenizer_config.json.
+    the ids are mt's; a target-language code under its Marian name), target_vocab.json for
+    separate vocabularies, tokenizer_config.json.
 
     Raises:
         ValueError: naming every model option Marian cannot express.
@@ -179,7 +197,8 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLi
     separate = not tokenizer.joint
     (out / "source.spm").write_bytes(tokenizer.src_proto)
     (out / "target.spm").write_bytes(tokenizer.tgt_proto if separate else tokenizer.src_proto)
-    (out / "vocab.json").write_text(json.dumps(_vocab(tokenizer.src_proto), ensure_ascii=False))
+    (out / "vocab.json").write_text(
+        json.dumps(_source_vocab(tokenizer.src_proto), ensure_ascii=False))
     if separate:
         (out / "target_vocab.json").write_text(
             json.dumps(_vocab(tokenizer.tgt_proto), ensure_ascii=False))

@@ -13,6 +13,14 @@ side's SentencePiece model lacks is kept there as an UNUSED piece (SentencePiece
 when encoding, as Marian's tokenizer never would, and decodes it as its text), so the source and
 target models keep the same size and the embeddings stay tied. A new row gets a final-logit bias
 of ``NEVER``: it takes no probability mass, and the log-probabilities equal Marian's.
+
+Target-language codes. A multilingual OPUS-MT model reads the target language from a code at the
+start of the source (``>>fra<< Hello``): a row of ``vocab.json``, not a SentencePiece piece.
+``MarianTokenizer`` cuts the code off the text, maps it to that row and encodes the rest alone.
+The rewritten source model gets the same from SentencePiece itself, so that ``translate`` and
+``mt-eval`` need nothing of their own: each code becomes the user-defined piece ``▁>>fra<<``
+(see ``remap_spm``). On the target side a code stays an UNUSED piece that decodes as its text, as
+``MarianTokenizer`` decodes it (it is not one of its special tokens).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch
 from torch import Tensor
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ModelConfig
-from mt.export import HF_ACTIVATIONS, SPECIAL_PIECES, marian_names
+from mt.export import HF_ACTIVATIONS, LANGUAGE_CODE, SPECIAL_PIECES, marian_names
 from mt.model import Transformer, build_model
 from mt.tokenizer import Tokenizer
 
@@ -54,11 +62,20 @@ def _first(weights: dict[str, Tensor], names: list[str], directory: Path) -> Ten
     raise KeyError(f"{directory}: the weights have none of {names}")
 
 
-def remap_spm(proto: bytes, pieces: list[str]) -> bytes:
+def remap_spm(proto: bytes, pieces: list[str], language_codes: bool = False) -> bytes:
     """A SentencePiece model whose piece ``i`` is ``pieces[i]`` (i >= 4) after mt's specials.
 
     Scores and types come from ``proto``; a piece it does not have becomes UNUSED (never produced
     by encoding, decoded as its text).
+
+    Args:
+        proto: the serialized SentencePiece model (source.spm or target.spm).
+        pieces: the piece of each mt id.
+        language_codes: a source model: each target-language code (``>>fra<<``) becomes the
+            user-defined piece ``▁>>fra<<``. SentencePiece cuts a user-defined piece out whole,
+            and puts ``▁`` before every word, so ``>>fra<< Hello`` (normalized ``▁>>fra<<▁Hello``)
+            encodes as the code, then what ``Hello`` alone encodes as: what ``MarianTokenizer``
+            gives. Defined without the ``▁`` it would come out as ``▁``, ``>>fra<<``.
     """
     from sentencepiece import sentencepiece_model_pb2 as pb
 
@@ -70,11 +87,15 @@ def remap_spm(proto: bytes, pieces: list[str]) -> bytes:
     new = pb.ModelProto()
     new.CopyFrom(old)
     del new.pieces[:]
+    names = set(pieces)
     for i, piece in enumerate(pieces):
         p = new.pieces.add()
         p.piece = piece
         if i in SPECIAL_PIECES:
             p.type, p.score = (Piece.UNKNOWN if i == UNK_ID else Piece.CONTROL), 0.0
+        elif (language_codes and LANGUAGE_CODE.fullmatch(piece)
+              and "\u2581" + piece not in names):  # not if taken: pieces are unique
+            p.piece, p.type, p.score = "\u2581" + piece, Piece.USER_DEFINED, 0.0
         elif piece in known:
             p.type, p.score = known[piece].type, known[piece].score
         else:
@@ -202,6 +223,11 @@ def import_hf(directory: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
     model.eval()
 
     src_spm, tgt_spm = (d / "source.spm").read_bytes(), (d / "target.spm").read_bytes()
-    src_proto = remap_spm(src_spm, _pieces(src_order, src_vocab))
+    src_pieces = _pieces(src_order, src_vocab)
+    codes = [p for p in src_pieces if LANGUAGE_CODE.fullmatch(p)]
+    if codes:
+        log.info("%d target-language codes (%s%s): start each source line with one, as in '%s "
+                 "Hello'", len(codes), " ".join(codes[:5]), " ..." * (len(codes) > 5), codes[0])
+    src_proto = remap_spm(src_spm, src_pieces, language_codes=True)
     tgt_proto = remap_spm(tgt_spm, _pieces(tgt_order, tgt_vocab))
     return model, Tokenizer(src_proto, None if tgt_proto == src_proto else tgt_proto)

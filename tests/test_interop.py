@@ -280,7 +280,8 @@ def test_export_refuses_to_replace_the_working_directory_or_the_model(tmp_path, 
 
 # ----------------------------------------------------------------------------- HF (OPUS) -> mt
 
-def _opus_like_dir(tmp_path, corpus_dir, transformers, separate: bool) -> tuple:
+def _opus_like_dir(tmp_path, corpus_dir, transformers, separate: bool,
+                   codes: tuple[str, ...] = ()) -> tuple:
     """A random Marian model with OPUS-MT's conventions, saved like an OPUS-MT download.
 
     Different source and target SentencePiece models (SentencePiece's default ids: unk=0, bos=1,
@@ -288,6 +289,9 @@ def _opus_like_dir(tmp_path, corpus_dir, transformers, separate: bool) -> tuple:
     decoder start, a zero row): one vocab.json for the union of both sides' pieces, or
     (``separate``) vocab.json and target_vocab.json, one per side, of equal size (the smaller
     padded with pieces its SentencePiece model never produces), as Marian has one pad id.
+    ``codes`` (``>>fra<<``): target-language rows of a multilingual model, in vocab.json only
+    (neither SentencePiece model has them); their embeddings are made larger, so that, as in a
+    trained model, the code changes the translation.
     """
     import sentencepiece as spm
 
@@ -307,6 +311,7 @@ def _opus_like_dir(tmp_path, corpus_dir, transformers, separate: bool) -> tuple:
 
     src_spm, src_pieces = train(read_lines(corpus_dir / "train.en"))
     tgt_spm, tgt_pieces = train(read_lines(corpus_dir / "train.zz"))
+    src_pieces |= set(codes)
     if separate:
         size = max(len(src_pieces), len(tgt_pieces))
         src_vocab, tgt_vocab = vocab(src_pieces, size, 0), vocab(tgt_pieces, size, 1)
@@ -326,6 +331,8 @@ def _opus_like_dir(tmp_path, corpus_dir, transformers, separate: bool) -> tuple:
     with torch.no_grad():
         hf.get_decoder().embed_tokens.weight[pad].zero_()
         hf.final_logits_bias.copy_(torch.randn(hf.final_logits_bias.shape) * 0.5)
+        for code in codes:
+            hf.get_encoder().embed_tokens.weight[src_vocab[code]].mul_(6.0)
     d = tmp_path / "opus"
     d.mkdir()
     (d / "source.spm").write_bytes(src_spm)
@@ -405,6 +412,62 @@ def test_import_opus_like_marian_matches_hf(tmp_path, corpus_dir, separate):
                     "--max-len-b", str(MAX_LEN), "--quiet"])
     translated = (tmp_path / "out.txt").read_text().split("\n")[:-1]
     assert translated == [e if t.strip() else "" for t, e in zip(texts, expected_text, strict=True)]
+
+
+def test_import_multilingual_opus_takes_language_codes_as_hf(tmp_path, corpus_dir):
+    """A target-language code at the start of a source line (``>>fra<< ...``) is one token with
+    Marian's row for it, as MarianTokenizer makes it, so the translations are Hugging Face's."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("google.protobuf")
+    codes = (">>fra<<", ">>deu<<", ">>spa<<")
+    d, hf, hf_tok, _, tgt_vocab = _opus_like_dir(tmp_path, corpus_dir, transformers, False, codes)
+    import_main(["--from", "hf", str(d), "--out", str(tmp_path / "opus.pt")])
+    model, tok, _ = load_model(tmp_path / "opus.pt")
+
+    plain = _texts(corpus_dir, 2)[:2]
+    texts = [f"{code} {text}" for text in plain for code in codes] + [
+        ">>fra<< ...Do two maps remember?",  # punctuation first after the code
+        ">>deu<<\t  Some parrots?",  # other whitespace after it
+        ">>spa<<",  # the code alone
+        *_texts(corpus_dir, 2)]  # no code: as before (an empty line, unseen characters)
+    ids, hf_ids = tok.encode_src(texts), hf_tok(texts)["input_ids"]
+    # the same embedding rows in the same order (random rows: equal vectors are the same row)
+    hf_table = hf.get_encoder().embed_tokens.weight
+    for text, mine, theirs in zip(texts, ids, hf_ids, strict=True):
+        assert torch.equal(model.src_embed.weight[mine], hf_table[theirs]), text
+    # the code is one token before the text's own
+    assert all(len(ids[i]) == len(tok.encode_src([plain[0]])[0]) + 1 for i in range(len(codes)))
+    # a code glued to the next word is still the code (the word's pieces differ from
+    # MarianTokenizer's; docs/interop.md)
+    assert tok.encode_src([">>deu<<Some parrots"])[0][0] == ids[1][0] != ids[0][0]
+
+    # greedy and beam outputs are Hugging Face's, and the code changes them
+    to_hf = {i: tgt_vocab.get(tok.tgt.id_to_piece(i)) for i in range(tok.tgt_vocab_size)}
+    pad = hf.config.pad_token_id
+    src, _ = _pad(ids, PAD_ID)
+    hf_src, hf_mask = _pad(hf_ids, pad)
+    greedy, beam = _mt_outputs(model, src)
+    hf_greedy = _generate(hf, hf_src, hf_mask, 1, [pad], 0)
+    assert hf_greedy == [[to_hf[i] for i in row] for row in greedy]
+    assert _generate(hf, hf_src, hf_mask, BEAM, [pad], 0) == [[to_hf[i] for i in row]
+                                                               for row in beam]
+    assert len({tuple(row) for row in greedy[: len(codes)]}) > 1  # one text, other codes
+    # this random model writes codes too: decoded as MarianTokenizer decodes them, below
+    assert any(tok.tgt.id_to_piece(i) in codes for row in greedy for i in row)
+
+    # `translate` prints what MarianTokenizer + generate give
+    expected_text = hf_tok.batch_decode(hf_greedy, skip_special_tokens=True)
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n")
+    translate_main(["-m", str(tmp_path / "opus.pt"), "-i", str(tmp_path / "in.txt"),
+                    "-o", str(tmp_path / "out.txt"), "--beam", "1", "--max-len-a", "0",
+                    "--max-len-b", str(MAX_LEN), "--quiet"])
+    translated = (tmp_path / "out.txt").read_text().split("\n")[:-1]
+    assert translated == [e if t.strip() else "" for t, e in zip(texts, expected_text, strict=True)]
+
+    # exported back to Hugging Face, MarianTokenizer finds the codes again
+    export_main(["-m", str(tmp_path / "opus.pt"), "--format", "hf", "--out", str(tmp_path / "re")])
+    again = transformers.MarianTokenizer.from_pretrained(tmp_path / "re")
+    assert again(texts)["input_ids"] == ids
 
 
 def test_import_rejects_other_architectures(tmp_path):
