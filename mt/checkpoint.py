@@ -69,11 +69,15 @@ def resolve(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"{p}: no such model file or run directory")
 
 
-def load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
-    """Loads a checkpoint's dict, with a one-line error for a file that is not one."""
+def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
+         mmap: bool = False) -> dict:
+    """Loads a checkpoint's dict, with a one-line error for a file that is not one.
+
+    ``mmap``: tensors stay in the file until read, for a caller that wants only the configs.
+    """
     file = resolve(path)
     try:
-        ckpt = torch.load(file, map_location=map_location, weights_only=True)
+        ckpt = torch.load(file, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as err:  # torch raises many kinds for a corrupt or foreign file
         raise ValueError(f"{file}: not a readable mt checkpoint ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''})") from None

@@ -200,8 +200,12 @@ def finetune_model_config(config: ModelConfig, saved: dict[str, Any]) -> tuple[M
 
 def is_user_symbol(text: str) -> bool:
     """Whether SentencePiece can take ``text`` as a user symbol (``data.tag``): one non-empty word
-    (it cuts at spaces, '▁' once encoded), no ',' (its trainer takes the list joined by commas)."""
-    return bool(text) and not any(c.isspace() or c in ",\u2581" for c in text)
+    (it cuts at spaces, '▁' once encoded), no ',' (its trainer takes the list joined by
+    commas), and unchanged by NFKC (its normalizer would rewrite the text, not the symbol)."""
+    import unicodedata
+
+    return (bool(text) and not any(c.isspace() or c in ",\u2581" for c in text)
+            and unicodedata.normalize("NFKC", text) == text)
 
 
 def check_keys(node, schema: type | None = None, prefix: str = "") -> None:

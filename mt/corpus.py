@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from mt.config import TrainConfig
-from mt.data import count_tagged, load_split, load_train
+from mt.data import count_tagged, load_split, load_train, tokenizer_config
 from mt.distributed import barrier
 from mt.tokenizer import Tokenizer
 
@@ -31,8 +31,9 @@ class Corpus:
     """
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, rank: int, world: int,
-                 tokenizer: Tokenizer | None = None) -> None:
-        """``tokenizer``: the one the run must use (``init_from``'s), instead of its own."""
+                 tokenizer: Tokenizer | None = None, origin: str = "") -> None:
+        """``tokenizer``: the one the run's model was made with (``origin`` names that model: a
+        resumed run's last.pt or ``init_from``), instead of one found or trained by the config."""
         from dataclasses import replace
 
         from mt.batching import EncodedPairs, encode_split
@@ -50,7 +51,7 @@ class Corpus:
             log.info("data.tagged: %s of %s training pairs have sources tagged %s (splits %s)",
                      f"{count_tagged(train, data.tag):,}", f"{len(train):,}", data.tag,
                      ", ".join(data.tagged))
-        self.tokenizer = self._tokenizer(cfg, run_dir, train, tokenizer)
+        self.tokenizer = self._tokenizer(cfg, run_dir, train, tokenizer, origin)
         rules = data.filter
         if rules.max_tokens >= cfg.model.max_positions:  # longer pairs would not fit the model
             rules = replace(rules, max_tokens=cfg.model.max_positions - 1)
@@ -66,8 +67,10 @@ class Corpus:
                              f"({self.pairs.report}); see data.filter")
         if data.subword_alpha > 0:
             start, kept = time.perf_counter(), train.select(self.pairs.rows)
+            symbols = [self.tokenizer.symbol_id(u) for u in tokenizer_config(data).user_symbols]
             self.pairs = SampledPairs(self.pairs, kept["src"], kept["tgt"], self.tokenizer,
-                                      data.subword_alpha, data.subword_nbest, rules.max_tokens)
+                                      data.subword_alpha, data.subword_nbest, rules.max_tokens,
+                                      symbols)
             if rank == 0:
                 log.info("subword regularization: alpha %g over the %d best segmentations, "
                          "%.1f candidates per sentence on average (found in %.1f s)",
@@ -78,20 +81,19 @@ class Corpus:
         self.valid_src, self.valid_tgt = list(valid["src"][:n]), list(valid["tgt"][:n])
 
     @staticmethod
-    def _tokenizer(cfg: TrainConfig, run_dir: Path, train, given: Tokenizer | None) -> Tokenizer:
+    def _tokenizer(cfg: TrainConfig, run_dir: Path, train, given: Tokenizer | None,
+                   origin: str) -> Tokenizer:
         """data.tokenizer.path (trained there if empty) or run_dir/tokenizer, reused if complete;
         ``given`` is written there instead (or checked against the one there)."""
-        from mt.data import sample_texts, tokenizer_config
+        from mt.data import sample_texts
         from mt.tokenizer import load_or_train, place, require_symbols
 
         tok_cfg, seed = tokenizer_config(cfg.data), cfg.trainer.seed
         directory = Path(tok_cfg.path) if tok_cfg.path else run_dir / "tokenizer"
-        if given is not None:
-            tok = place(directory, given, f"init_from={cfg.init_from}")
-            require_symbols(tok, tok_cfg.user_symbols,
-                            f"the tokenizer of init_from={cfg.init_from}",
+        if given is not None:  # checked before it is placed, so that a mistake leaves nothing
+            require_symbols(given, tok_cfg.user_symbols, f"the tokenizer of {origin}",
                             "the model was trained without it")
-            return tok
+            return place(directory, given, origin)
         return load_or_train(
             directory,
             lambda: sample_texts(train, tok_cfg.input_sentence_size, seed, tok_cfg.joint),

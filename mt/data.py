@@ -177,7 +177,7 @@ def check_tagging(cfg: DataConfig) -> None:
     """Raises ValueError naming the key when data.tag or data.tagged cannot work."""
     if not is_user_symbol(cfg.tag):
         raise ValueError("data.tag must be one non-empty word without whitespace, ',' or "
-                         f"'\u2581', got {cfg.tag!r}")
+                         f"'\u2581' that NFKC leaves as it is, got {cfg.tag!r}")
     parts = cfg.train.split("+")
     for name in cfg.tagged:
         if name not in parts:

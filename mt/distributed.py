@@ -46,3 +46,14 @@ def barrier(world: int) -> None:
     that the others then read."""
     if world > 1:
         dist.barrier()
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """Rank 0's seed is ``seed``; other ranks get 32-bit seeds of their own (torch's CPU generator
+    keeps only 32 bits of a seed: ``seed + rank * 2**32`` would give every rank one stream)."""
+    if rank == 0:
+        return seed
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed & 0xFFFF_FFFF, rank]).generate_state(1)[0])
+

@@ -14,6 +14,7 @@ import numpy as np
 from torch import Tensor
 
 from mt.batching import EncodedPairs, collate_flat, token_batches
+from mt.config import UNK_ID
 
 
 class SampledPairs:
@@ -29,11 +30,12 @@ class SampledPairs:
     """
 
     def __init__(self, pairs: EncodedPairs, src_texts: list[str], tgt_texts: list[str], tokenizer,
-                 alpha: float, nbest: int, max_tokens: int) -> None:
+                 alpha: float, nbest: int, max_tokens: int, symbols: Sequence[int] = ()) -> None:
         if len(src_texts) != len(pairs) or len(tgt_texts) != len(pairs):
             raise ValueError(f"{len(src_texts)}/{len(tgt_texts)} texts for {len(pairs)} pairs")
         self.report, self.rows, self.alpha = pairs.report, pairs.rows, alpha
-        self.src = Segmentations(tokenizer.src, src_texts, nbest, max_tokens, add_eos=True)
+        self.src = Segmentations(tokenizer.src, src_texts, nbest, max_tokens, add_eos=True,
+                                 symbols=symbols)
         self.tgt = Segmentations(tokenizer.tgt, tgt_texts, nbest, max_tokens, add_eos=False)
         self._draw(None)
 
@@ -61,10 +63,14 @@ class Segmentations:
     Flat arrays: ``ids`` holds every candidate's ids one after another, candidate ``c`` spanning
     ``ids[offsets[c]:offsets[c + 1]]``; sentence ``i`` owns candidates ``first[i]:first[i + 1]``,
     best first. Candidates longer than ``max_tokens`` (EOS not counted) are dropped, but not the
-    best.
+    best; so are those with other counts of ``<unk>`` and of ``symbols`` (ids of user symbols such
+    as the back-translation tag) than the best: SentencePiece's n-best list also spells a user
+    symbol in ordinary pieces or as ``<unk>``, and scores ``<unk>`` 0, the likeliest of all, so
+    such candidates would be drawn often and would teach the model text it never sees.
     """
 
-    def __init__(self, sp, texts: list[str], nbest: int, max_tokens: int, add_eos: bool) -> None:
+    def __init__(self, sp, texts: list[str], nbest: int, max_tokens: int, add_eos: bool,
+                 symbols: Sequence[int] = ()) -> None:
         if nbest < 1:
             raise ValueError(f"data.subword_nbest must be at least 1, got {nbest}")
         try:
@@ -81,10 +87,22 @@ class Segmentations:
                 pieces.extend(kept)
                 counts[i] = len(kept)
         lens = np.fromiter((len(c) for c in pieces), np.int64, len(pieces))
-        self.ids = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
+        ids = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
+        owner = np.repeat(np.arange(len(texts)), counts)
+        first = np.concatenate([[0], np.cumsum(counts)])
+        keep = np.ones(len(lens), bool)
+        ends = np.cumsum(lens)
+        for marks in ([UNK_ID], symbols):  # as many <unk>s, as many user symbols as the best
+            marked = np.concatenate([[0], np.cumsum(np.isin(ids, marks))])
+            held = marked[ends] - marked[ends - lens]
+            keep &= held == held[first[:-1]][owner]
+        ids = ids[np.repeat(keep, lens)]
+        lens, owner = lens[keep], owner[keep]
+        counts = np.bincount(owner, minlength=len(texts))
+        self.ids = ids
         self.offsets = np.concatenate([[0], np.cumsum(lens)])
         self.first = np.concatenate([[0], np.cumsum(counts)])
-        self.owner = np.repeat(np.arange(len(texts)), counts)
+        self.owner = owner
         piece_scores = np.array([sp.get_score(i) for i in range(sp.get_piece_size())])
         cum = np.concatenate([[0.0], np.cumsum(piece_scores[self.ids])])
         self.scores = cum[self.offsets[1:]] - cum[self.offsets[:-1]]  # log P of each candidate

@@ -232,7 +232,7 @@ def train_tokenizer(
     for symbol in cfg.user_symbols:
         if not is_user_symbol(symbol):
             raise ValueError("data.tokenizer.user_symbols: each must be non-empty, without "
-                             f"whitespace, ',' or '\u2581', got {symbol!r}")
+                             f"whitespace, ',' or '\u2581', unchanged by NFKC, got {symbol!r}")
     if cfg.joint:
         def both() -> Iterator[str]:
             yield from src_texts
@@ -288,7 +288,8 @@ def place(directory: str | os.PathLike, tokenizer: Tokenizer, origin: str) -> To
         there = Tokenizer.load(directory)
         if there.fingerprint != tokenizer.fingerprint:
             raise ValueError(f"{origin}: the model's tokenizer is not the one in {directory}; "
-                             "a model keeps its own (leave data.tokenizer.path unset)")
+                             "a model keeps its own: unset data.tokenizer.path, or start in "
+                             "another run directory")
         return there
     tokenizer.save(directory, {"from": origin})
     log.info("tokenizer of %s -> %s", origin, directory)
@@ -332,6 +333,8 @@ def load_or_train(
     start = time.perf_counter()
     src, tgt = texts()
     tok = train_tokenizer(src, tgt, cfg, seed)
+    require_symbols(tok, cfg.user_symbols, "the tokenizer just trained",
+                    "choose another data.tag")  # the normalizer may have rewritten one
     del src, tgt
     _release_memory()
     seconds = time.perf_counter() - start

@@ -31,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 from mt import checkpoint
 from mt.config import TrainConfig, check_keys, finetune_model_config, register_configs
 from mt.corpus import Corpus
-from mt.distributed import barrier, setup_distributed
+from mt.data import tokenizer_config
+from mt.distributed import barrier, rank_seed, setup_distributed
 from mt.loss import label_smoothed_nll
 from mt.model import build_model, count_parameters
 from mt.optim import autocast_dtype, build_optimizer, lr_lambda
@@ -52,27 +53,33 @@ class Trainer:
         self.rank, self.world, self.device = setup_distributed(cfg.trainer.device)
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
-        # Rank 0 keeps the seed; other ranks draw dropout from streams of their own (no 32-bit seed
-        # starts them), not copies of rank 0's. Data order and subword sampling do not use these.
-        torch.manual_seed(cfg.trainer.seed + self.rank * 2**32)
-        random.seed(cfg.trainer.seed + self.rank * 2**32)
+        # Rank 0 keeps the seed; other ranks draw dropout from streams of their own, not copies of
+        # rank 0's. Data order and subword sampling do not use these.
+        torch.manual_seed(rank_seed(cfg.trainer.seed, self.rank))
+        random.seed(rank_seed(cfg.trainer.seed, self.rank))
         self.ckpt_dir = run_dir / "checkpoints"
-        base = None
-        if cfg.init_from:  # fine-tuning: the shape and the tokenizer of the model it starts from
-            last = self.ckpt_dir / "last.pt"  # (a resumed run: the same, as saved there)
-            base = checkpoint.load(last if last.exists() else cfg.init_from)
-            cfg.model, replaced = finetune_model_config(cfg.model, base["model_config"])
+        # The model's shape and tokenizer: a resumed run's own (whatever model=... says now), or
+        # those of the model that a fine-tuning run starts from; else the config's.
+        last = self.ckpt_dir / "last.pt"
+        start, origin = None, ""
+        if last.exists():
+            start, origin = checkpoint.load(last, mmap=True), str(last)
+        elif cfg.init_from:
+            start, origin = checkpoint.load(cfg.init_from), f"init_from={cfg.init_from}"
+        if start is not None:
+            cfg.model, replaced = finetune_model_config(cfg.model, start["model_config"])
             if replaced:
-                log.info("init_from=%s: the model's shape replaces %s", cfg.init_from, replaced)
+                log.info("%s: the model's shape replaces %s", origin, replaced)
         self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
-                             Tokenizer.from_state(base["tokenizer"]) if base is not None else None)
+                             Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
+        cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
         tok = self.corpus.tokenizer
         cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
         self.model = build_model(cfg.model).to(self.device)
-        if base is not None:
-            self.model.load_state_dict(base["model"])  # its own config: every key fits
-            log.info("initialised weights from %s", base["path"])
-            del base
+        if start is not None and not last.exists():
+            self.model.load_state_dict(start["model"])  # its own config: every key fits
+            log.info("initialised weights from %s", start["path"])
+        del start
         log.info("model %s: %s parameters\n%s", cfg.model.name, f"{count_parameters(self.model):,}",
                  OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
         self.optimizer = build_optimizer(self.model, cfg, self.device)
@@ -137,8 +144,11 @@ class Trainer:
         self.history = state["history"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.seconds_before = self.elapsed = state.get("seconds", 0.0)
-        if state["world_size"] == self.world:  # else the streams are new ones: no exact resume
-            rng = state.get("rng_ranks", [state["rng"]] * self.world)[self.rank]
+        # Each rank's streams go on where they stopped. Else they stay new ones (another world
+        # size, or a checkpoint older than rng_ranks, which held rank 0's alone): no exact resume.
+        ranks = state.get("rng_ranks", [state["rng"]])
+        if state["world_size"] == self.world and self.rank < len(ranks):
+            rng = ranks[self.rank]
             torch.set_rng_state(rng["torch"])
             random.setstate(_as_python_state(rng["python"]))
             if rng["cuda"]:

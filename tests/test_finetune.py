@@ -27,6 +27,18 @@ def test_finetune_config_keeps_the_models_shape_and_the_runs_dropout():
     assert finetune_model_config(same, dict(saved))[1] == ""
 
 
+def test_each_rank_draws_from_a_stream_of_its_own():
+    from mt.distributed import rank_seed
+
+    assert rank_seed(7, 0) == 7  # one process: the seed as given
+    draws = []
+    for rank in range(4):
+        torch.manual_seed(rank_seed(7, rank))
+        draws.append(torch.rand(4))
+    assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1 :])
+    assert rank_seed(7, 1) == rank_seed(7, 1) != rank_seed(8, 1)
+
+
 def test_place_writes_a_models_tokenizer_and_refuses_another(tmp_path, corpus_dir,
                                                              tokenizer_dir):
     mine = Tokenizer.load(tokenizer_dir)
@@ -48,8 +60,8 @@ def test_init_from_trains_on_from_the_saved_model(tmp_path, corpus_dir, tokenize
     args = [a for a in tiny_train_args(corpus_dir, tokenizer_dir)
             if not a.startswith(("model.", "data.tokenizer.path"))]
     tuned = tmp_path / "tuned"
-    common = [f"hydra.run.dir={tuned}", f"init_from={base}", "model.dropout=0.3",
-              "optim.lr=0", "trainer.test_at_end=false"]
+    common = [f"hydra.run.dir={tuned}", "model.dropout=0.3", "optim.lr=0",
+              "trainer.test_at_end=false"]
     def train(*more: str) -> subprocess.CompletedProcess:
         result = subprocess.run([PYTHON, "-m", "mt.train", *args, *common, *more],
                                 env=cli_env(tmp_path), capture_output=True, text=True,
@@ -57,7 +69,7 @@ def test_init_from_trains_on_from_the_saved_model(tmp_path, corpus_dir, tokenize
         assert result.returncode == 0, result.stderr[-3000:]
         return result
 
-    first = train("trainer.max_steps=2")
+    first = train(f"init_from={base}", "trainer.max_steps=2")
     assert "the model's shape replaces model.encoder_layers=3 (model: 1)" in first.stderr
     a, b = weights(base), weights(tuned)
     assert a.keys() == b.keys()
@@ -68,5 +80,7 @@ def test_init_from_trains_on_from_the_saved_model(tmp_path, corpus_dir, tokenize
     assert saved["model_config"] == {**expected, "dropout": 0.3}
     assert (Tokenizer.load(tuned / "tokenizer").fingerprint
             == Tokenizer.load(tokenizer_dir).fingerprint)
-    again = train("trainer.max_steps=3")  # a fine-tuning run resumes like any other
+    # It resumes like any other run, with or without init_from: the shape is its last.pt's.
+    again = train("trainer.max_steps=3")
     assert "resumed" in again.stderr
+    assert "last.pt: the model's shape replaces model.encoder_layers=3 (model: 1)" in again.stderr

@@ -21,6 +21,7 @@ from mt.data import (
     sample_texts,
     tokenizer_config,
 )
+from mt.subwords import Segmentations
 from mt.tokenizer import META_FILE, Tokenizer, load_or_train, train_tokenizer
 
 WORDS = ["house", "garden", "green", "small", "river", "stone", "Light", "water", "tree", "bird"]
@@ -97,8 +98,14 @@ def test_the_tag_is_one_piece_whatever_the_source_starts_with(model_type, joint)
     assert tag is not None
     for s in [*ODD, *src[:20]]:  # the tag, then the source exactly as it encodes untagged
         assert tok.src.encode(f"<BT> {s}") == [tag, *tok.src.encode(s)], s
-    if model_type == "unigram":  # subword sampling never splits it either
-        assert all(c[0] == tag for c in tok.src.nbest_encode("<BT> " + src[0], nbest_size=8))
+    if model_type == "unigram":  # subword sampling never draws a candidate that splits it
+        texts = ["<BT> " + s for s in src[:50]]
+        raw = [c for t in texts for c in tok.src.nbest_encode(t, nbest_size=64)]
+        assert any(c[0] != tag for c in raw)  # SentencePiece's n-best list alone would
+        seg = Segmentations(tok.src, texts, nbest=64, max_tokens=99, add_eos=True, symbols=[tag])
+        cands = [seg.ids[seg.offsets[c] : seg.offsets[c + 1]] for c in range(len(seg.scores))]
+        assert len(cands) > 5 * len(texts)  # still a choice to draw from
+        assert all(c[0] == tag and (c == tag).sum() == 1 and UNK_ID not in c for c in cands)
     pieces = [tok.src.id_to_piece(i) for i in range(tok.src_vocab_size)
               if i != tag and not tok.src.is_control(i) and not tok.src.is_unknown(i)]
     assert not any(set(p) & set("<>") for p in pieces)  # the tagged sample taught no other
@@ -135,7 +142,8 @@ def test_a_change_of_tag_or_tagged_splits_is_not_served_a_stale_cache(data_dir, 
      ({"tagged": ["valid"]}, r"^data\.tagged: 'valid' is not one of data\.train's splits"),
      ({"tag": ""}, r"^data\.tag must be one non-empty word"),
      ({"tag": "<B T>"}, r"^data\.tag must be one non-empty word"),
-     ({"tag": "<B,T>"}, r"^data\.tag must be one non-empty word")],
+     ({"tag": "<B,T>"}, r"^data\.tag must be one non-empty word"),
+     ({"tag": "\uff1cBT\uff1e"}, r"^data\.tag must be .* that NFKC leaves as it is")],
 )
 def test_bad_tagged_names_and_tags_fail_naming_the_key(data_dir, changes, message):
     with pytest.raises(ValueError, match=message):
@@ -185,7 +193,8 @@ def test_fine_tuning_a_model_without_the_tag_on_tagged_data_fails_at_start_up(da
     with pytest.raises(ValueError, match=r"^data\.tagged / data\.tokenizer\.user_symbols: the "
                                          r"tokenizer of init_from=base\.pt has no single piece "
                                          r"for '<BT>'; the model was trained without it$"):
-        Corpus(cfg, tmp_path / "run", rank=0, world=1, tokenizer=plain)
+        Corpus(cfg, tmp_path / "run", rank=0, world=1, tokenizer=plain, origin="init_from=base.pt")
+    assert not (tmp_path / "run" / "tokenizer").exists()  # nothing placed that a retry would meet
 
 
 def test_mt_train_with_tagged_back_translation(tmp_path, corpus_dir, tokenizer_dir):
