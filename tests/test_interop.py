@@ -406,12 +406,17 @@ def test_import_opus_like_marian_matches_hf(tmp_path, corpus_dir, separate):
     assert tok.decode_tgt(greedy) == expected_text
 
     # the `translate` CLI takes the imported checkpoint as it is
+    assert _translate_greedy(tmp_path, tmp_path / "opus.pt", texts) == [
+        e if t.strip() else "" for t, e in zip(texts, expected_text, strict=True)]
+
+
+def _translate_greedy(tmp_path, model, texts: list[str]) -> list[str]:
+    """What the `translate` CLI prints for ``texts`` (greedy, the tests' length budget)."""
     (tmp_path / "in.txt").write_text("\n".join(texts) + "\n")
-    translate_main(["-m", str(tmp_path / "opus.pt"), "-i", str(tmp_path / "in.txt"),
-                    "-o", str(tmp_path / "out.txt"), "--beam", "1", "--max-len-a", "0",
+    translate_main(["-m", str(model), "-i", str(tmp_path / "in.txt"), "-o",
+                    str(tmp_path / "out.txt"), "--beam", "1", "--max-len-a", "0",
                     "--max-len-b", str(MAX_LEN), "--quiet"])
-    translated = (tmp_path / "out.txt").read_text().split("\n")[:-1]
-    assert translated == [e if t.strip() else "" for t, e in zip(texts, expected_text, strict=True)]
+    return (tmp_path / "out.txt").read_text().split("\n")[:-1]
 
 
 def test_import_multilingual_opus_takes_language_codes_as_hf(tmp_path, corpus_dir):
@@ -457,12 +462,8 @@ def test_import_multilingual_opus_takes_language_codes_as_hf(tmp_path, corpus_di
 
     # `translate` prints what MarianTokenizer + generate give
     expected_text = hf_tok.batch_decode(hf_greedy, skip_special_tokens=True)
-    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n")
-    translate_main(["-m", str(tmp_path / "opus.pt"), "-i", str(tmp_path / "in.txt"),
-                    "-o", str(tmp_path / "out.txt"), "--beam", "1", "--max-len-a", "0",
-                    "--max-len-b", str(MAX_LEN), "--quiet"])
-    translated = (tmp_path / "out.txt").read_text().split("\n")[:-1]
-    assert translated == [e if t.strip() else "" for t, e in zip(texts, expected_text, strict=True)]
+    assert _translate_greedy(tmp_path, tmp_path / "opus.pt", texts) == [
+        e if t.strip() else "" for t, e in zip(texts, expected_text, strict=True)]
 
     # exported back to Hugging Face, MarianTokenizer finds the codes again
     export_main(["-m", str(tmp_path / "opus.pt"), "--format", "hf", "--out", str(tmp_path / "re")])
