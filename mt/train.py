@@ -421,11 +421,13 @@ def hydra_main(dcfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    # oneDNN (bf16 products on a CPU) keeps a compiled kernel for each shape it meets, 1,024 by
-    # default. Training batches come in hundreds of shapes that seldom repeat that soon, so the
-    # cache grew the CPU recipe's process by ~1.3 GB in 200 steps and saved no time; 64 kept
-    # ~0.7 GB of that at the same speed (docs/training.md). Read at its first use; yours wins.
+    # On a CPU, bf16 products go through PyTorch's ideep and oneDNN, and each keeps what it built
+    # for every shape it meets, 1,024 by default. Training batches come in hundreds of shapes that
+    # seldom repeat that soon, so the two caches grew the CPU recipe's process by ~1.3 GB in 200
+    # steps and saved no time; at 64 it stays flat, at the same speed (docs/training.md). Both are
+    # read at their first use; values you set win.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
     register_configs()
     hydra_main()
 
