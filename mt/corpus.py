@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mt.config import TrainConfig
+from mt.config import TokenizerConfig, TrainConfig
 from mt.data import count_tagged, load_split, load_train, tokenizer_config
 from mt.distributed import barrier
 from mt.tokenizer import Tokenizer
@@ -46,12 +46,13 @@ class Corpus:
             from mt.demo import write_demo_corpus
 
             write_demo_corpus(data.dir)
+        tok_cfg = tokenizer_config(data)
         train = load_train(data)
         if data.tagged and rank == 0:
             log.info("data.tagged: %s of %s training pairs have sources tagged %s (splits %s)",
                      f"{count_tagged(train, data.tag):,}", f"{len(train):,}", data.tag,
                      ", ".join(data.tagged))
-        self.tokenizer = self._tokenizer(cfg, run_dir, train, tokenizer, origin)
+        self.tokenizer = self._tokenizer(cfg, tok_cfg, run_dir, train, tokenizer, origin)
         rules = data.filter
         if rules.max_tokens >= cfg.model.max_positions:  # longer pairs would not fit the model
             rules = replace(rules, max_tokens=cfg.model.max_positions - 1)
@@ -67,7 +68,7 @@ class Corpus:
                              f"({self.pairs.report}); see data.filter")
         if data.subword_alpha > 0:
             start, kept = time.perf_counter(), train.select(self.pairs.rows)
-            symbols = [self.tokenizer.symbol_id(u) for u in tokenizer_config(data).user_symbols]
+            symbols = [self.tokenizer.symbol_id(u) for u in tok_cfg.user_symbols]
             self.pairs = SampledPairs(self.pairs, kept["src"], kept["tgt"], self.tokenizer,
                                       data.subword_alpha, data.subword_nbest, rules.max_tokens,
                                       symbols)
@@ -81,14 +82,14 @@ class Corpus:
         self.valid_src, self.valid_tgt = list(valid["src"][:n]), list(valid["tgt"][:n])
 
     @staticmethod
-    def _tokenizer(cfg: TrainConfig, run_dir: Path, train, given: Tokenizer | None,
-                   origin: str) -> Tokenizer:
+    def _tokenizer(cfg: TrainConfig, tok_cfg: TokenizerConfig, run_dir: Path, train,
+                   given: Tokenizer | None, origin: str) -> Tokenizer:
         """data.tokenizer.path (trained there if empty) or run_dir/tokenizer, reused if complete;
         ``given`` is written there instead (or checked against the one there)."""
         from mt.data import sample_texts
         from mt.tokenizer import load_or_train, place, require_symbols
 
-        tok_cfg, seed = tokenizer_config(cfg.data), cfg.trainer.seed
+        seed = cfg.trainer.seed
         directory = Path(tok_cfg.path) if tok_cfg.path else run_dir / "tokenizer"
         if given is not None:  # checked before it is placed, so that a mistake leaves nothing
             require_symbols(given, tok_cfg.user_symbols, f"the tokenizer of {origin}",

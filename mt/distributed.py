@@ -56,4 +56,3 @@ def rank_seed(seed: int, rank: int) -> int:
     import numpy as np
 
     return int(np.random.SeedSequence([seed & 0xFFFF_FFFF, rank]).generate_state(1)[0])
-

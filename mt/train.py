@@ -55,14 +55,16 @@ class Trainer:
             torch.set_num_threads(cfg.trainer.num_threads)
         # Rank 0 keeps the seed; other ranks draw dropout from streams of their own, not copies of
         # rank 0's. Data order and subword sampling do not use these.
-        torch.manual_seed(rank_seed(cfg.trainer.seed, self.rank))
-        random.seed(rank_seed(cfg.trainer.seed, self.rank))
+        seed = rank_seed(cfg.trainer.seed, self.rank)
+        torch.manual_seed(seed)
+        random.seed(seed)
         self.ckpt_dir = run_dir / "checkpoints"
         # The model's shape and tokenizer: a resumed run's own (whatever model=... says now), or
         # those of the model that a fine-tuning run starts from; else the config's.
         last = self.ckpt_dir / "last.pt"
+        resuming = last.exists()
         start, origin = None, ""
-        if last.exists():
+        if resuming:
             start, origin = checkpoint.load(last, mmap=True), str(last)
         elif cfg.init_from:
             start, origin = checkpoint.load(cfg.init_from), f"init_from={cfg.init_from}"
@@ -70,13 +72,13 @@ class Trainer:
             cfg.model, replaced = finetune_model_config(cfg.model, start["model_config"])
             if replaced:
                 log.info("%s: the model's shape replaces %s", origin, replaced)
+        cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
         self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
                              Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
-        cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
         tok = self.corpus.tokenizer
         cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
         self.model = build_model(cfg.model).to(self.device)
-        if start is not None and not last.exists():
+        if start is not None and not resuming:
             self.model.load_state_dict(start["model"])  # its own config: every key fits
             log.info("initialised weights from %s", start["path"])
         del start
@@ -108,8 +110,8 @@ class Trainer:
         self.validated_step = -1
         self.metrics = Metrics(run_dir, cfg.trainer.tensorboard) if self.rank == 0 else None
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
-        if (self.ckpt_dir / "last.pt").exists():
-            self._resume(self.ckpt_dir / "last.pt")
+        if resuming:
+            self._resume(last)
             if self.history and self.history[-1]["step"] == self.step:
                 self.validated_step = self.step  # a finished run restarted: do not validate again
 
