@@ -294,9 +294,10 @@ def main(argv: list[str] | None = None) -> None:
     if mistake:
         raise SystemExit(f"mt-eval: {mistake}")
     if any(kind == "model" for kind, _ in args.systems or []):
-        from mt.inference import keep_freed_memory
+        from mt.inference import cap_kernel_caches, keep_freed_memory
 
-        keep_freed_memory()  # a command that decodes: see its docstring
+        keep_freed_memory()  # a command that decodes: see the docstrings
+        cap_kernel_caches()
     try:
         result = run(args)
     except EvalError as err:

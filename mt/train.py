@@ -33,6 +33,7 @@ from mt.config import TrainConfig, check_keys, finetune_model_config, register_c
 from mt.corpus import Corpus
 from mt.data import tokenizer_config
 from mt.distributed import barrier, rank_seed, setup_distributed
+from mt.inference import cap_kernel_caches
 from mt.loss import label_smoothed_nll
 from mt.model import build_model, count_parameters
 from mt.optim import autocast_dtype, build_optimizer, lr_lambda
@@ -423,13 +424,7 @@ def hydra_main(dcfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    # On a CPU, bf16 products go through PyTorch's ideep and oneDNN, and each keeps what it built
-    # for every shape it meets, 1,024 by default. Training batches come in hundreds of shapes that
-    # seldom repeat that soon, so the two caches grew the CPU recipe's process by ~1.3 GB in 200
-    # steps and saved no time; at 64 it stays flat, at the same speed (docs/training.md). Both are
-    # read at their first use; values you set win.
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-    os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
+    cap_kernel_caches()  # before the first product: see its docstring
     register_configs()
     hydra_main()
 

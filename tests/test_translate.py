@@ -390,6 +390,17 @@ def test_keep_freed_memory_reuses_freed_blocks():
     assert int(default) > 12000 and int(kept) < 1000
 
 
+def test_translate_caps_the_kernel_caches_unless_the_user_set_them(models, tmp_path, capsys,
+                                                                    monkeypatch):
+    """Both caches grow with every new shape a search meets (mt.inference.cap_kernel_caches);
+    translate caps them before its first product, and a value the user exported stands."""
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "8")
+    _run(["-m", models["a"], "-i", _write(tmp_path / "in.txt", ["a b"])], capsys)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+    assert os.environ["LRU_CACHE_CAPACITY"] == "8"
+
+
 def test_invalid_utf8_names_the_line_and_replace_works(models, tmp_path, capsys):
     path = tmp_path / "bad.txt"
     path.write_bytes(b"the dog\nthe \xff cat\n")
