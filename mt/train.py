@@ -399,6 +399,36 @@ def _as_python_state(state):
     return (version, tuple(internal), gauss)
 
 
+def leave_run_dir(own: Path, shared: Path) -> None:
+    """Run by ranks above 0: the run's log is rank 0's, and the directory Hydra made for this
+    process goes away when its clock named it differently from rank 0's (``${now:...}`` a second
+    later), so that a multi-process run leaves one run directory, not one per rank. Only what
+    Hydra wrote there is removed; a directory holding anything else stays.
+    """
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == own:
+            root.removeHandler(handler)
+            handler.close()
+    if own.resolve() == shared.resolve():
+        return
+    hydra_files = {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    meta = own / ".hydra"
+    entries = list(own.iterdir()) if own.is_dir() else []
+    if not all((p.suffix == ".log" and p.is_file())
+               or (p == meta and p.is_dir() and {q.name for q in p.iterdir()} <= hydra_files)
+               for p in entries):
+        return
+    for p in entries:
+        if p == meta:
+            for q in p.iterdir():
+                q.unlink()
+            p.rmdir()
+        else:
+            p.unlink()
+    own.rmdir()
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
 def hydra_main(dcfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
@@ -413,6 +443,8 @@ def hydra_main(dcfg: DictConfig) -> float | None:
         # the whole resolved config comes from rank 0 too.
         shared = [str(run_dir), cfg]
         dist.broadcast_object_list(shared, src=0)
+        if dist.get_rank() > 0:
+            leave_run_dir(run_dir, Path(shared[0]))
         run_dir, cfg = Path(shared[0]), shared[1]
     trainer = Trainer(cfg, run_dir)
     best = trainer.fit()

@@ -259,12 +259,31 @@ def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, c
               "model.dropout=0.0"]
     single = tmp_path / "single"
     run_train(tmp_path, single, corpus_dir, tokenizer_dir, *common, "trainer.accumulation=2")
-    ddp = tmp_path / "ddp"
-    run_train(tmp_path, ddp, corpus_dir, tokenizer_dir, *common, "trainer.accumulation=1",
-              torchrun=2)
+    # Each process names the run directory by its own clock (to the microsecond here, so they
+    # always differ): the run must still write one directory, rank 0's, and nothing beside it.
+    runs = tmp_path / "ddp"
+    run_train(tmp_path, runs / "${now:%H-%M-%S-%f}", corpus_dir, tokenizer_dir, *common,
+              "trainer.accumulation=1", torchrun=2)
+    [ddp] = runs.iterdir()
+    assert (ddp / "train.log").read_text().count("step") > 0
     a, b = weights(single), weights(ddp)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_rank_leaves_only_a_directory_that_hydra_alone_wrote(tmp_path):
+    from mt.train import leave_run_dir
+
+    shared, stray, kept = tmp_path / "rank0", tmp_path / "rank1", tmp_path / "older-run"
+    for d in (stray, kept):
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "config.yaml").write_text("a: 1\n")
+        (d / "train.log").write_text("")
+    (kept / "checkpoints").mkdir()
+    leave_run_dir(stray, shared)
+    leave_run_dir(kept, shared)
+    assert not stray.exists()
+    assert (kept / "checkpoints").is_dir() and (kept / ".hydra" / "config.yaml").exists()
 
 
 def test_two_process_ddp_with_dropout_resumes_exactly(tmp_path, corpus_dir, tokenizer_dir):
