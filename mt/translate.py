@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "faster)")
     p.add_argument("--errors", choices=("strict", "replace"), default="strict",
                    help="invalid UTF-8 input: stop with the line number, or replace it")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar or info logs")
     return p
 
 

@@ -6,7 +6,7 @@ import random
 import pytest
 from sacrebleu.metrics import BLEU, CHRF
 
-from mt.mbr import mbr_choose
+from mt.mbr import CharNgrams, mbr_choose
 
 WORDS = "a man woman dog runs sits in the park street red big".split()
 
@@ -28,6 +28,21 @@ def test_mbr_choice_equals_the_plain_double_loop(utility):
                 for _ in range(rng.randint(2, 5))]
         candidates = [rng.choice(pool) for _ in range(rng.randint(1, 9))]  # with duplicates
         assert mbr_choose(candidates, utility) == _naive(candidates, utility)
+
+
+def test_char_ngram_chrf_equals_sacrebleus_sentence_chrf_to_the_last_bit():
+    rng = random.Random(1)
+    alphabet = "abcdeéß  \t.,!Ää日本"
+    texts = ["", " ", "a", "ab", "Ein Hund läuft.", "Ein  Hund\tläuft .", "aaaaaaa"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30))) for _ in range(30)]
+    texts += [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12))) for _ in range(30)]
+    metric, grams = CHRF(), [CharNgrams(t) for t in texts]
+    for i, hyp in enumerate(texts):
+        for j, ref in enumerate(texts):
+            shared = grams[i].matches(grams[j])
+            assert shared == grams[j].matches(grams[i])
+            assert grams[i].chrf(grams[j], shared) == metric.sentence_score(hyp, [ref]).score, \
+                (hyp, ref)
 
 
 def test_mbr_known_answers():

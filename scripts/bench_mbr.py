@@ -1,0 +1,62 @@
+"""Benchmark MBR's chrF utility: ``mt.mbr.mbr_choose`` against a sacreBLEU ``sentence_score`` per
+ordered pair of candidates (what ``mt.mbr`` did before ``CharNgrams``), on the same candidates.
+
+The input is ``translate --nbest N`` output (``index<TAB>translation<TAB>score``), e.g. samples:
+
+    translate -m MODEL -i test.en -o samples.de --sampling --epsilon 0.02 --nbest 32
+    python scripts/bench_mbr.py samples.de
+
+Prints one JSON object: seconds for each way (best of ``--rounds``, alternated), milliseconds per
+line, the ratio, and whether every line's choice is the same (it must be: the scores are equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter, defaultdict
+
+from sacrebleu.metrics import CHRF
+
+from mt.mbr import mbr_choose
+
+
+def per_pair_choose(candidates: list[str]) -> int:
+    """The choice as a plain loop over sacreBLEU's sentence chrF, every ordered pair afresh."""
+    metric, counts = CHRF(), Counter(candidates)
+    expected = {hyp: sum((counts[ref] - 1) * 100.0 if ref == hyp
+                         else counts[ref] * metric.sentence_score(hyp, [ref]).score
+                         for ref in counts) for hyp in counts}
+    return max(range(len(candidates)), key=lambda i: (expected[candidates[i]], -i))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("nbest", help="translate --nbest output: index<TAB>translation<TAB>score")
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    groups: dict[int, list[str]] = defaultdict(list)
+    with open(args.nbest, encoding="utf-8") as f:
+        for line in f:
+            index, text, _ = line.rstrip("\n").split("\t")
+            groups[int(index)].append(text)
+    lines = list(groups.values())
+    seconds: dict[str, list[float]] = {"per_pair": [], "mt": []}
+    choices = {}
+    for _ in range(args.rounds):
+        for name, choose in (("per_pair", per_pair_choose), ("mt", mbr_choose)):
+            start = time.perf_counter()
+            choices[name] = [choose(c) for c in lines]
+            seconds[name].append(time.perf_counter() - start)
+    best = {name: min(s) for name, s in seconds.items()}
+    print(json.dumps({
+        "lines": len(lines), "candidates_per_line": max(len(c) for c in lines),
+        "seconds": best, "ms_per_line": {k: 1000 * v / len(lines) for k, v in best.items()},
+        "speedup": best["per_pair"] / best["mt"],
+        "same_choices": choices["per_pair"] == choices["mt"],
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
