@@ -399,34 +399,49 @@ def _as_python_state(state):
     return (version, tuple(internal), gauss)
 
 
-def leave_run_dir(own: Path, shared: Path) -> None:
-    """Run by ranks above 0: the run's log is rank 0's, and the directory Hydra made for this
-    process goes away when its clock named it differently from rank 0's (``${now:...}`` a second
-    later), so that a multi-process run leaves one run directory, not one per rank. Only what
-    Hydra wrote there is removed; a directory holding anything else stays.
+def leave_run_dir(own: Path, shared: Path, remove: bool, meta: str | None = ".hydra") -> None:
+    """Run by ranks above 0 once they know rank 0's directory (``shared``): the run's log is rank
+    0's, and the directory Hydra made for this process (``own``: its clock named it, a second
+    after rank 0's) is removed by ``remove``, the first rank that named it, so that a
+    multi-process run leaves one run directory, not one per rank.
+
+    Only what Hydra wrote is removed: its ``meta`` folder (``hydra.output_subdir``) with its three
+    files and the log files this process had open there; a directory holding anything else stays.
+    Tidying up never stops the run: a failure is a warning.
     """
-    root = logging.getLogger()
+    root, logs = logging.getLogger(), set()
     for handler in list(root.handlers):
         if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == own:
             root.removeHandler(handler)
             handler.close()
-    if own.resolve() == shared.resolve():
+            logs.add(Path(handler.baseFilename).name)
+    if not remove or not own.is_dir() or own.resolve() == shared.resolve():
         return
+    meta_dir = own / meta if meta else None
     hydra_files = {"config.yaml", "hydra.yaml", "overrides.yaml"}
-    meta = own / ".hydra"
-    entries = list(own.iterdir()) if own.is_dir() else []
-    if not all((p.suffix == ".log" and p.is_file())
-               or (p == meta and p.is_dir() and {q.name for q in p.iterdir()} <= hydra_files)
-               for p in entries):
-        return
-    for p in entries:
-        if p == meta:
-            for q in p.iterdir():
-                q.unlink()
-            p.rmdir()
-        else:
-            p.unlink()
-    own.rmdir()
+
+    def hydras(p: Path) -> bool:
+        if p.is_symlink():
+            return False
+        if p == meta_dir:
+            return p.is_dir() and {q.name for q in p.iterdir()} <= hydra_files
+        return p.name in logs and p.is_file()
+
+    try:
+        entries = list(own.iterdir())
+        if not all(hydras(p) for p in entries):
+            return
+        for p in entries:
+            if p == meta_dir:
+                for q in p.iterdir():
+                    q.unlink()
+                p.rmdir()
+            else:
+                p.unlink()
+        own.rmdir()
+    except OSError as err:
+        log.warning("could not remove %s, the run directory this process named before it took "
+                    "rank 0's (%s): %s", own, shared, err)
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
@@ -443,8 +458,12 @@ def hydra_main(dcfg: DictConfig) -> float | None:
         # the whole resolved config comes from rank 0 too.
         shared = [str(run_dir), cfg]
         dist.broadcast_object_list(shared, src=0)
+        # Several ranks may have named the same directory: the first of them removes it.
+        named = [""] * dist.get_world_size()
+        dist.all_gather_object(named, str(run_dir))
         if dist.get_rank() > 0:
-            leave_run_dir(run_dir, Path(shared[0]))
+            leave_run_dir(run_dir, Path(shared[0]), named.index(str(run_dir)) == dist.get_rank(),
+                          HydraConfig.get().output_subdir)
         run_dir, cfg = Path(shared[0]), shared[1]
     trainer = Trainer(cfg, run_dir)
     best = trainer.fit()

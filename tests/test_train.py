@@ -272,18 +272,28 @@ def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, c
 
 
 def test_a_rank_leaves_only_a_directory_that_hydra_alone_wrote(tmp_path):
+    import logging
+
     from mt.train import leave_run_dir
 
-    shared, stray, kept = tmp_path / "rank0", tmp_path / "rank1", tmp_path / "older-run"
-    for d in (stray, kept):
+    shared = tmp_path / "rank0"
+    dirs = {name: tmp_path / name for name in ("stray", "twice", "notes", "older-run")}
+    for d in dirs.values():
         (d / ".hydra").mkdir(parents=True)
         (d / ".hydra" / "config.yaml").write_text("a: 1\n")
-        (d / "train.log").write_text("")
-    (kept / "checkpoints").mkdir()
-    leave_run_dir(stray, shared)
-    leave_run_dir(kept, shared)
-    assert not stray.exists()
-    assert (kept / "checkpoints").is_dir() and (kept / ".hydra" / "config.yaml").exists()
+    (dirs["notes"] / "my-notes.log").write_text("mine\n")
+    (dirs["older-run"] / "checkpoints").mkdir()
+    root = logging.getLogger()
+    for name, d in dirs.items():  # as Hydra does: this process's log, open in its directory
+        root.addHandler(logging.FileHandler(d / "train.log"))
+        leave_run_dir(d, shared, remove=True)
+        assert not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == d
+                       for h in root.handlers), name
+    leave_run_dir(dirs["twice"], shared, remove=True)  # already gone: nothing to do, no error
+    assert not dirs["stray"].exists() and not dirs["twice"].exists()
+    assert (dirs["notes"] / "my-notes.log").exists()  # a log this process did not write
+    assert (dirs["older-run"] / "checkpoints").is_dir()
+    assert (dirs["older-run"] / ".hydra" / "config.yaml").exists()
 
 
 def test_two_process_ddp_with_dropout_resumes_exactly(tmp_path, corpus_dir, tokenizer_dir):
