@@ -211,8 +211,10 @@ def cap_kernel_caches(capacity: int = 64) -> None:
     batches and decoding steps come in hundreds of shapes that seldom repeat soon, so both caches
     only grow: the CPU training recipe grew by 1.3 GB in 200 steps, ``translate`` of 10,000
     Multi30k lines peaked at 3.0 GB in float32 and 2.2 GB in bfloat16; capped at 64, 1.6 GB flat,
-    2.1 GB and 1.3 GB, at the same speed and with the same output (docs/benchmarks.md). Both are
-    read at their first use, so a command calls this before its first product.
+    2.1 GB and 1.3 GB, at the same speed and with the same output (docs/benchmarks.md). A process
+    that decodes the same input again and again (a benchmark's rounds) would reuse more kernels
+    with more room: the benchmarks keep 8,192. Both are read at their first use, so a command
+    calls this before its first product.
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
     os.environ.setdefault("LRU_CACHE_CAPACITY", str(capacity))
