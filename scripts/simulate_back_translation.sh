@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Back-translation, plain and tagged (Caswell et al., 2019), simulated on Multi30k: the first half
+# of the training pairs stays parallel (A), the second half's German is taken as monolingual text
+# (B). A reverse model (de->en) trained on A back-translates B with beam search; then three
+# en->de runs of the same number of steps: A alone, A + back-translated B, and A + tagged
+# back-translated B (data.tagged=[bt]). Each is scored on test2016 (best.pt and averaged.pt).
+# docs/benchmarks.md ("Back-translation, plain and tagged") has the figures this printed.
+#
+#   scripts/simulate_back_translation.sh                    # runs/bt, 3,600 steps a model
+#   STEPS=8000 scripts/simulate_back_translation.sh runs/bt8k
+#
+# Run from the repository root with mt installed (README.md). Finished steps are skipped, so the
+# same command resumes.
+set -euo pipefail
+out=${1:-runs/bt}
+steps=${STEPS:-3600}
+src=${DATA:-../shared/data/multi30k}
+data=$out/data
+mkdir -p "$data"
+
+say() { printf '\n+ %s\n' "$*" >&2; }
+
+half=$(( $(wc -l < "$src/train.en") / 2 ))
+if [[ ! -s $data/mono.de ]]; then
+  head -n "$half" "$src/train.en" > "$data/train.en"
+  head -n "$half" "$src/train.de" > "$data/train.de"
+  tail -n +"$((half + 1))" "$src/train.de" > "$data/mono.de.tmp" && mv "$data/mono.de.tmp" "$data/mono.de"
+  for f in valid.en valid.de test2016.en test2016.de; do cp "$src/$f" "$data/$f"; done
+fi
+
+common=(experiment=multi30k_en_de_cpu "data.dir=$data" trainer.max_minutes=0
+        "trainer.max_steps=$steps")
+train() {  # run directory, then overrides; a finished run is skipped
+  local dir=$1; shift
+  [[ -f $dir/checkpoints/averaged.pt ]] && return
+  say mt-train "${common[@]}" "$@" "hydra.run.dir=$dir"
+  mt-train "${common[@]}" "$@" "hydra.run.dir=$dir"
+}
+
+train "$out/reverse" data.src_lang=de data.tgt_lang=en
+if [[ ! -s $data/bt.en ]]; then
+  say translate -m "$out/reverse/checkpoints/averaged.pt" -i "$data/mono.de" -o "$data/bt.en" --beam 5
+  translate -m "$out/reverse/checkpoints/averaged.pt" -i "$data/mono.de" -o "$data/bt.en" \
+    --beam 5 --dtype bfloat16
+  cp "$data/mono.de" "$data/bt.de"
+fi
+mt-eval -m "$out/reverse/checkpoints/averaged.pt" --src "$data/test2016.de" \
+  --ref "$data/test2016.en" -q | sed 's/^/reverse de->en averaged.pt: /'
+
+train "$out/base"
+train "$out/bt" data.train=train+bt
+train "$out/tagged" data.train=train+bt 'data.tagged=[bt]'
+for name in base bt tagged; do
+  say mt-eval "$name: best.pt, averaged.pt"
+  mt-eval -m "$out/$name/checkpoints/best.pt" -m "$out/$name/checkpoints/averaged.pt" \
+    --src "$data/test2016.en" --ref "$data/test2016.de" -q
+done
