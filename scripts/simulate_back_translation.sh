@@ -9,8 +9,8 @@
 #   scripts/simulate_back_translation.sh                    # runs/bt, 3,600 steps a model
 #   STEPS=8000 scripts/simulate_back_translation.sh runs/bt8k
 #
-# Run from the repository root with mt installed (README.md). Finished steps are skipped, so the
-# same command resumes.
+# Run from the repository root with mt installed (README.md). The same command resumes: the data
+# split and the back-translation are kept, and each run resumes from its last.pt.
 set -euo pipefail
 out=${1:-runs/bt}
 steps=${STEPS:-3600}
@@ -30,28 +30,31 @@ fi
 
 common=(experiment=multi30k_en_de_cpu "data.dir=$data" trainer.max_minutes=0
         "trainer.max_steps=$steps")
-train() {  # run directory, then overrides; a finished run is skipped
+train() {  # run directory, then overrides; a run that stopped resumes, a finished one only re-tests
   local dir=$1; shift
-  [[ -f $dir/checkpoints/averaged.pt ]] && return
   say mt-train "${common[@]}" "$@" "hydra.run.dir=$dir"
   mt-train "${common[@]}" "$@" "hydra.run.dir=$dir"
+}
+model() {  # averaged.pt where mt-train wrote one (trainer.average_last), else best.pt
+  if [[ -f $1/checkpoints/averaged.pt ]]; then echo "$1/checkpoints/averaged.pt"
+  else echo "$1/checkpoints/best.pt"; fi
 }
 
 train "$out/reverse" data.src_lang=de data.tgt_lang=en
 if [[ ! -s $data/bt.en ]]; then
-  say translate -m "$out/reverse/checkpoints/averaged.pt" -i "$data/mono.de" -o "$data/bt.en" --beam 5
-  translate -m "$out/reverse/checkpoints/averaged.pt" -i "$data/mono.de" -o "$data/bt.en" \
-    --beam 5 --dtype bfloat16
+  say translate -m "$(model "$out/reverse")" -i "$data/mono.de" -o "$data/bt.en" --beam 5
+  translate -m "$(model "$out/reverse")" -i "$data/mono.de" -o "$data/bt.en" --beam 5 \
+    --dtype bfloat16
   cp "$data/mono.de" "$data/bt.de"
 fi
-mt-eval -m "$out/reverse/checkpoints/averaged.pt" --src "$data/test2016.de" \
-  --ref "$data/test2016.en" -q | sed 's/^/reverse de->en averaged.pt: /'
+say mt-eval "reverse de->en: $(model "$out/reverse")"
+mt-eval -m "$(model "$out/reverse")" --src "$data/test2016.de" --ref "$data/test2016.en" -q
 
 train "$out/base"
 train "$out/bt" data.train=train+bt
 train "$out/tagged" data.train=train+bt 'data.tagged=[bt]'
 for name in base bt tagged; do
-  say mt-eval "$name: best.pt, averaged.pt"
-  mt-eval -m "$out/$name/checkpoints/best.pt" -m "$out/$name/checkpoints/averaged.pt" \
+  say mt-eval "$name: best.pt, $(model "$out/$name")"
+  mt-eval -m "$out/$name/checkpoints/best.pt" -m "$(model "$out/$name")" \
     --src "$data/test2016.en" --ref "$data/test2016.de" -q
 done
