@@ -439,6 +439,12 @@ def leave_run_dir(own: Path, shared: Path, remove: bool, meta: str | None = ".hy
             else:
                 p.unlink()
         own.rmdir()
+        # Folders the template made for it alone (``runs/${now:%Y-%m-%d}/${now:%H-%M-%S}`` with
+        # the second rank past midnight): empty, and not on rank 0's path.
+        parent = own.resolve().parent
+        while parent not in shared.resolve().parents and not any(parent.iterdir()):
+            parent.rmdir()
+            parent = parent.parent
     except OSError as err:
         log.warning("could not remove %s, the run directory this process named before it took "
                     "rank 0's (%s): %s", own, shared, err)

@@ -294,6 +294,12 @@ def test_a_rank_leaves_only_a_directory_that_hydra_alone_wrote(tmp_path):
     assert (dirs["notes"] / "my-notes.log").exists()  # a log this process did not write
     assert (dirs["older-run"] / "checkpoints").is_dir()
     assert (dirs["older-run"] / ".hydra" / "config.yaml").exists()
+    # Past midnight the second rank's date folder was made for it alone; rank 0's path stays.
+    shared, own = tmp_path / "runs" / "day1" / "23-59-59", tmp_path / "runs" / "day2" / "00-00-00"
+    for d in (shared, own / ".hydra"):
+        d.mkdir(parents=True)
+    leave_run_dir(own, shared, remove=True)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["day1"] and shared.is_dir()
 
 
 def test_two_process_ddp_with_dropout_resumes_exactly(tmp_path, corpus_dir, tokenizer_dir):
