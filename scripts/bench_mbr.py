@@ -1,5 +1,6 @@
-"""Benchmark MBR's chrF utility: ``mt.mbr.mbr_choose`` against a sacreBLEU ``sentence_score`` per
-ordered pair of candidates (what ``mt.mbr`` did before ``CharNgrams``), on the same candidates.
+"""Benchmark MBR's utility: ``mt.mbr.mbr_choose`` against a sacreBLEU ``sentence_score`` per
+ordered pair of candidates (what ``mt.mbr`` did before ``CharNgrams`` and ``WordNgrams``), on the
+same candidates, for chrF or (``--utility bleu``) sentence BLEU.
 
 The input is ``translate --nbest N`` output (``index<TAB>translation<TAB>score``), e.g. samples:
 
@@ -17,14 +18,15 @@ import json
 import time
 from collections import Counter, defaultdict
 
-from sacrebleu.metrics import CHRF
+from sacrebleu.metrics import BLEU, CHRF
 
 from mt.mbr import mbr_choose
 
 
-def per_pair_choose(candidates: list[str]) -> int:
-    """The choice as a plain loop over sacreBLEU's sentence chrF, every ordered pair afresh."""
-    metric, counts = CHRF(), Counter(candidates)
+def per_pair_choose(candidates: list[str], utility: str) -> int:
+    """The choice as a plain loop over sacreBLEU's sentence scores, every ordered pair afresh."""
+    metric = CHRF() if utility == "chrf" else BLEU(effective_order=True)
+    counts = Counter(candidates)
     expected = {hyp: sum((counts[ref] - 1) * 100.0 if ref == hyp
                          else counts[ref] * metric.sentence_score(hyp, [ref]).score
                          for ref in counts) for hyp in counts}
@@ -34,6 +36,7 @@ def per_pair_choose(candidates: list[str]) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("nbest", help="translate --nbest output: index<TAB>translation<TAB>score")
+    p.add_argument("--utility", choices=("chrf", "bleu"), default="chrf")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     groups: dict[int, list[str]] = defaultdict(list)
@@ -47,11 +50,12 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, choose in (("per_pair", per_pair_choose), ("mt", mbr_choose)):
             start = time.perf_counter()
-            choices[name] = [choose(c) for c in lines]
+            choices[name] = [choose(c, args.utility) for c in lines]
             seconds[name].append(time.perf_counter() - start)
     best = {name: min(s) for name, s in seconds.items()}
     print(json.dumps({
-        "lines": len(lines), "candidates_per_line": max(len(c) for c in lines),
+        "utility": args.utility, "lines": len(lines),
+        "candidates_per_line": max(len(c) for c in lines),
         "seconds": best, "ms_per_line": {k: 1000 * v / len(lines) for k, v in best.items()},
         "speedup": best["per_pair"] / best["mt"],
         "same_choices": choices["per_pair"] == choices["mt"],

@@ -6,7 +6,7 @@ import random
 import pytest
 from sacrebleu.metrics import BLEU, CHRF
 
-from mt.mbr import CharNgrams, mbr_choose
+from mt.mbr import CharNgrams, WordNgrams, mbr_choose
 
 WORDS = "a man woman dog runs sits in the park street red big".split()
 
@@ -43,6 +43,19 @@ def test_char_ngram_chrf_equals_sacrebleus_sentence_chrf_to_the_last_bit():
             assert shared == grams[j].matches(grams[i])
             assert grams[i].chrf(grams[j], shared) == metric.sentence_score(hyp, [ref]).score, \
                 (hyp, ref)
+
+
+def test_word_ngram_bleu_equals_sacrebleus_sentence_bleu_to_the_last_bit():
+    rng = random.Random(2)
+    texts = ["", " ", "a", "a man", "Ein Hund läuft.", "Ein Hund läuft .", "(hi) 3.5, x-y!",
+             "a a a a a a", "Zwei Männer spielen Fußball im Park."]
+    vocabulary = WORDS + [".", ",", "Park.", "x"]
+    texts += [" ".join(rng.choice(vocabulary) for _ in range(rng.randint(1, 14)))
+              for _ in range(40)]
+    metric, words = BLEU(effective_order=True), [WordNgrams(t) for t in texts]
+    for i, hyp in enumerate(texts):
+        for j, ref in enumerate(texts):
+            assert words[i].bleu(words[j]) == metric.sentence_score(hyp, [ref]).score, (hyp, ref)
 
 
 def test_mbr_known_answers():
