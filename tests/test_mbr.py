@@ -41,7 +41,7 @@ def test_char_ngram_chrf_equals_sacrebleus_sentence_chrf_to_the_last_bit():
         for j, ref in enumerate(texts):
             shared = grams[i].matches(grams[j])
             assert shared == grams[j].matches(grams[i])
-            assert grams[i].chrf(grams[j], shared) == metric.sentence_score(hyp, [ref]).score, \
+            assert grams[i].score(grams[j], shared) == metric.sentence_score(hyp, [ref]).score, \
                 (hyp, ref)
 
 
@@ -55,7 +55,9 @@ def test_word_ngram_bleu_equals_sacrebleus_sentence_bleu_to_the_last_bit():
     metric, words = BLEU(effective_order=True), [WordNgrams(t) for t in texts]
     for i, hyp in enumerate(texts):
         for j, ref in enumerate(texts):
-            assert words[i].bleu(words[j]) == metric.sentence_score(hyp, [ref]).score, (hyp, ref)
+            shared = words[i].matches(words[j])
+            assert words[i].score(words[j], shared) == metric.sentence_score(hyp, [ref]).score, \
+                (hyp, ref)
 
 
 def test_mbr_known_answers():
