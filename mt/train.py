@@ -407,8 +407,12 @@ def leave_run_dir(own: Path, shared: Path, remove: bool, meta: str | None = ".hy
 
     Only what Hydra wrote is removed: its ``meta`` folder (``hydra.output_subdir``) with its three
     files and the log files this process had open there; a directory holding anything else stays.
-    Tidying up never stops the run: a failure is a warning.
+    Tidying up never stops the run: a failure is a warning. A process that Hydra moved into
+    ``own`` (``hydra.job.chdir=true``) moves to ``shared``, where rank 0 works, so that relative
+    paths mean the same on every rank and its working directory is never one that was removed.
     """
+    if own.is_dir() and Path.cwd().resolve() == own.resolve():
+        os.chdir(shared)
     root, logs = logging.getLogger(), set()
     for handler in list(root.handlers):
         if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == own:

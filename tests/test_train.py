@@ -271,7 +271,7 @@ def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, c
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_rank_leaves_only_a_directory_that_hydra_alone_wrote(tmp_path):
+def test_a_rank_leaves_only_a_directory_that_hydra_alone_wrote(tmp_path, monkeypatch):
     import logging
 
     from mt.train import leave_run_dir
@@ -300,6 +300,12 @@ def test_a_rank_leaves_only_a_directory_that_hydra_alone_wrote(tmp_path):
         d.mkdir(parents=True)
     leave_run_dir(own, shared, remove=True)
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["day1"] and shared.is_dir()
+    # hydra.job.chdir=true put the process in its own directory: it moves to rank 0's.
+    own = tmp_path / "chdir"
+    (own / ".hydra").mkdir(parents=True)
+    monkeypatch.chdir(own)
+    leave_run_dir(own, shared, remove=True)
+    assert Path.cwd() == shared.resolve() and not own.exists()
 
 
 def test_two_process_ddp_with_dropout_resumes_exactly(tmp_path, corpus_dir, tokenizer_dir):
