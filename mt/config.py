@@ -228,6 +228,56 @@ def check_keys(node, schema: type | None = None, prefix: str = "") -> None:
             check_keys(node[key], hints[key], f"{name}.")
 
 
+def check_values(cfg: TrainConfig) -> None:
+    """Raises ValueError naming the first key whose value is out of its range.
+
+    The schema checks types only: ``trainer.log_every=0`` would pass it and stop the run with a
+    ZeroDivisionError an hour later, ``optim.label_smoothing=1.5`` would train on a negative NLL
+    weight and ``trainer.best_metric=chrf`` would silently keep the checkpoint of the best loss.
+    """
+    t, o, d, m = cfg.trainer, cfg.optim, cfg.data, cfg.model
+    at_least = {
+        1: {"trainer.max_tokens": t.max_tokens, "trainer.accumulation": t.accumulation,
+            "trainer.validate_every": t.validate_every, "trainer.log_every": t.log_every,
+            "trainer.beam_size": t.beam_size, "trainer.max_bad_steps": t.max_bad_steps,
+            "data.subword_nbest": d.subword_nbest, "data.filter.min_tokens": d.filter.min_tokens,
+            "model.encoder_layers": m.encoder_layers, "model.decoder_layers": m.decoder_layers,
+            "model.d_model": m.d_model, "model.ffn_dim": m.ffn_dim, "model.heads": m.heads},
+        0: {"trainer.max_steps": t.max_steps, "trainer.max_epochs": t.max_epochs,
+            "trainer.max_minutes": t.max_minutes, "trainer.save_every": t.save_every,
+            "trainer.patience": t.patience, "trainer.keep_last": t.keep_last,
+            "trainer.keep_best": t.keep_best, "trainer.average_last": t.average_last,
+            "trainer.lenpen": t.lenpen, "trainer.seed": t.seed,
+            "trainer.num_threads": t.num_threads, "optim.weight_decay": o.weight_decay,
+            "optim.warmup_steps": o.warmup_steps, "optim.min_lr": o.min_lr,
+            "optim.clip_norm": o.clip_norm, "optim.lr": o.lr,
+            "data.max_valid_sentences": d.max_valid_sentences,
+            "data.num_proc": d.num_proc, "data.subword_alpha": d.subword_alpha,
+            "data.filter.max_ratio": d.filter.max_ratio},
+    }
+    for least, values in at_least.items():
+        for key, value in values.items():
+            if not value >= least:  # NaN fails too
+                raise ValueError(f"{key} must be at least {least}, got {value}")
+    below_one = {"optim.label_smoothing": o.label_smoothing, "model.dropout": m.dropout,
+                 "model.attention_dropout": m.attention_dropout,
+                 "model.activation_dropout": m.activation_dropout}
+    if len(o.betas) == 2:
+        below_one.update({"optim.betas[0]": o.betas[0], "optim.betas[1]": o.betas[1]})
+    else:
+        raise ValueError(f"optim.betas must be two numbers, got {list(o.betas)}")
+    for key, value in below_one.items():
+        if not 0 <= value < 1:
+            raise ValueError(f"{key} must be in [0, 1), got {value}")
+    if not o.eps > 0:
+        raise ValueError(f"optim.eps must be above 0, got {o.eps}")
+    if d.filter.max_tokens < d.filter.min_tokens:
+        raise ValueError(f"data.filter.max_tokens={d.filter.max_tokens} is below "
+                         f"data.filter.min_tokens={d.filter.min_tokens}")
+    if t.best_metric not in ("bleu", "loss"):
+        raise ValueError(f"trainer.best_metric must be bleu or loss, got {t.best_metric!r}")
+
+
 def positive_int(text: str) -> int:
     """An argparse type for counts such as ``--workers``: an integer of at least 1."""
     return _int_from(text, 1)

@@ -59,8 +59,10 @@ def _open_text(path: Path):
 
 
 def _decode(raw: bytes, path: Path, lineno: int) -> str:
+    """A line's text; the byte-order mark that Windows editors put before line 1 is no text."""
     try:
-        return raw.decode("utf-8").rstrip("\r\n")
+        text = raw.decode("utf-8").rstrip("\r\n")
+        return text.removeprefix("\ufeff") if lineno == 1 else text
     except UnicodeDecodeError as err:
         raise DataError(f"{path}:{lineno}: invalid UTF-8 ({err.reason} at byte {err.start})"
                         ) from None

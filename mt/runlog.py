@@ -20,6 +20,7 @@ from mt.data import load_split
 from mt.loss import label_smoothed_nll
 
 log = logging.getLogger("mt.train")
+_said_too_long: set[tuple[int, int]] = set()  # (valid pairs, limit): warned once per process
 
 
 def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
@@ -34,6 +35,16 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
     from mt.options import SearchOptions
 
     src_ids, tgt_ids = tokenizer.encode_src(src), tokenizer.encode_tgt(tgt)
+    # A pair longer than the model's positions cannot be teacher-forced (training filters such
+    # pairs out); the search below translates its source in pieces, so BLEU keeps it.
+    limit = model.cfg.max_positions
+    fits = [i for i, (s, t) in enumerate(zip(src_ids, tgt_ids, strict=True))
+            if len(s) <= limit and len(t) + 1 <= limit]
+    if len(fits) < len(src_ids) and (len(src_ids), limit) not in _said_too_long:
+        _said_too_long.add((len(src_ids), limit))
+        log.warning("valid loss leaves out %d of %d pairs longer than model.max_positions=%d "
+                    "(BLEU and chrF keep them)", len(src_ids) - len(fits), len(src_ids), limit)
+    src_ids, tgt_ids = [src_ids[i] for i in fits], [tgt_ids[i] for i in fits]
     loss_sum, tokens = 0.0, 0
     batches = token_batches([len(s) for s in src_ids], [len(t) for t in tgt_ids],
                             trainer.max_tokens, 0, 0, shuffle=False)
@@ -55,15 +66,26 @@ class Metrics:
     """``metrics.jsonl`` (one JSON object per log line and per validation), TensorBoard events
     when tensorboard is installed, and ``curves.png`` redrawn at each validation (rank 0 only)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool, step: int = 0) -> None:
+        """``step``: where the run starts (a resumed run's checkpoint). Records after it came from
+        steps the checkpoint does not hold (a run killed between saves): they go, so that the
+        steps run again are not in the curves twice."""
         self.run_dir, self.writer = run_dir, None
+        path = run_dir / "metrics.jsonl"
+        if path.exists():
+            lines = path.read_text().splitlines(keepends=True)
+            kept = [x for x in lines if _step_of(x) <= step]
+            if len(kept) < len(lines):
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text("".join(x if x.endswith("\n") else x + "\n" for x in kept))
+                tmp.replace(path)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 log.info("tensorboard is not installed: metrics go to metrics.jsonl only")
-            else:
-                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+            else:  # purge_step hides the events of steps after ``step`` likewise
+                self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=step + 1)
 
     def write(self, record: dict) -> None:
         with open(self.run_dir / "metrics.jsonl", "a") as f:
@@ -105,6 +127,14 @@ def plot_curves(metrics_file: Path, out: Path) -> bool:
     return True
 
 
+def _step_of(line: str) -> float:
+    """A metrics.jsonl record's step; a line cut short by a kill counts as after every step."""
+    try:
+        return json.loads(line).get("step", 0) if line.strip() else math.inf
+    except ValueError:
+        return math.inf
+
+
 class Window:
     """Loss and throughput since the last log line; the loss stays on the device until read."""
 
@@ -115,8 +145,22 @@ class Window:
     def restart(self) -> None:
         self.loss = torch.zeros((), device=self.device)
         self.loss_tokens = torch.zeros((), dtype=torch.long, device=self.device)
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Speed counts from here (after a validation: tokens/s measures training only); the
+        loss keeps every step since the last log line."""
         self.tokens = 0
         self.start = time.perf_counter()
+
+    def state(self) -> dict:
+        """The loss so far, for a checkpoint: a resumed run's next log line then equals the
+        uninterrupted run's (a sync with the device: called at saves only)."""
+        return {"loss": float(self.loss), "loss_tokens": int(self.loss_tokens)}
+
+    def load(self, state: dict) -> None:
+        self.loss.fill_(state["loss"])
+        self.loss_tokens.fill_(state["loss_tokens"])
 
     def add(self, loss: torch.Tensor, tokens: int, finite: torch.Tensor) -> None:
         """A step's loss summed over ``tokens`` target tokens; a NaN/inf step counts for speed
@@ -174,7 +218,7 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device) -> None:
         with open(run_dir / "test.json", "w") as f:  # best.pt's scores at the top level
             # best.pt may be missing (a run resumed from a copied last.pt alone)
             json.dump({**report.get("best", {}), "averaged": report.get("averaged")}, f, indent=2)
-        if cfg.data.source != "hub":
+        if cfg.data.source != "hub" and cfg.data.format == "text":  # tsv/jsonl: no source file
             src_file = split_files(cfg.data, cfg.data.test.split("+")[0])[0]  # the first part
             print(f"try: translate -m {run_dir} -i {src_file}")
     print(f"run directory: {run_dir}")

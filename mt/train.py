@@ -29,7 +29,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from mt import checkpoint
-from mt.config import TrainConfig, check_keys, finetune_model_config, register_configs
+from mt.config import TrainConfig, check_keys, check_values, finetune_model_config, register_configs
 from mt.corpus import Corpus
 from mt.data import tokenizer_config
 from mt.distributed import barrier, rank_seed, setup_distributed
@@ -77,6 +77,11 @@ class Trainer:
         self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
                              Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
         tok = self.corpus.tokenizer
+        if cfg.model.tie_embeddings == "all" and not tok.joint:
+            # Two vocabularies of one size pass the model's size check, but id 11 would be
+            # "▁The" in one and "s" in the other, sharing one embedding.
+            raise ValueError("model.tie_embeddings=all needs a joint vocabulary: set "
+                             "data.tokenizer.joint=true, or model.tie_embeddings=decoder")
         cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
         self.model = build_model(cfg.model).to(self.device)
         if start is not None and not resuming:
@@ -89,8 +94,12 @@ class Trainer:
         # Training seconds of earlier runs (resumed) and this one's start; `elapsed` is the clock
         # every rank agrees on, read by the time-budgeted schedule.
         self.seconds_before, self.fit_start, self.elapsed = 0.0, None, 0.0
+        # LambdaLR counts the steps taken (0 before the first); lr_lambda counts from 1, so
+        # step k runs at lr_lambda(k): the peak at step warmup_steps, min_lr at the last step.
+        multiplier = lr_lambda(cfg, seconds=lambda: self.elapsed)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg, seconds=lambda: self.elapsed))
+            self.optimizer, lambda taken: multiplier(taken + 1))
+        self.step_lr = cfg.optim.lr * multiplier(1)  # the learning rate of the last step taken
         self.amp_dtype = autocast_dtype(cfg.trainer.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type,
                                            enabled=self.amp_dtype == torch.float16)
@@ -109,12 +118,14 @@ class Trainer:
         self.bad_run, self.worst_run, self.bad_since_check = (
             torch.zeros((), dtype=torch.long, device=self.device) for _ in range(3))
         self.validated_step = -1
-        self.metrics = Metrics(run_dir, cfg.trainer.tensorboard) if self.rank == 0 else None
+        self.window = Window(self.device)  # the loss and speed since the last log line
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
         if resuming:
             self._resume(last)
             if self.history and self.history[-1]["step"] == self.step:
                 self.validated_step = self.step  # a finished run restarted: do not validate again
+        self.metrics = (Metrics(run_dir, cfg.trainer.tensorboard, self.step) if self.rank == 0
+                        else None)
 
     # -- checkpoints
 
@@ -129,7 +140,32 @@ class Trainer:
             "seconds": self.seconds(),
             "rng": rng[0], "rng_ranks": rng,  # "rng": rank 0's, as checkpoints before rng_ranks
             "world_size": self.world,
+            "window": self.window.state(),
         }
+
+    def _take_optim_config(self) -> None:
+        """A resumed run's optimizer takes this run's optim.lr, betas, eps and weight_decay.
+
+        Loading the saved state brings back the saver's (and the scheduler's base rate), so the
+        advice after a divergence, "lower optim.lr and run again in the run directory", would
+        change nothing. Values equal to the saved ones leave the state untouched: a resumed run
+        with the same config continues exactly.
+        """
+        o = self.cfg.optim
+        now = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+        group = self.optimizer.param_groups[0]
+        was = {"lr": self.scheduler.base_lrs[0], "betas": tuple(group["betas"]),
+               "eps": group["eps"], "weight_decay": group["weight_decay"]}
+        changed = [k for k in now if now[k] != was[k]]
+        if not changed:
+            return
+        log.warning("resuming with %s", ", ".join(f"optim.{k}={now[k]} (was {was[k]})"
+                                                  for k in changed))
+        self.scheduler.base_lrs = [o.lr] * len(self.optimizer.param_groups)
+        lr = o.lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=o.lr, lr=lr, betas=now["betas"], eps=o.eps,
+                         weight_decay=o.weight_decay)
 
     def _resume(self, path: Path) -> None:
         ckpt = checkpoint.load(path)
@@ -140,12 +176,15 @@ class Trainer:
             saved["fused"], saved["foreach"] = group["fused"], group["foreach"]
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self._take_optim_config()
         self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.step_in_epoch = (state["step"], state["epoch"],
                                                       state["step_in_epoch"])
         self.best, self.bad_validations = state["best"], state["bad_validations"]
         self.history = state["history"]
         self.skipped_steps = state.get("skipped_steps", 0)
+        if "window" in state:
+            self.window.load(state["window"])
         self.seconds_before = self.elapsed = state.get("seconds", 0.0)
         # Each rank's streams go on where they stopped. Else they stay new ones (another world
         # size, or a checkpoint older than rng_ranks, which held rank 0's alone): no exact resume.
@@ -252,6 +291,7 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.optimizer.__dict__.pop("found_inf", None)  # no stale flag for any other caller
         self.scaler.update()
+        self.step_lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()  # the schedule follows the step counter, skipped steps included
         return loss_total, finite.bool()
 
@@ -316,7 +356,8 @@ class Trainer:
 
             bar = tqdm(total=t.max_steps or None, initial=self.step, unit="step", file=sys.stderr,
                        dynamic_ncols=True, mininterval=1.0)
-        window = Window(self.device)
+        window = self.window
+        window.restart_clock()
         stopped = self.should_stop()
         while not stopped:
             batches = self.corpus.batches(t.max_tokens, t.seed, self.epoch)
@@ -341,7 +382,7 @@ class Trainer:
                     self._check_bad_steps()  # before any save: never NaN weights on disk
                 if self.step % t.log_every == 0 and bar is not None:
                     record = {"step": self.step, "epoch": self.epoch, **window.read(),
-                              "lr": self.scheduler.get_last_lr()[0]}
+                              "lr": self.step_lr}
                     self.metrics.write(record)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
                                     tok_s=f"{record['tgt_tokens_per_s']:.0f}", refresh=False)
@@ -349,7 +390,7 @@ class Trainer:
                     bar.update(1)
                 if self.step % t.validate_every == 0:
                     self._validate_and_save()
-                    window.restart()  # tokens/s measures training only
+                    window.restart_clock()  # tokens/s measures training only
                 elif t.save_every and self.step % t.save_every == 0:
                     self.save(improved=False, step_checkpoint=False)
                 if self.should_stop():
@@ -460,6 +501,7 @@ def hydra_main(dcfg: DictConfig) -> float | None:
 
     check_keys(dcfg)
     cfg: TrainConfig = OmegaConf.to_object(dcfg)
+    check_values(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Each torchrun process resolved ${now} itself; they must share rank 0's directory.

@@ -36,7 +36,8 @@ PAIRS = [
 ]
 
 
-def _write(path, text: str, gz: bool):
+def _write(path, text: str, gz: bool, bom: bool = False):
+    text = "\ufeff" + text if bom else text
     if gz:
         with gzip.open(str(path) + ".gz", "wt", encoding="utf-8") as f:
             f.write(text)
@@ -44,17 +45,18 @@ def _write(path, text: str, gz: bool):
         path.write_text(text, encoding="utf-8")
 
 
-def _write_split(directory, fmt: str, split: str, pairs, gz: bool = False) -> None:
+def _write_split(directory, fmt: str, split: str, pairs, gz: bool = False,
+                 bom: bool = False) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     if fmt == "text":
-        _write(directory / f"{split}.en", "".join(s + "\n" for s, _ in pairs), gz)
-        _write(directory / f"{split}.de", "".join(t + "\n" for _, t in pairs), gz)
+        _write(directory / f"{split}.en", "".join(s + "\n" for s, _ in pairs), gz, bom)
+        _write(directory / f"{split}.de", "".join(t + "\n" for _, t in pairs), gz, bom)
     elif fmt == "tsv":
-        _write(directory / f"{split}.tsv", "".join(f"{s}\t{t}\n" for s, t in pairs), gz)
+        _write(directory / f"{split}.tsv", "".join(f"{s}\t{t}\n" for s, t in pairs), gz, bom)
     else:
         lines = [json.dumps({"translation": {"en": s, "de": t}} if i % 2 else {"de": t, "en": s})
                  for i, (s, t) in enumerate(pairs)]
-        _write(directory / f"{split}.jsonl", "\n".join(lines) + "\n\n", gz)  # blank tail: skipped
+        _write(directory / f"{split}.jsonl", "\n".join(lines) + "\n\n", gz, bom)  # blank tail
 
 
 def _cfg(directory, fmt: str = "text", **kw) -> DataConfig:
@@ -72,6 +74,16 @@ def test_every_local_format_loads_the_same_pairs(tmp_path, fmt, gz):
     _write_split(tmp_path / "d", fmt, "train", PAIRS, gz)
     ds = load_split(_cfg(tmp_path / "d", fmt), "train", cache_dir=str(tmp_path / "cache"))
     assert _pairs(ds) == PAIRS
+
+
+@pytest.mark.parametrize("fmt", ["text", "tsv", "jsonl"])
+def test_a_byte_order_mark_before_line_one_is_not_text(tmp_path, fmt):
+    """Windows editors save "UTF-8 with BOM": it must not stick to the first source (nor break
+    the first JSON line)."""
+    _write_split(tmp_path / "d", fmt, "train", PAIRS, bom=True)
+    ds = load_split(_cfg(tmp_path / "d", fmt), "train", cache_dir=str(tmp_path / "cache"))
+    assert _pairs(ds) == PAIRS
+    assert read_lines(tmp_path / "d" / f"train.{'en' if fmt == 'text' else fmt}")[0][0] != "\ufeff"
 
 
 def test_splits_joined_by_plus_are_concatenated_in_order(tmp_path):

@@ -24,7 +24,7 @@ def compose(overrides: list[str]):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
-    from mt.config import check_keys, register_configs
+    from mt.config import check_keys, check_values, register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -36,7 +36,9 @@ def compose(overrides: list[str]):
         with open_dict(cfg):
             del cfg["hydra"]
         check_keys(cfg)  # as mt.train.hydra_main does
-        return OmegaConf.to_object(cfg)
+        cfg = OmegaConf.to_object(cfg)
+        check_values(cfg)
+        return cfg
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -68,6 +70,30 @@ def test_a_misspelt_key_added_with_plus_fails_with_its_name(override, name):
     """Hydra lets '+' add a key the schema lacks (its own error message suggests it); mt-train
     refuses it instead of training with the default."""
     with pytest.raises(ValueError, match=f"unknown config key {name}: "):
+        compose([override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.log_every=0", "trainer.log_every must be at least 1, got 0"),
+    ("trainer.accumulation=0", "trainer.accumulation must be at least 1"),
+    ("trainer.validate_every=0", "trainer.validate_every must be at least 1"),
+    ("trainer.patience=-1", "trainer.patience must be at least 0"),
+    ("trainer.seed=-5", "trainer.seed must be at least 0"),
+    ("trainer.best_metric=chrf", "trainer.best_metric must be bleu or loss, got 'chrf'"),
+    ("optim.label_smoothing=1.5", r"optim.label_smoothing must be in \[0, 1\), got 1.5"),
+    ("optim.betas=[0.9,0.98,0.5]", "optim.betas must be two numbers"),
+    ("optim.betas=[0.9,1.0]", r"optim.betas\[1\] must be in \[0, 1\)"),
+    ("optim.lr=-1e-3", "optim.lr must be at least 0, got -0.001"),
+    ("optim.lr=nan", "optim.lr must be at least 0"),
+    ("optim.eps=0", "optim.eps must be above 0"),
+    ("data.subword_alpha=-1", "data.subword_alpha must be at least 0"),
+    ("data.filter.max_tokens=0", "data.filter.max_tokens=0 is below data.filter.min_tokens=1"),
+    ("model.dropout=1.0", r"model.dropout must be in \[0, 1\)"),
+])
+def test_a_value_out_of_range_fails_with_the_key(override, message):
+    """The schema checks types; a count of 0 or a smoothing of 1.5 must stop the run at start-up,
+    not with a ZeroDivisionError mid-run or as a silently different run."""
+    with pytest.raises(ValueError, match=message):
         compose([override])
 
 
@@ -216,8 +242,10 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
                          ids=["one-segmentation", "subword-sampling"])
 def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_dir, tokenizer_dir,
                                                              data):
+    # Log lines every 3 steps and saves every 2: the kill lands inside a log window, after lines
+    # of steps that the last checkpoint does not hold.
     steps = ["trainer.max_steps=14", "trainer.validate_every=7", "trainer.save_every=2",
-             "trainer.test_at_end=false", *data]
+             "trainer.log_every=3", "trainer.test_at_end=false", *data]
     full = tmp_path / "full"
     run_train(tmp_path, full, corpus_dir, tokenizer_dir, *steps)
 
@@ -251,6 +279,59 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
     full_state = torch.load(full / "checkpoints" / "last.pt", weights_only=True)["trainer"]
     killed_state = torch.load(killed / "checkpoints" / "last.pt", weights_only=True)["trainer"]
     assert full_state["step"] == killed_state["step"] == 14
+
+    # The curves too: each step once, every loss and learning rate as in the run never killed.
+    def records(run_dir: Path) -> list[dict]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if not k.endswith("_per_s")}
+                for x in lines]
+
+    assert [r["step"] for r in records(full)] == [3, 6, 7, 9, 12, 14]
+    assert records(killed) == records(full)
+
+
+def test_a_resumed_run_logs_each_step_once_with_the_losses_of_a_run_never_stopped(
+        tmp_path, corpus_dir, tokenizer_dir):
+    """A kill between two saves leaves log lines of steps the checkpoint does not hold (and may
+    cut one short); the resumed run drops them and carries the open log window's loss over, so
+    metrics.jsonl reads as if the run had never stopped. Deterministic: the "kill" is written."""
+    common = ["trainer.validate_every=5", "trainer.log_every=3", "trainer.test_at_end=false"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    run_train(tmp_path, full, corpus_dir, tokenizer_dir, *common, "trainer.max_steps=15")
+    run_train(tmp_path, split, corpus_dir, tokenizer_dir, *common, "trainer.max_steps=10")
+    with open(split / "metrics.jsonl", "a") as f:  # saved at step 10; logged 12, then killed
+        f.write('{"step": 12, "epoch": 0, "loss": 9.0, "lr": 0.1}\n{"step": 15, "ep')
+    run_train(tmp_path, split, corpus_dir, tokenizer_dir, *common, "trainer.max_steps=15")
+
+    def records(run_dir: Path) -> list[dict]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if not k.endswith("_per_s")}
+                for x in lines]
+
+    assert [r["step"] for r in records(full)] == [3, 5, 6, 9, 10, 12, 15, 15]
+    assert records(split) == records(full)  # step 12's window holds steps 10-12
+
+
+def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr(
+        tmp_path, corpus_dir, tokenizer_dir):
+    """Step 1 ran at the rate of step 0 (so steps 1 and 2 shared one, and the peak came a step
+    late); and a resumed run kept the saved optim.lr, whatever the command line said, although
+    the advice after a divergence is to lower it and run again."""
+    import math
+
+    run_dir = tmp_path / "run"
+    common = ["trainer.validate_every=6", "trainer.test_at_end=false"]  # warmup 5, lr 1e-3
+    run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *common, "trainer.max_steps=6")
+    resumed = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *common,
+                        "trainer.max_steps=9", "optim.lr=5e-4")
+    assert "resuming with optim.lr=0.0005 (was 0.001)" in resumed.stderr
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lr = {r["step"]: r["lr"] for r in map(json.loads, lines) if "lr" in r}
+    assert sorted(lr) == list(range(1, 10))
+    for step, rate in lr.items():
+        peak = 1e-3 if step <= 6 else 5e-4
+        assert rate == pytest.approx(peak * min(step / 5, math.sqrt(5 / step)), rel=1e-12), step
+    assert lr[5] == pytest.approx(1e-3)  # the peak, at the last warmup step
 
 
 def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, corpus_dir,
@@ -324,6 +405,20 @@ def test_two_process_ddp_with_dropout_resumes_exactly(tmp_path, corpus_dir, toke
         assert torch.equal(a[name], b[name]), name
 
 
+def test_tied_embeddings_refuse_two_vocabularies_of_one_size(tmp_path, corpus_dir, tokenizer_dir):
+    """Two SentencePiece models trained to one size pass the model's size check; tying their
+    embeddings would make one vector mean unrelated pieces."""
+    cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={tmp_path / 'run'}", f"data.tokenizer.path={tmp_path / 'tok'}",
+           "data.tokenizer.joint=false", "data.tokenizer.vocab_size=120",
+           "model.tie_embeddings=all", "trainer.max_steps=1"]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    assert "model.tie_embeddings=all needs a joint vocabulary" in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_nan_loss_skips_the_step_and_stops_a_diverging_run(tmp_path, corpus_dir, tokenizer_dir):
     # lr = inf makes the weights NaN after the first update, so every later loss is NaN:
     # the run must stop with a clear message instead of saving NaN weights.
@@ -353,3 +448,29 @@ def test_trainer_device_is_read_whole():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda:1, but this torch sees no CUDA"):
             setup_distributed("cuda:1")
+
+
+def test_valid_loss_leaves_out_a_pair_longer_than_the_model_and_bleu_keeps_it(tokenizer_dir):
+    """A valid pair beyond model.max_positions stopped training at its first validation; now the
+    teacher-forced loss leaves it out (it equals the loss of the pairs that fit) and the search,
+    which translates a long source in pieces, still scores it."""
+    from mt.config import ModelConfig, TrainerConfig
+    from mt.model import build_model
+    from mt.runlog import validate
+    from mt.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tokenizer_dir)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(encoder_layers=1, decoder_layers=1, d_model=32, ffn_dim=64,
+                                    heads=2, max_positions=24, src_vocab_size=tok.src_vocab_size,
+                                    tgt_vocab_size=tok.tgt_vocab_size)).eval()
+    short = ["a short line", "another one"]
+    long_ = " ".join(["a much longer line"] * 12)
+    assert len(tok.encode_src([long_])[0]) > 24
+    trainer = TrainerConfig(beam_size=1)
+    with torch.inference_mode():
+        fits = validate(model, tok, short, short, trainer, torch.device("cpu"))
+        both = validate(model, tok, [*short, long_], [*short, long_], trainer,
+                        torch.device("cpu"))
+    assert both["valid_loss"] == pytest.approx(fits["valid_loss"], rel=1e-6)
+    assert both["valid_chrf"] != fits["valid_chrf"]  # the long pair is in BLEU and chrF
