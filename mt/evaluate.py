@@ -130,6 +130,12 @@ def run(args: argparse.Namespace) -> dict:
     loaded: dict[int, tuple] = {}
     for test in tests:
         refs = read_references(test)
+        # Checked for --hyp systems too: a source of another length means that the references are
+        # not the test set the user thinks, whatever made the hypotheses.
+        sources = read_text(test.src) if test.src else None
+        if sources is not None and len(sources) != len(refs[0]):
+            raise EvalError(f"{test.src} has {len(sources)} lines but {test.refs[0]} has "
+                            f"{len(refs[0])}; source and reference must be aligned line by line")
         trg_lang = test.langpair.split("-")[1] if test.langpair else ""
         entry: dict = {"name": test.name, "langpair": test.langpair, "origin": test.origin,
                        "source": test.src, "references": test.refs, "sentences": len(refs[0]),
@@ -142,7 +148,7 @@ def run(args: argparse.Namespace) -> dict:
                 hyps = read_text(hyp_file)
                 record["hypotheses"] = hyp_file
             else:
-                hyps, speed = _translate(system, test, n, loaded, args, refs)
+                hyps, speed = _translate(system, test, sources, n, loaded, args)
                 record.update(system.info, **speed)
                 hyp_file = record.get("hypotheses") or f"{system.name} (translations)"
             check_lines(hyps, hyp_file, refs, test.refs, warn_tokenized=args.tokenize != "none",
@@ -165,17 +171,13 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _translate(system: System, test: TestSet, n: int, loaded: dict, args: argparse.Namespace,
-               refs: list[list[str]]) -> tuple[list[str], dict]:
+def _translate(system: System, test: TestSet, sources: list[str] | None, n: int, loaded: dict,
+               args: argparse.Namespace) -> tuple[list[str], dict]:
     from mt.workers import default_workers
 
-    if not test.src:
+    if sources is None:
         raise EvalError(f"test set {test.name}: no source file to translate with -m "
                         f"{system.path} (give --src)")
-    sources = read_text(test.src)
-    if len(sources) != len(refs[0]):
-        raise EvalError(f"{test.src} has {len(sources)} lines but {test.refs[0]} has "
-                        f"{len(refs[0])}; source and reference must be aligned line by line")
     if n not in loaded:
         from mt.inference import load_models
 

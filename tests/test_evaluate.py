@@ -165,6 +165,20 @@ def test_mismatched_second_reference_and_source_are_errors(files):
         main(["--hyp", files["good"], "--ref", files["ref"], short])
 
 
+def test_source_is_checked_for_hypothesis_files_too(files):
+    """--src is recorded as the test set's source: a wrong one is an error with --hyp as with -m."""
+    short = _write(files["tmp"] / "short.en", ["x"] * 10)
+    with pytest.raises(SystemExit, match="short.en has 10 lines but .*ref.de has 200"):
+        main(["--hyp", files["good"], "--src", short, "--ref", files["ref"]])
+    with pytest.raises(SystemExit, match="missing.en: no such file"):
+        main(["--hyp", files["good"], "--src", str(files["tmp"] / "missing.en"),
+              "--ref", files["ref"]])
+    latin1 = files["tmp"] / "latin1.en"
+    latin1.write_bytes("caf\xe9\n".encode("latin-1") * 200)
+    with pytest.raises(SystemExit, match="latin1.en:1: invalid UTF-8"):
+        main(["--hyp", files["good"], "--src", str(latin1), "--ref", files["ref"]])
+
+
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])
 def test_empty_hypotheses_are_an_error(files, content):
     empty = files["tmp"] / "empty.hyp"
