@@ -288,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    # -M bleu bleu: one score per metric (sacrebleu's paired test keys its table by name, and
+    # the table and JSON have one column per metric), in the order first given.
+    args.metrics = list(dict.fromkeys(args.metrics))
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("sacrebleu").setLevel(logging.WARNING)

@@ -150,6 +150,14 @@ def test_paired_tests_find_a_planted_improvement_and_not_a_copy(files, capsys, c
     assert tiny["scores"]["bleu"]["p_ar"] == pytest.approx(cli[1]["BLEU"]["p_value"])
 
 
+def test_a_metric_given_twice_is_scored_once(files, capsys):
+    result = _run(["--hyp", files["good"], files["bad"], "--ref", files["ref"],
+                   "-M", "chrf", "bleu", "chrf", "--paired-bs", "--paired-bs-n", "20"], capsys)
+    assert result["metrics"] == ["chrf", "bleu"]
+    assert list(result["tests"][0]["systems"][1]["scores"]) == ["chrf", "bleu"]
+    assert result["tests"][0]["systems"][1]["scores"]["bleu"]["p_bs"] is not None
+
+
 def test_line_count_mismatch_names_both_files_and_counts(files):
     short = _write(files["tmp"] / "short.hyp", Path(files["good"]).read_text().splitlines()[:150])
     with pytest.raises(SystemExit) as err:
