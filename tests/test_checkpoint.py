@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -146,3 +147,28 @@ def test_average_script_writes_a_loadable_model(tmp_path, tokenizer):
     assert result.returncode == 0, result.stderr
     model, _, ckpt = checkpoint.load_model(out)
     assert [Path(p).name for p in ckpt["averaged_from"]] == ["step_2.pt", "step_3.pt"]
+
+
+def test_average_script_errors_are_one_line_and_fewer_than_asked_is_said(tmp_path, tokenizer):
+    for seed in range(3):
+        checkpoint.save_atomic(checkpoint.model_state(tiny_model(seed), tokenizer, None),
+                               tmp_path / f"step_{seed + 1}.pt")
+    script = str(REPO / "scripts" / "average_checkpoints.py")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PYTHON, script, str(tmp_path), *args, "-o",
+                               str(tmp_path / "avg.pt")], capture_output=True, text=True,
+                              timeout=120)
+
+    for args, code, message in ((["--best", "2"], 1, "no last.pt"),  # a folder without last.pt
+                                (["--last", "-1"], 2, "--last: .*at least 1"),
+                                (["--best", "0"], 2, "--best: .*at least 1")):
+        result = run(*args)
+        assert result.returncode == code, result.stderr
+        assert "Traceback" not in result.stderr
+        assert re.search(message, result.stderr.strip().splitlines()[-1]), result.stderr
+    assert not (tmp_path / "avg.pt").exists()
+    result = run("--last", "99")
+    assert result.returncode == 0, result.stderr
+    assert "--last 99: " in result.stderr and "averaging 3" in result.stderr
+    assert len(checkpoint.load(tmp_path / "avg.pt")["averaged_from"]) == 3
