@@ -30,7 +30,7 @@ from pathlib import Path
 
 from mt.config import positive_int
 from mt.options import add_search_arguments, search_mistake, search_options
-from mt.report import METRICS, compare, render, score_system
+from mt.report import METRICS, compare, make_metric, render, score_system
 from mt.testsets import (
     EvalError,
     TestSet,
@@ -103,6 +103,10 @@ def _expand(pattern: str, test: TestSet, n: int) -> str:
     return pattern.replace("{test}", test.name.replace("/", "_")).replace("{n}", str(n))
 
 
+def _target_lang(test: TestSet) -> str:
+    return test.langpair.split("-")[1] if test.langpair else ""
+
+
 def run(args: argparse.Namespace) -> dict:
     """Translates (for models), scores and compares every system on every test set."""
     systems = [System(kind, path) for kind, path in args.systems or []]
@@ -126,6 +130,8 @@ def run(args: argparse.Namespace) -> dict:
             raise EvalError(f"--output {args.output}: several translations would go to one file; "
                             "put {test} and/or {n} (the system's number) in it")
     metric_args = {"tokenize": args.tokenize, "lowercase": args.lowercase}
+    for test in tests:  # a BLEU tokenizer that cannot load fails now, not after translating
+        make_metric("bleu", trg_lang=_target_lang(test), **metric_args)
     result: dict = {"metrics": list(args.metrics), "tests": []}
     loaded: dict[int, tuple] = {}
     for test in tests:
@@ -136,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
         if sources is not None and len(sources) != len(refs[0]):
             raise EvalError(f"{test.src} has {len(sources)} lines but {test.refs[0]} has "
                             f"{len(refs[0])}; source and reference must be aligned line by line")
-        trg_lang = test.langpair.split("-")[1] if test.langpair else ""
+        trg_lang = _target_lang(test)
         entry: dict = {"name": test.name, "langpair": test.langpair, "origin": test.origin,
                        "source": test.src, "references": test.refs, "sentences": len(refs[0]),
                        "systems": []}

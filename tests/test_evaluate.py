@@ -273,6 +273,34 @@ def test_sacrebleu_test_set_offline_fails_fast_with_one_line(tmp_path):
         main(["--hyp", "x.hyp", "--test-set", "wmt14", "--langpair", "en-xx"])
 
 
+def test_a_bleu_tokenizer_that_cannot_load_is_a_one_line_error(files, monkeypatch):
+    """sacreBLEU downloads the flores tokenizers' model and needs extras for ja/ko: a traceback."""
+    import urllib.error
+
+    from sacrebleu.tokenizers import tokenizer_ja_mecab, tokenizer_spm
+
+    monkeypatch.setattr(tokenizer_spm, "SACREBLEU_DIR", str(files["tmp"] / "cache"))
+    hyp_ref = ["--hyp", files["good"], "--ref", files["ref"]]
+    with pytest.raises(SystemExit, match=r"--tokenize flores200: .* is set \(offline\)") as err:
+        main([*hyp_ref, "--tokenize", "flores200"])
+    assert "\n" not in str(err.value)
+
+    def no_network(url, path, *args, **kwargs):
+        raise urllib.error.URLError("Name or service not known")
+
+    for var in testsets.OFFLINE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(tokenizer_spm, "download_file", no_network)
+    with pytest.raises(SystemExit, match=r"flores101: cannot download .*Name or service") as err:
+        main([*hyp_ref, "--tokenize", "flores101", "-M", "chrf"])  # BLEU's length ratio needs it
+    assert "\n" not in str(err.value)
+
+    monkeypatch.setattr(tokenizer_ja_mecab, "MeCab", None)  # as without sacrebleu[ja]
+    with pytest.raises(SystemExit, match=r"for ja targets \(ja-mecab\): .*sacrebleu\[ja\]") as err:
+        main([*hyp_ref, "--langpair", "en-ja"])
+    assert "\n" not in str(err.value)
+
+
 def test_sacrebleu_test_set_from_the_cache_equals_the_cli(files):
     cache = files["tmp"] / "cache"
     (cache / "wmt14").mkdir(parents=True)
