@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mt.config import model_config_from_dict
+from mt.config import REGULARIZATION_KEYS, model_config_from_dict
 from mt.model import Transformer, build_model
 from mt.tokenizer import Tokenizer
 
@@ -139,11 +139,22 @@ def best_step_checkpoints(paths: list[Path], history: list[dict], best_metric: s
     return sorted((p for p in paths if step(p) in score), key=lambda p: -score[step(p)])
 
 
+# Model config keys that may differ between checkpoints that are averaged: the dropouts (training
+# choices) and the informational name; every other key changes what a weight means.
+_NOT_SHAPE = (*REGULARIZATION_KEYS, "name")
+
+
 def average(paths: list[str | os.PathLike]) -> dict:
     """Averages the weights of several checkpoints of one model (Vaswani et al. average the last 5).
 
+    The checkpoints must have the same shape and the same tokenizer: an embedding row means a
+    piece of one vocabulary, and averaging rows of different vocabularies gives a model that looks
+    fine and translates nonsense. Dropouts (and the informational ``name``) may differ: a
+    fine-tuning run may change them, and they do not change what a weight means.
+
     Returns:
-        an inference checkpoint (the first one's config and tokenizer, averaged weights).
+        an inference checkpoint (the first one's config, dropouts included, and tokenizer;
+        averaged weights).
     """
     if not paths:
         raise ValueError("no checkpoints to average")
@@ -151,8 +162,15 @@ def average(paths: list[str | os.PathLike]) -> dict:
     total = {k: v.double() for k, v in base["model"].items()}
     for p in paths[1:]:
         ckpt = load(p)
-        if ckpt["model_config"] != base["model_config"]:
-            raise ValueError(f"{p}: a different model config from {paths[0]}; cannot average")
+        a, b = base["model_config"], ckpt["model_config"]
+        differ = [f"{k}={b.get(k)!r}, not {a.get(k)!r}" for k in sorted(a.keys() | b.keys())
+                  if k not in _NOT_SHAPE and a.get(k) != b.get(k)]
+        if differ:
+            raise ValueError(f"{p}: a different model config from {paths[0]} "
+                             f"({'; '.join(differ)}); cannot average")
+        if ckpt["tokenizer"] != base["tokenizer"]:
+            raise ValueError(f"{p}: a different tokenizer from {paths[0]} (its embedding rows "
+                             "stand for other pieces); cannot average")
         for k, v in ckpt["model"].items():
             total[k] += v.double()
     avg = {k: (v / len(paths)).to(base["model"][k].dtype) for k, v in total.items()}

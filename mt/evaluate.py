@@ -30,7 +30,7 @@ from pathlib import Path
 
 from mt.config import positive_int
 from mt.options import add_search_arguments, search_mistake, search_options
-from mt.report import METRICS, compare, render, score_system
+from mt.report import METRICS, compare, make_metric, render, score_system
 from mt.testsets import (
     EvalError,
     TestSet,
@@ -103,6 +103,10 @@ def _expand(pattern: str, test: TestSet, n: int) -> str:
     return pattern.replace("{test}", test.name.replace("/", "_")).replace("{n}", str(n))
 
 
+def _target_lang(test: TestSet) -> str:
+    return test.langpair.split("-")[1] if test.langpair else ""
+
+
 def run(args: argparse.Namespace) -> dict:
     """Translates (for models), scores and compares every system on every test set."""
     systems = [System(kind, path) for kind, path in args.systems or []]
@@ -126,11 +130,19 @@ def run(args: argparse.Namespace) -> dict:
             raise EvalError(f"--output {args.output}: several translations would go to one file; "
                             "put {test} and/or {n} (the system's number) in it")
     metric_args = {"tokenize": args.tokenize, "lowercase": args.lowercase}
+    for test in tests:  # a BLEU tokenizer that cannot load fails now, not after translating
+        make_metric("bleu", trg_lang=_target_lang(test), **metric_args)
     result: dict = {"metrics": list(args.metrics), "tests": []}
     loaded: dict[int, tuple] = {}
     for test in tests:
         refs = read_references(test)
-        trg_lang = test.langpair.split("-")[1] if test.langpair else ""
+        # Checked for --hyp systems too: a source of another length means that the references are
+        # not the test set the user thinks, whatever made the hypotheses.
+        sources = read_text(test.src) if test.src else None
+        if sources is not None and len(sources) != len(refs[0]):
+            raise EvalError(f"{test.src} has {len(sources)} lines but {test.refs[0]} has "
+                            f"{len(refs[0])}; source and reference must be aligned line by line")
+        trg_lang = _target_lang(test)
         entry: dict = {"name": test.name, "langpair": test.langpair, "origin": test.origin,
                        "source": test.src, "references": test.refs, "sentences": len(refs[0]),
                        "systems": []}
@@ -142,7 +154,7 @@ def run(args: argparse.Namespace) -> dict:
                 hyps = read_text(hyp_file)
                 record["hypotheses"] = hyp_file
             else:
-                hyps, speed = _translate(system, test, n, loaded, args, refs)
+                hyps, speed = _translate(system, test, sources, n, loaded, args)
                 record.update(system.info, **speed)
                 hyp_file = record.get("hypotheses") or f"{system.name} (translations)"
             check_lines(hyps, hyp_file, refs, test.refs, warn_tokenized=args.tokenize != "none",
@@ -165,17 +177,13 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _translate(system: System, test: TestSet, n: int, loaded: dict, args: argparse.Namespace,
-               refs: list[list[str]]) -> tuple[list[str], dict]:
+def _translate(system: System, test: TestSet, sources: list[str] | None, n: int, loaded: dict,
+               args: argparse.Namespace) -> tuple[list[str], dict]:
     from mt.workers import default_workers
 
-    if not test.src:
+    if sources is None:
         raise EvalError(f"test set {test.name}: no source file to translate with -m "
                         f"{system.path} (give --src)")
-    sources = read_text(test.src)
-    if len(sources) != len(refs[0]):
-        raise EvalError(f"{test.src} has {len(sources)} lines but {test.refs[0]} has "
-                        f"{len(refs[0])}; source and reference must be aligned line by line")
     if n not in loaded:
         from mt.inference import load_models
 
@@ -286,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    # -M bleu bleu: one score per metric (sacrebleu's paired test keys its table by name, and
+    # the table and JSON have one column per metric), in the order first given.
+    args.metrics = list(dict.fromkeys(args.metrics))
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("sacrebleu").setLevel(logging.WARNING)

@@ -54,7 +54,7 @@ def export_main(argv: list[str] | None = None) -> None:
     if out_dir == cwd or out_dir in cwd.parents:
         sys.exit(f"mt-export: --out {args.out} holds the working directory; give the export a "
                  "directory of its own")
-    if taken and Path(args.model).resolve().is_relative_to(out_dir):
+    if taken and _holds_model(out_dir, args.model):
         sys.exit(f"mt-export: --out {args.out} holds the model {args.model}; --force would "
                  "delete it")
     try:
@@ -76,6 +76,24 @@ def export_main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"mt-export: {err}")
     log.info("wrote %s (%s)", args.out, args.format)
+
+
+def _holds_model(out_dir: Path, model: str) -> bool:
+    """Whether replacing ``out_dir`` (resolved) would delete the model being exported.
+
+    ``-m`` names a run directory or a file; the checkpoint it resolves to is what is lost, and
+    it may sit in ``out_dir`` when ``-m`` does not (``-m run --out run/checkpoints``), or be
+    ``out_dir`` itself. Both are compared after symlinks are followed, so a link to or from the
+    model counts.
+    """
+    from mt.checkpoint import resolve
+
+    paths = [Path(model).resolve()]
+    try:
+        paths.append(resolve(model).resolve())
+    except FileNotFoundError:
+        pass  # no model: loading it says so, before anything is replaced
+    return any(p.is_relative_to(out_dir) for p in paths)
 
 
 def _swap(new: Path, out_dir: Path, aside: Path) -> None:

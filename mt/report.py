@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 
-from mt.testsets import EvalError
+from mt.testsets import DOWNLOAD_TIMEOUT_S, EvalError, offline_var
 
 # The mt-eval command's logger: its messages keep one name, whichever module says them.
 log = logging.getLogger("mt.evaluate")
@@ -27,17 +28,58 @@ METRICS = ("bleu", "chrf", "chrf++", "ter")
 def make_metric(name: str, *, tokenize: str | None = None, lowercase: bool = False,
                 trg_lang: str = "", references: list[list[str]] | None = None):
     """A sacrebleu metric object; ``references`` (one list per reference) are cached in it."""
-    from sacrebleu.metrics import BLEU, CHRF, TER
+    from sacrebleu.metrics import CHRF, TER
 
     if name == "bleu":
-        return BLEU(tokenize=tokenize, lowercase=lowercase, trg_lang=trg_lang,
-                    references=references)
+        return _bleu(tokenize=tokenize, lowercase=lowercase, trg_lang=trg_lang,
+                     references=references)
     if name in ("chrf", "chrf++"):
         return CHRF(word_order=2 if name == "chrf++" else 0, lowercase=lowercase,
                     references=references)
     if name == "ter":
         return TER(references=references)
     raise EvalError(f"unknown metric {name!r} (choose from {', '.join(METRICS)})")
+
+
+def _bleu(*, tokenize: str | None, lowercase: bool, trg_lang: str,
+          references: list[list[str]] | None):
+    """sacreBLEU's BLEU, with a tokenizer that cannot be loaded said in one line.
+
+    sacreBLEU loads the tokenizer when BLEU is built: the spm/flores ones download a SentencePiece
+    model the first time (with no timeout), ja-mecab and ko-mecab need its ``[ja]`` / ``[ko]``
+    extras; both ended in a traceback. The download is refused at once in offline mode and runs
+    under a socket timeout otherwise, as for ``--test-set``.
+    """
+    import socket
+    import urllib.error
+
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.tokenizers import tokenizer_spm
+
+    tok = tokenize or BLEU._TOKENIZER_MAP.get(trg_lang, BLEU.TOKENIZER_DEFAULT)
+    what = f"--tokenize {tok}" if tokenize else f"BLEU's tokenizer for {trg_lang} targets ({tok})"
+    cache = Path(tokenizer_spm.SACREBLEU_DIR)
+    hint = (f"download it where there is a network (`sacrebleu REF -i HYP -tok {tok}` once) and "
+            f"copy {cache}, or choose another --tokenize")
+    if tok in tokenizer_spm.SPM_MODELS:
+        model = cache / "models" / Path(tokenizer_spm.SPM_MODELS[tok]["url"]).name
+        if not model.is_file() and offline_var():
+            raise EvalError(f"{what}: its SentencePiece model is not in the sacrebleu cache "
+                            f"({model}) and {offline_var()} is set (offline); {hint}")
+    old_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
+    try:
+        return BLEU(tokenize=tokenize, lowercase=lowercase, trg_lang=trg_lang,
+                    references=references)
+    except (urllib.error.URLError, TimeoutError, SystemExit) as err:  # SystemExit: its SSL error
+        reason = getattr(err, "reason", err)
+        raise EvalError(f"{what}: cannot download its SentencePiece model ({reason}); "
+                        f"{hint}") from None
+    except (ImportError, RuntimeError, AssertionError, OSError) as err:  # e.g. no sacrebleu[ja]
+        raise EvalError(f"{what}: {' '.join(str(err).split())} (or choose another "
+                        "--tokenize)") from None
+    finally:
+        socket.setdefaulttimeout(old_timeout)
 
 
 def _score_dict(s, signature: str) -> dict:
@@ -61,8 +103,6 @@ def score_system(hyps: list[str], refs: list[list[str]], metrics: list[str], *,
         the details (BLEU's precisions and lengths, confidence interval, later the p-values),
         ``"len_ratio"``.
     """
-    from sacrebleu.metrics import BLEU
-
     scores = {}
     for name in metrics:
         metric = make_metric(name, tokenize=tokenize, lowercase=lowercase, trg_lang=trg_lang,
@@ -72,8 +112,8 @@ def score_system(hyps: list[str], refs: list[list[str]], metrics: list[str], *,
     if "bleu" in scores:
         ratio = scores["bleu"]["ratio"]
     else:
-        ratio = BLEU(tokenize=tokenize, lowercase=lowercase, trg_lang=trg_lang).corpus_score(
-            hyps, refs).ratio
+        ratio = make_metric("bleu", tokenize=tokenize, lowercase=lowercase,
+                            trg_lang=trg_lang).corpus_score(hyps, refs).ratio
     flat = {}
     for name, details in scores.items():
         flat.update({name: details["score"], f"{name}_signature": details["signature"]})

@@ -126,7 +126,8 @@ def load_named_test(name: str, langpair: str | None = None) -> TestSet:
                    f"conf/testsets/{file.name}")
 
 
-def _offline() -> str | None:
+def offline_var() -> str | None:
+    """The offline variable that is set (``HF_HUB_OFFLINE``, ``MT_OFFLINE``, ...), or None."""
     for var in OFFLINE_VARS:
         if os.environ.get(var, "").lower() in ("1", "true", "yes", "on"):
             return var
@@ -172,9 +173,9 @@ def load_sacrebleu_test(name: str, langpair: str | None) -> TestSet:
     cached = _in_cache(dataset, langpair)
     hint = (f"download it where there is a network (`sacrebleu -t {name} -l {langpair} "
             f"--echo src`) and copy {SACREBLEU_DIR}, or pass --src and --ref files")
-    if not cached and _offline():
+    if not cached and offline_var():
         raise EvalError(f"--test-set {name}: not in the sacrebleu cache {SACREBLEU_DIR} and "
-                        f"{_offline()} is set (offline); {hint}")
+                        f"{offline_var()} is set (offline); {hint}")
     old_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
     try:

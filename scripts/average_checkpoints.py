@@ -18,35 +18,54 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mt import checkpoint  # noqa: E402
+from mt.config import positive_int  # noqa: E402
 
 
-def pick(folder: Path, last: int, best: int) -> list[Path]:
+def pick(folder: Path, last: int | None, best: int | None) -> list[Path]:
+    """The last ``last`` or the ``best`` best step checkpoints of a checkpoints folder.
+
+    Fewer than asked when fewer are on disk (or, for ``best``, have a recorded score): said on
+    stderr, since the average is then not the one the command line reads as.
+    """
     steps = checkpoint.step_checkpoints(folder)
     if not steps:
         raise SystemExit(f"average_checkpoints: {folder}: no step_N.pt checkpoints")
     if last:
-        return steps[-last:]
-    state = checkpoint.load(folder / "last.pt")
-    history = state.get("trainer", {}).get("history", [])
-    metric = (state.get("config") or {}).get("trainer", {}).get("best_metric", "bleu")
-    return checkpoint.best_step_checkpoints(steps, history, metric)[:best]
+        picked, asked, option = steps[-last:], last, "--last"
+    else:
+        if not (folder / "last.pt").is_file():
+            raise SystemExit(f"average_checkpoints: {folder}: no last.pt, which holds the "
+                             "validation scores --best ranks by; use --last N or name the files")
+        state = checkpoint.load(folder / "last.pt")
+        history = state.get("trainer", {}).get("history", [])
+        metric = (state.get("config") or {}).get("trainer", {}).get("best_metric", "bleu")
+        picked = checkpoint.best_step_checkpoints(steps, history, metric)[:best]
+        asked, option = best, "--best"
+    if len(picked) < asked:
+        print(f"average_checkpoints: {option} {asked}: {folder} has only {len(picked)} step "
+              f"checkpoints{' with a validation score' if option == '--best' else ''}; "
+              f"averaging {len(picked)}", file=sys.stderr)
+    return picked
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("inputs", nargs="+", help="checkpoint files, or one checkpoints/ folder")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--last", type=int, default=0, help="the last N step checkpoints")
-    group.add_argument("--best", type=int, default=0, help="the N best step checkpoints")
+    group.add_argument("--last", type=positive_int, default=None, metavar="N",
+                       help="the last N step checkpoints")
+    group.add_argument("--best", type=positive_int, default=None, metavar="N",
+                       help="the N best step checkpoints (ranked by the scores in last.pt)")
     p.add_argument("-o", "--output", required=True)
     args = p.parse_args(argv)
-    if len(args.inputs) == 1 and Path(args.inputs[0]).is_dir():
-        if not (args.last or args.best):
-            raise SystemExit("average_checkpoints: with a folder, give --last N or --best N")
-        paths = pick(Path(args.inputs[0]), args.last, args.best)
-    else:
-        paths = [Path(x) for x in args.inputs]
+    folder = Path(args.inputs[0]) if len(args.inputs) == 1 else None
+    if folder and folder.is_dir() and not (args.last or args.best):
+        raise SystemExit("average_checkpoints: with a folder, give --last N or --best N")
     try:
+        if folder and folder.is_dir():
+            paths = pick(folder, args.last, args.best)
+        else:
+            paths = [Path(x) for x in args.inputs]
         averaged = checkpoint.average(paths)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"average_checkpoints: {err}") from None

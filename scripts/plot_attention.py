@@ -38,7 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     import matplotlib.pyplot as plt
 
     model, tok, _ = load_model(args.model)
-    layer = args.layer if args.layer is not None else (-2 if len(model.decoder_layers) > 1 else -1)
+    n = len(model.decoder_layers)
+    if args.layer is not None and not -n <= args.layer < n:
+        p.error(f"--layer {args.layer}: the model's decoder has {n} layers (0 to {n - 1}, or "
+                f"-{n} to -1)")
+    layer = args.layer if args.layer is not None else (-2 if n > 1 else -1)
     src_ids = tok.encode_src([args.sentence])[0]
     src = torch.tensor([src_ids])
     if args.target is None:
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         ax.add_patch(plt.Rectangle((col - 0.5, row - 0.5), 1, 1, fill=False, edgecolor="red"))
     ax.set_xlabel("source")
     ax.set_ylabel("target")
-    ax.set_title(f"cross-attention, decoder layer {layer % len(model.decoder_layers)}, "
+    ax.set_title(f"cross-attention, decoder layer {layer % n}, "
                  "heads averaged")
     fig.colorbar(image, ax=ax, fraction=0.04)
     fig.tight_layout()

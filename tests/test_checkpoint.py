@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -87,6 +88,44 @@ def test_average_is_the_mean_of_the_weights(tmp_path, tokenizer):
         torch.testing.assert_close(value, sum(s[name] for s in states) / 3)
 
 
+def test_average_refuses_other_shapes_and_tokenizers_but_not_other_dropouts(
+        tmp_path, tokenizer, corpus_dir):
+    from mt.config import TokenizerConfig
+    from mt.data import read_lines
+    from mt.tokenizer import train_tokenizer
+
+    first = tmp_path / "a.pt"
+    checkpoint.save_atomic(checkpoint.model_state(tiny_model(0), tokenizer, None), first)
+    # the same shape, but the rows are pieces of another vocabulary of the same size
+    other_tok = train_tokenizer(read_lines(corpus_dir / "train.en")[:200],
+                                read_lines(corpus_dir / "train.zz")[:200],
+                                TokenizerConfig(vocab_size=200), seed=2)
+    assert other_tok.src_vocab_size == tokenizer.src_vocab_size
+    assert other_tok.to_state() != tokenizer.to_state()
+    checkpoint.save_atomic(checkpoint.model_state(tiny_model(1), other_tok, None),
+                           tmp_path / "tok.pt")
+    with pytest.raises(ValueError, match=r"tok.pt: a different tokenizer from .*a.pt") as err:
+        checkpoint.average([first, tmp_path / "tok.pt"])
+    assert "\n" not in str(err.value)
+
+    wider = tiny_model(1)
+    wider.cfg.heads, wider.cfg.dropout = 4, 0.3
+    checkpoint.save_atomic(checkpoint.model_state(wider, tokenizer, None), tmp_path / "heads.pt")
+    with pytest.raises(ValueError, match=r"heads.pt: .*a.pt \(heads=4, not 2\); cannot") as err:
+        checkpoint.average([first, tmp_path / "heads.pt"])
+    assert "dropout" not in str(err.value)
+
+    # fine-tuned with other dropouts: the same weights' meaning, so averaged; the first's kept
+    tuned = tiny_model(2)
+    tuned.cfg.dropout, tuned.cfg.attention_dropout, tuned.cfg.activation_dropout = 0.3, 0.1, 0.2
+    checkpoint.save_atomic(checkpoint.model_state(tuned, tokenizer, None), tmp_path / "drop.pt")
+    avg = checkpoint.average([first, tmp_path / "drop.pt"])
+    assert avg["model_config"] == vars(tiny_model(0).cfg)
+    name = next(iter(avg["model"]))
+    torch.testing.assert_close(avg["model"][name], (tiny_model(0).state_dict()[name]
+                                                    + tuned.state_dict()[name]) / 2)
+
+
 def test_best_step_checkpoints_ranks_by_the_recorded_metric():
     paths = [Path(f"step_{n}.pt") for n in (10, 20, 30, 40)]
     history = [{"step": 10, "valid_bleu": 5.0, "valid_loss": 3.0},
@@ -108,3 +147,28 @@ def test_average_script_writes_a_loadable_model(tmp_path, tokenizer):
     assert result.returncode == 0, result.stderr
     model, _, ckpt = checkpoint.load_model(out)
     assert [Path(p).name for p in ckpt["averaged_from"]] == ["step_2.pt", "step_3.pt"]
+
+
+def test_average_script_errors_are_one_line_and_fewer_than_asked_is_said(tmp_path, tokenizer):
+    for seed in range(3):
+        checkpoint.save_atomic(checkpoint.model_state(tiny_model(seed), tokenizer, None),
+                               tmp_path / f"step_{seed + 1}.pt")
+    script = str(REPO / "scripts" / "average_checkpoints.py")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PYTHON, script, str(tmp_path), *args, "-o",
+                               str(tmp_path / "avg.pt")], capture_output=True, text=True,
+                              timeout=120)
+
+    for args, code, message in ((["--best", "2"], 1, "no last.pt"),  # a folder without last.pt
+                                (["--last", "-1"], 2, "--last: .*at least 1"),
+                                (["--best", "0"], 2, "--best: .*at least 1")):
+        result = run(*args)
+        assert result.returncode == code, result.stderr
+        assert "Traceback" not in result.stderr
+        assert re.search(message, result.stderr.strip().splitlines()[-1]), result.stderr
+    assert not (tmp_path / "avg.pt").exists()
+    result = run("--last", "99")
+    assert result.returncode == 0, result.stderr
+    assert "--last 99: " in result.stderr and "averaging 3" in result.stderr
+    assert len(checkpoint.load(tmp_path / "avg.pt")["averaged_from"]) == 3

@@ -150,6 +150,14 @@ def test_paired_tests_find_a_planted_improvement_and_not_a_copy(files, capsys, c
     assert tiny["scores"]["bleu"]["p_ar"] == pytest.approx(cli[1]["BLEU"]["p_value"])
 
 
+def test_a_metric_given_twice_is_scored_once(files, capsys):
+    result = _run(["--hyp", files["good"], files["bad"], "--ref", files["ref"],
+                   "-M", "chrf", "bleu", "chrf", "--paired-bs", "--paired-bs-n", "20"], capsys)
+    assert result["metrics"] == ["chrf", "bleu"]
+    assert list(result["tests"][0]["systems"][1]["scores"]) == ["chrf", "bleu"]
+    assert result["tests"][0]["systems"][1]["scores"]["bleu"]["p_bs"] is not None
+
+
 def test_line_count_mismatch_names_both_files_and_counts(files):
     short = _write(files["tmp"] / "short.hyp", Path(files["good"]).read_text().splitlines()[:150])
     with pytest.raises(SystemExit) as err:
@@ -163,6 +171,20 @@ def test_mismatched_second_reference_and_source_are_errors(files):
     short = _write(files["tmp"] / "short.de", ["x"] * 10)
     with pytest.raises(SystemExit, match="short.de has 10 lines"):
         main(["--hyp", files["good"], "--ref", files["ref"], short])
+
+
+def test_source_is_checked_for_hypothesis_files_too(files):
+    """--src is recorded as the test set's source: a wrong one is an error with --hyp as with -m."""
+    short = _write(files["tmp"] / "short.en", ["x"] * 10)
+    with pytest.raises(SystemExit, match="short.en has 10 lines but .*ref.de has 200"):
+        main(["--hyp", files["good"], "--src", short, "--ref", files["ref"]])
+    with pytest.raises(SystemExit, match="missing.en: no such file"):
+        main(["--hyp", files["good"], "--src", str(files["tmp"] / "missing.en"),
+              "--ref", files["ref"]])
+    latin1 = files["tmp"] / "latin1.en"
+    latin1.write_bytes("caf\xe9\n".encode("latin-1") * 200)
+    with pytest.raises(SystemExit, match="latin1.en:1: invalid UTF-8"):
+        main(["--hyp", files["good"], "--src", str(latin1), "--ref", files["ref"]])
 
 
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])
@@ -249,6 +271,34 @@ def test_sacrebleu_test_set_offline_fails_fast_with_one_line(tmp_path):
     assert len(lines) == 1 and "wmt14" in lines[0] and "offline" in lines[0], proc.stderr
     with pytest.raises(SystemExit, match="no language pair en-xx"):
         main(["--hyp", "x.hyp", "--test-set", "wmt14", "--langpair", "en-xx"])
+
+
+def test_a_bleu_tokenizer_that_cannot_load_is_a_one_line_error(files, monkeypatch):
+    """sacreBLEU downloads the flores tokenizers' model and needs extras for ja/ko: a traceback."""
+    import urllib.error
+
+    from sacrebleu.tokenizers import tokenizer_ja_mecab, tokenizer_spm
+
+    monkeypatch.setattr(tokenizer_spm, "SACREBLEU_DIR", str(files["tmp"] / "cache"))
+    hyp_ref = ["--hyp", files["good"], "--ref", files["ref"]]
+    with pytest.raises(SystemExit, match=r"--tokenize flores200: .* is set \(offline\)") as err:
+        main([*hyp_ref, "--tokenize", "flores200"])
+    assert "\n" not in str(err.value)
+
+    def no_network(url, path, *args, **kwargs):
+        raise urllib.error.URLError("Name or service not known")
+
+    for var in testsets.OFFLINE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(tokenizer_spm, "download_file", no_network)
+    with pytest.raises(SystemExit, match=r"flores101: cannot download .*Name or service") as err:
+        main([*hyp_ref, "--tokenize", "flores101", "-M", "chrf"])  # BLEU's length ratio needs it
+    assert "\n" not in str(err.value)
+
+    monkeypatch.setattr(tokenizer_ja_mecab, "MeCab", None)  # as without sacrebleu[ja]
+    with pytest.raises(SystemExit, match=r"for ja targets \(ja-mecab\): .*sacrebleu\[ja\]") as err:
+        main([*hyp_ref, "--langpair", "en-ja"])
+    assert "\n" not in str(err.value)
 
 
 def test_sacrebleu_test_set_from_the_cache_equals_the_cli(files):

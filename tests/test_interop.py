@@ -278,6 +278,28 @@ def test_export_refuses_to_replace_the_working_directory_or_the_model(tmp_path, 
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["m.pt"]
 
 
+def test_export_force_never_deletes_the_checkpoint_it_exports(tmp_path, tokenizer_dir):
+    """-m names a run directory or a link: the checkpoint file it resolves to is what --force
+    would delete, whether --out holds it, is it, or reaches it through a symlink."""
+    tok = Tokenizer.load(tokenizer_dir)
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpt = _save(_mt_model(tok), tok, ckpts / "best.pt")
+    (tmp_path / "to_ckpts").symlink_to(ckpts)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "m.pt").symlink_to(ckpt)
+    cases = [("run", "run/checkpoints"),  # the run directory's best.pt is inside --out
+             ("run", "run"),
+             (ckpt, ckpt),  # --out is the model file itself
+             ("run", "to_ckpts"),  # --out is a link to the folder that holds it
+             ("elsewhere/m.pt", "run/checkpoints")]  # -m is a link into --out
+    for model, out in cases:
+        with pytest.raises(SystemExit, match="holds the model"):
+            export_main(["-m", str(tmp_path / model), "--format", "ctranslate2",
+                         "--out", str(tmp_path / out), "--force"])
+    assert [p.name for p in ckpts.iterdir()] == ["best.pt"]
+    assert load_model(ckpt)[0] is not None
+
+
 # ----------------------------------------------------------------------------- HF (OPUS) -> mt
 
 def _opus_like_dir(tmp_path, corpus_dir, transformers, separate: bool,

@@ -453,3 +453,34 @@ def test_cross_attention_is_the_models_own():
         _, v = block.cross_attn.project_kv(memory)
         got = block.cross_attn.out_proj(weights @ v[:, 0])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_plot_attention_names_a_layer_the_model_lacks(tmp_path, tokenizer_dir, capsys):
+    """A usage error (exit 2, one line naming --layer and the decoder's depth), not the
+    ValueError traceback of mt.scoring; an existing negative index still plots."""
+    import importlib.util
+
+    pytest.importorskip("matplotlib")
+    from conftest import REPO
+
+    from mt.checkpoint import model_state, save_atomic
+    from mt.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tokenizer_dir)
+    model = _model(vocab=tok.src_vocab_size, tie_embeddings="all")
+    save_atomic(model_state(model, tok, None), tmp_path / "m.pt")
+    spec = importlib.util.spec_from_file_location("plot_attention",
+                                                  REPO / "scripts" / "plot_attention.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = ["-m", str(tmp_path / "m.pt"), "a b c", "--target", "x y", "-o",
+            str(tmp_path / "a.png")]
+    for layer in ("2", "-3"):
+        with pytest.raises(SystemExit) as err:
+            script.main([*args, "--layer", layer])
+        assert err.value.code == 2
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"--layer {layer}: the model's decoder has 2 layers" in message
+    assert not (tmp_path / "a.png").exists()
+    script.main([*args, "--layer", "-2"])
+    assert (tmp_path / "a.png").stat().st_size > 0
