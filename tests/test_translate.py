@@ -693,6 +693,33 @@ def test_alignment_links_words_of_both_sides(models, tmp_path, capsys):
         assert {j for _, j in pairs} == set(range(len(hyp.split())))
 
 
+def test_alignment_counts_source_words_as_the_input_writes_them(models, tmp_path, capsys):
+    """A character the source vocabulary lacks (<unk>) belongs to the word it is written in
+    ("dog🙂", "🐕dog") and is a word of its own only between spaces: source word i is the input
+    line's i-th whitespace-separated word, as docs/decoding.md promises."""
+    from mt.alignment import _word_index
+
+    _, tok, _ = load_model(models["a"])
+    lines = ["the dog\U0001f642 runs", "\U0001f415dog sees a cat", "a \U0001f642 b",
+             "\u0436", "the \u0436\u0443\u043a cat \u0436", "red ball\u0436\U0001f642x big"]
+    for line in lines:
+        ids = tok.encode_src([line])[0][:-1]
+        assert 1 in ids  # <unk>
+        # SentencePiece splits at whitespace first: a line's pieces are its words' pieces
+        words = [tok.encode_src([word])[0][:-1] for word in line.split()]
+        assert ids == [t for w in words for t in w]
+        blank = [not tok.src.is_unknown(t) and not tok.src.id_to_piece(t).lstrip("\u2581")
+                 for t in ids]
+        want = [k for k, w in enumerate(words) for _ in w]
+        assert _word_index(tok.src, ids, source=True) == [
+            -1 if b else k for k, b in zip(want, blank, strict=True)]
+    out = _run(["-m", models["a"], "-i", _write(tmp_path / "in.txt", lines), "--beam", "2",
+                "--alignment", "--max-len-b", "8", "--quiet"], capsys)
+    for line, aligned in zip(lines, out, strict=True):
+        links = aligned.split(" ||| ")[1].split()
+        assert links and all(int(p.split("-")[0]) < len(line.split()) for p in links)
+
+
 def test_word_scores_are_per_word_and_sum_to_the_log_probability(models, tmp_path, capsys):
     """--word-scores: one number per whitespace word of each n-best entry and one for EOS, after
     the alignment, summing to the entry's log-probability (--lenpen 0), for empty lines and lines
