@@ -4,8 +4,9 @@ share, apart from the command line.
 Lines are encoded; a line longer than the model's maximum is cut into pieces, between sentences
 where it can (``_pieces``); the pieces are sorted by length, cut into batches by a token budget,
 searched (one batch per worker thread on a CPU) and put back in input order, grouped by line
-(``LineResult``). Empty lines are not searched. ``score_lines`` does the same for given
-translations (``translate --score``).
+(``LineResult``). Empty lines are not searched: those that encode to EOS alone, whitespace or
+only what normalization removes (a byte-order mark, a zero-width space) included.
+``score_lines`` does the same for given translations (``translate --score``).
 """
 
 from __future__ import annotations
@@ -174,7 +175,8 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     Args:
         model: a Transformer, a list of them (an ensemble) or an Ensemble.
         tokenizer: the model's mt.tokenizer.Tokenizer.
-        lines: input sentences; empty (whitespace-only) lines are not searched.
+        lines: input sentences; a line that encodes to EOS alone (empty, whitespace, or only
+            what normalization removes, such as a byte-order mark) is not searched.
         opts: the search.
         progress: a progress bar on stderr (True), or the caller's tqdm bar to advance per line.
         prefixes: per line, target text to force at the start of its translation ("" = none).
@@ -200,8 +202,8 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     wanted: list[list[list[int]]] = []
     owner: list[int] = []  # which line each source piece belongs to
     long_lines = 0
-    for i, (line, ids) in enumerate(zip(lines, encoded, strict=True)):
-        if not line.strip():
+    for i, ids in enumerate(encoded):
+        if len(ids) == 1:  # EOS alone: searching it would make up a sentence from nothing
             continue
         pieces = _pieces(ids, limit, tokenizer.src_boundaries)
         long_lines += len(pieces) > 1
@@ -300,7 +302,8 @@ def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | No
                     constraints: list[list[str]] | None = None) -> list[list[tuple[str, float]]]:
     """Translates sentences; returns per line its n-best (text, score), best first.
 
-    Empty (or whitespace-only) lines give ``[("", 0.0)]`` without being searched. ``model`` may be
+    Empty lines (that encode to EOS alone: whitespace, a byte-order mark...) give ``[("", 0.0)]``
+    without being searched. ``model`` may be
     a list of models (an ensemble sharing ``tokenizer``). ``constraints``: per line, target
     phrases its translation must contain (``mt.constraints``).
     """

@@ -3,7 +3,8 @@
 Input is read a chunk of lines at a time (``--chunk-lines``); a chunk's lines are translated by
 ``mt.lines`` (encoded, sorted by length, cut into batches by a token budget, searched, put back in
 input order) and written before the next chunk is read, so memory is bounded whatever the input's
-size. Empty lines give empty lines without touching the model. A line longer than the model's
+size. Empty lines (also those of only whitespace, a byte-order mark or other characters the
+tokenizer drops) give empty lines without touching the model. A line longer than the model's
 maximum is translated in pieces, cut between sentences where it can, that are joined (one
 warning), never dropped. ``-o FILE`` appears only once whole. stdout carries translations only;
 logs, the progress bar and the interactive prompt go to stderr. See docs/decoding.md for every

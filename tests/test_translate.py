@@ -93,6 +93,31 @@ def test_line_alignment_empty_long_and_many_lines(models, tmp_path, capsys):
     assert len(tok.encode_src([lines[100]])[0]) > 2000
 
 
+def test_lines_of_nothing_the_tokenizer_keeps_are_empty_lines(models, tmp_path, capsys):
+    """A line of a byte-order mark or a zero-width space encodes to EOS alone, as an empty line
+    does, and gives what an empty line gives in every format, not a sentence made up from
+    nothing."""
+    _, tok, _ = load_model(models["a"])
+    blank = ["\ufeff", "\u200b", " \ufeff\u200b "]
+    assert tok.encode_src(blank) == [[3]] * 3  # EOS alone
+    lines = ["the dog runs", *blank, "", "red ball"]
+    path = _write(tmp_path / "in.txt", lines)
+    args = ["-m", models["a"], "-i", path, "--beam", "2", *FAST]
+    for fmt in ([], ["--nbest", "2"], ["--alignment", "--word-scores"],
+                ["--nbest", "2", "--alignment", "--word-scores"],
+                ["--score", _write(tmp_path / "t.txt", ["the dog"] * len(lines))]):
+        out = _run([*args, *fmt], capsys)
+        if "--nbest" in fmt:  # index<TAB>rest: each line's entries, without its index
+            per_line: list[list[str]] = [[] for _ in lines]
+            for row in out:
+                i, rest = row.split("\t", 1)
+                per_line[int(i)].append(rest)
+        else:
+            per_line = [[row] for row in out]
+        assert len(per_line) == len(lines) and per_line[0] != per_line[4]
+        assert per_line[1] == per_line[2] == per_line[3] == per_line[4], fmt
+
+
 def test_long_lines_are_cut_after_sentences_else_between_words():
     """Known cuts with a made-up vocabulary: 4 starts a word, 5 continues one, 6 starts a word
     and ends a sentence ('▁.'), 7 is a closing quote alone, 8 ends a sentence with 。 (no space
