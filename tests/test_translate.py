@@ -937,16 +937,39 @@ def test_console_script_keeps_stdout_for_translations(models):
     assert "translated 3 lines" in proc.stderr  # logs went to stderr
 
 
-def test_a_reader_that_leaves_early_gets_no_traceback(models, tmp_path):
+@pytest.mark.parametrize("encoding", ["utf-8", "ascii"])  # ascii: through utf8_stdout's writer
+def test_a_reader_that_leaves_early_gets_no_traceback(models, tmp_path, encoding):
     """`translate ... | head -1`: the output outgrows the pipe, head exits, and translate must stop
     quietly instead of printing a BrokenPipeError traceback."""
     script = Path(sys.executable).with_name("translate")
     src = _write(tmp_path / "in.txt", ["the dog sees a red ball"] * 8000)
     proc = subprocess.Popen([str(script), "-m", models["a"], "-i", src, "--beam", "1", *FAST],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                 "PYTHONIOENCODING": encoding})
     assert proc.stdout.readline()
     proc.stdout.close()
     stderr = proc.stderr.read()
     assert proc.wait(timeout=120) == 1
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+@pytest.mark.parametrize("encoding", ["latin-1", "ascii"])
+def test_stdout_is_utf8_whatever_the_locale(tmp_path, encoding):
+    """Input is read as UTF-8 and -o FILE written so: stdout too, whatever PYTHONIOENCODING or
+    the locale say (latin-1 garbled translations, ASCII failed on the first umlaut)."""
+    rng = random.Random(3)
+    text = [_sentence(rng) for _ in range(400)]
+    umlauts = [line.translate(str.maketrans("aou", "\u00e4\u00f6\u00fc")) for line in text]
+    tok = train_tokenizer(text[:200], umlauts[200:], TokenizerConfig(vocab_size=100))
+    model = _save_model(tmp_path / "de.pt", tok, 0)
+    src = _write(tmp_path / "in.txt", text[:20])
+    script = Path(sys.executable).with_name("translate")
+    args = [str(script), "-m", model, "-i", src, "--beam", "2", *FAST]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": encoding}
+    subprocess.run([*args, "-o", str(tmp_path / "out.txt")], check=True, timeout=120, env=env)
+    want = (tmp_path / "out.txt").read_bytes()
+    assert max(want.decode("utf-8")) > "\x7f"  # translations with umlauts
+    proc = subprocess.run(args, capture_output=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout == want
