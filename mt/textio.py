@@ -28,15 +28,21 @@ class InputError(Exception):
     """A problem with the user's input files: the message names the file and line."""
 
 
+def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> str:
+    """One line read as bytes, as text without its line end; invalid UTF-8 raises InputError
+    with the file's name and the line number (``errors="replace"``: U+FFFD instead)."""
+    try:
+        return raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r")
+    except UnicodeDecodeError as err:
+        raise InputError(f"{name}:{lineno}: invalid UTF-8 ({err.reason}); "
+                         "use --errors replace to translate it anyway") from None
+
+
 def _lines(stream: BinaryIO, name: str, errors: str) -> Iterator[str]:
     """The lines of a byte stream, decoded one at a time (a final newline ends the last line; it
     does not start a new one); invalid UTF-8 stops with the file's name and the line number."""
     for lineno, raw in enumerate(stream, start=1):
-        try:
-            yield raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r")
-        except UnicodeDecodeError as err:
-            raise InputError(f"{name}:{lineno}: invalid UTF-8 ({err.reason}); "
-                             "use --errors replace to translate it anyway") from None
+        yield decode_line(raw, name, lineno, errors)
 
 
 def is_stdin(path: str | None) -> bool:

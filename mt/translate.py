@@ -17,6 +17,7 @@ are importable from here as well as from ``mt.options`` and ``mt.lines``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import signal
@@ -53,9 +54,11 @@ from mt.textio import (
     check_output,
     chunks,
     count_lines,
+    decode_line,
     is_regular,
     parallel_lines,
     read_lines,
+    utf8_stdout,
 )
 from mt.workers import default_workers
 
@@ -152,19 +155,31 @@ def _format_score(result: LineResult, fields: list[list[str]]) -> str:
 
 
 def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace) -> None:
-    """A prompt on stderr; each line typed is translated and printed (flushed) at once."""
+    """A prompt on stderr; each line typed is translated and printed (flushed) at once.
+
+    Lines are read as bytes and decoded as a file's are (``--errors``). Under ``strict`` a line
+    that is not UTF-8 gets the one-line error and the prompt goes on, as a shell's does after a
+    mistyped command: a session is not lost to one bad paste. The n-best index counts the lines
+    typed from 0, a refused one included, so that it matches the line number of an error.
+    """
+    out = utf8_stdout()
     print("translate: type a sentence and press Enter; Ctrl-D ends", file=sys.stderr)
-    while True:
+    for lineno in itertools.count(1):
         print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
+        raw = sys.stdin.buffer.readline()
+        if not raw:
             print(file=sys.stderr)
             return
-        line = line.rstrip("\r\n")
+        try:
+            line = decode_line(raw, "<stdin>", lineno, args.errors)
+        except InputError as err:
+            print(f"translate: {err}", file=sys.stderr)
+            continue
         results = search_lines(model, tokenizer, [line], opts)
         fields = _fields(model, tokenizer, results, args)
-        for out in _format(0, line_texts(tokenizer, results[0]), fields[0], args.nbest):
-            print(out, flush=True)
+        for text in _format(lineno - 1, line_texts(tokenizer, results[0]), fields[0],
+                            args.nbest):
+            print(text, file=out, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -913,17 +913,44 @@ def test_mbr_chooses_among_the_candidates_holding_the_constraints(models):
     assert some  # lines where MBR had candidates of both kinds to choose from
 
 
-def test_interactive_prompt(models, monkeypatch, capsys):
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
+class _Terminal(io.BytesIO):
+    def isatty(self) -> bool:
+        return True
 
-    monkeypatch.setattr(sys, "stdin", Terminal("the dog runs\n\nred ball\n"))
+
+def _terminal(monkeypatch, typed: bytes) -> None:
+    """stdin as a terminal that has ``typed`` to give (text over bytes, as Python's own)."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(_Terminal(typed), encoding="utf-8"))
+
+
+def test_interactive_prompt(models, monkeypatch, capsys):
+    _terminal(monkeypatch, b"the dog runs\n\nred ball\n")
     out = _run(["-m", models["a"], "--beam", "2", *FAST], capsys)
     model, tok, _ = load_model(models["a"])
     opts = SearchOptions(beam=2, max_len_a=0, max_len_b=4, min_len=1)
     assert out == [n[0][0] for n in translate_lines(model, tok, ["the dog runs", "", "red ball"],
                                                        opts)]
+
+
+def test_interactive_prompt_decodes_as_files_do_and_counts_lines(models, monkeypatch, capsys):
+    """A line typed at the prompt is decoded as a file's line (--errors): strict refuses one that
+    is not UTF-8 in one line naming it and the prompt goes on, replace translates it with
+    U+FFFD; --nbest's index counts the lines typed, as it counts a file's."""
+    typed = b"the dog runs\nthe \xff cat\nred ball\n"
+    model, tok, _ = load_model(models["a"])
+    opts = SearchOptions(beam=2, nbest=2, max_len_a=0, max_len_b=4, min_len=1)
+    want = [[[str(i), text] for text, _ in n] for i, n in enumerate(translate_lines(
+        model, tok, ["the dog runs", "the \ufffd cat", "red ball"], opts))]
+    args = ["-m", models["a"], "--beam", "2", "--nbest", "2", *FAST]
+    _terminal(monkeypatch, typed)
+    out = _run([*args, "--errors", "replace"], capsys)
+    assert [row.split("\t")[:2] for row in out] == [e for n in want for e in n]
+    _terminal(monkeypatch, typed)
+    main(args)
+    captured = capsys.readouterr()
+    assert [row.split("\t")[:2] for row in captured.out.splitlines()] == want[0] + want[2]
+    assert captured.err.count("translate: <stdin>:2: invalid UTF-8") == 1
+    assert "Traceback" not in captured.err
 
 
 def test_console_script_keeps_stdout_for_translations(models):
