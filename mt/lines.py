@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mt.batching import pad
-from mt.config import EOS_ID
+from mt.config import EOS_ID, UNK_ID
 from mt.constraints import constrained_beam_search, encode_phrases, satisfied
 from mt.incremental import Ensemble, first_member, max_positions
 from mt.mbr import mbr_lines
@@ -158,6 +158,22 @@ class LineResult:
     hyps: list[list[Hypothesis]]
 
 
+def encode_prefixes(tokenizer, prefixes: list[str], name: str = "prefixes",
+                    first_line: int = 1) -> list[list[int]]:
+    """Per line, its target prefix as ids. A prefix the target vocabulary cannot spell is refused
+    (as ``mt.constraints.encode_phrases`` refuses a phrase), naming ``name``, the line
+    (``first_line`` is the number of the first) and the character: forced, it would be <unk>,
+    which the translation prints as "⁇"."""
+    out = tokenizer.encode_tgt(prefixes)
+    for i, (text, ids) in enumerate(zip(prefixes, out, strict=True)):
+        if UNK_ID in ids:
+            lacked = [c for c in dict.fromkeys(text) if UNK_ID in tokenizer.encode_tgt([c])[0]]
+            what = f"{lacked[0]!r}" if lacked else "some of its characters"
+            raise ValueError(f"{name}:{first_line + i}: prefix {text!r}: the target vocabulary "
+                             f"lacks {what}")
+    return out
+
+
 def _one_model(model):
     """A list of models is an ensemble (a list of one, that model); anything else stays."""
     if isinstance(model, list | tuple):
@@ -179,7 +195,8 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
             what normalization removes, such as a byte-order mark) is not searched.
         opts: the search.
         progress: a progress bar on stderr (True), or the caller's tqdm bar to advance per line.
-        prefixes: per line, target text to force at the start of its translation ("" = none).
+        prefixes: per line, target text to force at the start of its translation ("" = none);
+            one the target vocabulary cannot spell is a ValueError (``encode_prefixes``).
         generator: the random stream for sampling (default: a new one from ``opts.seed``); a
             caller that searches a file in chunks passes one stream for all of them.
         warn: log a warning for lines translated in pieces, and for translations that lack a
@@ -195,7 +212,7 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         raise ValueError(f"{len(constraints)} constraint lists for {len(lines)} lines")
     limit = max_positions(model)
     encoded = tokenizer.encode_src(lines)
-    prefix_ids = tokenizer.encode_tgt(prefixes) if prefixes is not None else None
+    prefix_ids = encode_prefixes(tokenizer, prefixes) if prefixes is not None else None
     phrase_ids = encode_phrases(tokenizer, constraints) if constraints is not None else None
     sources: list[list[int]] = []
     forced: list[list[int]] = []

@@ -39,6 +39,7 @@ from mt.lines import (
     NOT_SCORED,
     UNMET,
     LineResult,
+    encode_prefixes,
     line_texts,
     score_lines,
     search_lines,
@@ -229,6 +230,13 @@ def main(argv: list[str] | None = None) -> None:
                                               pack=not args.no_pack)
     except ValueError as err:
         raise SystemExit(f"translate: {err}") from None
+    if args.prefix_file and is_regular(args.prefix_file):
+        try:  # a prefix the target vocabulary cannot spell stops translate before any work
+            for n, part in enumerate(chunks(read_lines(args.prefix_file, args.errors),
+                                            args.chunk_lines)):
+                encode_prefixes(tokenizer, part, args.prefix_file, n * args.chunk_lines + 1)
+        except ValueError as err:
+            raise SystemExit(f"translate: {err}") from None
     if args.constraints_file and is_regular(args.constraints_file):
         try:  # a phrase the target vocabulary cannot spell stops translate before any work
             for n, part in enumerate(chunks(read_lines(args.constraints_file, args.errors),
@@ -274,6 +282,12 @@ def main(argv: list[str] | None = None) -> None:
                     unfit += sum(not r.hyps for r in results)
                 else:
                     phrases = None
+                    if args.prefix_file:
+                        try:
+                            encode_prefixes(tokenizer, side["--prefix-file"], args.prefix_file,
+                                            done + 1)
+                        except ValueError as err:
+                            raise InputError(str(err)) from None
                     if args.constraints_file:
                         phrases = [split_phrases(c) for c in side["--constraints-file"]]
                         try:

@@ -847,6 +847,27 @@ def test_dtype_prefix_and_seeded_sampling(models, tmp_path, capsys):
     assert s1 != _run([*sample, "--seed", "2"], capsys)
 
 
+def test_prefix_the_target_vocabulary_cannot_spell_is_refused(models, tmp_path, capsys,
+                                                             monkeypatch):
+    """A prefix with a character the target vocabulary lacks would be forced as <unk>: it is
+    refused as a constraint is, in one line naming the file, the line and the character, before
+    any work for a regular file and where it is read for a pipe."""
+    lines = ["the dog runs", "a red ball", "the man sees a cat"]
+    path = _write(tmp_path / "in.txt", lines)
+    bad = _write(tmp_path / "prefix.txt", ["the", "a red \u0436", ""])
+    args = ["-m", models["a"], "-i", path, "--beam", "2", "--max-len-b", "6", "--quiet"]
+    with pytest.raises(SystemExit, match=f"^translate: {bad}:2: prefix 'a red \u0436': "
+                                         "the target vocabulary lacks '\u0436'$"):
+        main([*args, "--prefix-file", bad])
+    assert capsys.readouterr().out == ""  # refused before any line is translated
+    _stdin(monkeypatch, Path(bad).read_bytes())
+    with pytest.raises(SystemExit, match="^translate: -:2: prefix .* lacks '\u0436'"):
+        main([*args, "--prefix-file", "-", "--chunk-lines", "1"])
+    model, tok, _ = load_model(models["a"])
+    with pytest.raises(ValueError, match="prefixes:2: .* lacks '\u0436'"):
+        search_lines(model, tok, lines, SearchOptions(beam=2), prefixes=["", "\u0436", ""])
+
+
 def test_constraints_file_puts_every_phrase_in_its_translation(models, tmp_path, capsys,
                                                               caplog):
     rng = random.Random(9)
