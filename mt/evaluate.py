@@ -295,8 +295,11 @@ def main(argv: list[str] | None = None) -> None:
     if mistake:
         raise SystemExit(f"mt-eval: {mistake}")
     if any(kind == "model" for kind, _ in args.systems or []):
-        from mt.inference import cap_kernel_caches, keep_freed_memory
+        from mt.inference import cap_kernel_caches, device_mistake, keep_freed_memory
 
+        mistake = device_mistake(args.device)
+        if mistake:
+            raise SystemExit(f"mt-eval: {mistake}")
         keep_freed_memory()  # a command that decodes: see the docstrings
         cap_kernel_caches()
     try:

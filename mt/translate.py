@@ -33,7 +33,13 @@ from mt.alignment import align_lines, word_scores
 from mt.config import positive_int
 from mt.constraints import encode_phrases, split_phrases
 from mt.incremental import first_member, max_positions
-from mt.inference import DTYPES, cap_kernel_caches, keep_freed_memory, load_models
+from mt.inference import (
+    DTYPES,
+    cap_kernel_caches,
+    device_mistake,
+    keep_freed_memory,
+    load_models,
+)
 from mt.lines import (
     IN_PIECES,
     NOT_SCORED,
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     keep_freed_memory()
     cap_kernel_caches()
-    mistake = search_mistake(args)
+    mistake = search_mistake(args) or device_mistake(args.device)
     if mistake:
         raise SystemExit(f"translate: {mistake}")
     if args.mbr and args.score:

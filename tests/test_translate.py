@@ -646,6 +646,20 @@ def test_missing_or_corrupt_model_is_a_one_line_error(models, tmp_path):
         assert str(path) in message and "\n" not in message
 
 
+def test_a_device_torch_cannot_use_is_a_one_line_error_naming_it(models, tmp_path):
+    """--device is checked before loading: a misspelt one is not a broken model file, a GPU
+    missing not a traceback; mt-eval checks it too."""
+    from mt.evaluate import main as evaluate
+
+    inp = _write(tmp_path / "in.txt", ["the dog"])
+    wrong = ["foo", "cuda:x"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:1"])
+    for device in wrong:
+        with pytest.raises(SystemExit, match=f"^translate: --device {device}: [^\n]*$"):
+            main(["-m", models["a"], "-i", inp, "--device", device, *FAST])
+        with pytest.raises(SystemExit, match=f"^mt-eval: --device {device}: [^\n]*$"):
+            evaluate(["-m", models["a"], "--src", inp, "--ref", inp, "--device", device])
+
+
 def test_ensemble_of_one_model_twice_is_the_model(models, tmp_path, capsys):
     rng = random.Random(6)
     path = _write(tmp_path / "in.txt", [_sentence(rng) for _ in range(30)])
