@@ -302,6 +302,9 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
 
 
 def line_texts(tokenizer, result: LineResult) -> list[tuple[str, float]]:
+    """A line's n-best (text, score), best first: ("", 0.0) for an empty line, and one entry for
+    a line in pieces, their best translations joined and their scores summed (each normalised by
+    its own length penalty: the whole does not fit the model, so it has no score of its own)."""
     if not result.hyps:
         return [("", 0.0)]
     if len(result.hyps) == 1:
