@@ -22,16 +22,19 @@ if TYPE_CHECKING:
     from mt.lines import LineResult
 
 
-def _word_index(sp, ids: list[int], first: int = 0) -> list[int]:
-    """Word number (from ``first``) of each token, as the decoded text's whitespace-separated words
-    count them: a piece starting with '▁' starts a word, the unknown piece is a word of its own
-    (it decodes to ' ⁇ '), a piece of whitespace alone belongs to no word (-1)."""
+def _word_index(sp, ids: list[int], first: int = 0, source: bool = False) -> list[int]:
+    """Word number (from ``first``) of each token, as the text's whitespace-separated words count
+    them: a piece starting with '▁' starts a word, a piece of whitespace alone belongs to no word
+    (-1). The unknown piece is a word of its own in a translation (it decodes to ' ⁇ '); in a
+    ``source`` it stands for the input's own characters, glued to the word they are in ("man🙂",
+    "🐕dog"), so it starts a word only after whitespace."""
     out, word, open_word = [], first - 1, False
     for t in ids:
         if sp.is_unknown(t):
-            word += 1
+            if not (source and open_word):
+                word += 1
             out.append(word)
-            open_word = False
+            open_word = source
             continue
         piece = sp.id_to_piece(t)
         rest = piece.lstrip("\u2581")
@@ -97,7 +100,8 @@ def align_lines(model, tokenizer, results: list[LineResult], layer: int | None =
         if not r.hyps:
             out.append([""])
             continue
-        src_words = _word_index(tokenizer.src, [t for s in r.sources for t in s[:-1]])
+        src_words = _word_index(tokenizer.src, [t for s in r.sources for t in s[:-1]],
+                                source=True)
         starts = [0]  # each source piece's first token in the line
         for s in r.sources[:-1]:
             starts.append(starts[-1] + len(s) - 1)

@@ -40,6 +40,7 @@ from mt.testsets import (
     read_references,
     read_text,
 )
+from mt.textio import utf8_stdout
 
 log = logging.getLogger("mt.evaluate")
 
@@ -305,8 +306,11 @@ def main(argv: list[str] | None = None) -> None:
     if mistake:
         raise SystemExit(f"mt-eval: {mistake}")
     if any(kind == "model" for kind, _ in args.systems or []):
-        from mt.inference import cap_kernel_caches, keep_freed_memory
+        from mt.inference import cap_kernel_caches, device_mistake, keep_freed_memory
 
+        mistake = device_mistake(args.device)
+        if mistake:
+            raise SystemExit(f"mt-eval: {mistake}")
         keep_freed_memory()  # a command that decodes: see the docstrings
         cap_kernel_caches()
     try:
@@ -320,7 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n",
                                        encoding="utf-8")
-    print(render(result, "json" if args.json else args.format, args.width))
+    # UTF-8 whatever the locale, as --json-out: names and paths may hold any character
+    print(render(result, "json" if args.json else args.format, args.width), file=utf8_stdout())
 
 
 if __name__ == "__main__":

@@ -220,6 +220,25 @@ def cap_kernel_caches(capacity: int = 64) -> None:
     os.environ.setdefault("LRU_CACHE_CAPACITY", str(capacity))
 
 
+def device_mistake(device: str) -> str | None:
+    """Why ``--device`` cannot run a model here, in one line; None if it can.
+
+    Commands check it before loading: loading maps the weights onto the device, so a misspelt
+    device read as a broken model file, and a GPU that torch cannot use ended in a traceback.
+    """
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        return f"--device {device}: not a device (cpu, cuda, cuda:1, ...)"
+    try:
+        torch.empty(0, device=where)
+    except (RuntimeError, AssertionError) as err:  # no CUDA build, no GPU, no such GPU
+        text = str(err).strip()
+        first = text.splitlines()[0].split(". ")[0] if text else type(err).__name__
+        return f"--device {device}: torch cannot use it here ({first})"
+    return None
+
+
 def load_models(paths: list[str], device: str, dtype: str = "float32", pack: bool = True):
     """Loads one model or an ensemble, ready to decode (see prepare_model); returns (model or
     Ensemble, tokenizer, checkpoint paths).

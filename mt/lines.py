@@ -4,8 +4,9 @@ share, apart from the command line.
 Lines are encoded; a line longer than the model's maximum is cut into pieces, between sentences
 where it can (``_pieces``); the pieces are sorted by length, cut into batches by a token budget,
 searched (one batch per worker thread on a CPU) and put back in input order, grouped by line
-(``LineResult``). Empty lines are not searched. ``score_lines`` does the same for given
-translations (``translate --score``).
+(``LineResult``). Empty lines are not searched: those that encode to EOS alone, whitespace or
+only what normalization removes (a byte-order mark, a zero-width space) included.
+``score_lines`` does the same for given translations (``translate --score``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from mt.batching import pad
-from mt.config import EOS_ID
+from mt.config import EOS_ID, UNK_ID
 from mt.constraints import constrained_beam_search, encode_phrases, satisfied
 from mt.incremental import Ensemble, first_member, max_positions
 from mt.mbr import mbr_lines
@@ -157,6 +158,22 @@ class LineResult:
     hyps: list[list[Hypothesis]]
 
 
+def encode_prefixes(tokenizer, prefixes: list[str], name: str = "prefixes",
+                    first_line: int = 1) -> list[list[int]]:
+    """Per line, its target prefix as ids. A prefix the target vocabulary cannot spell is refused
+    (as ``mt.constraints.encode_phrases`` refuses a phrase), naming ``name``, the line
+    (``first_line`` is the number of the first) and the character: forced, it would be <unk>,
+    which the translation prints as "⁇"."""
+    out = tokenizer.encode_tgt(prefixes)
+    for i, (text, ids) in enumerate(zip(prefixes, out, strict=True)):
+        if UNK_ID in ids:
+            lacked = [c for c in dict.fromkeys(text) if UNK_ID in tokenizer.encode_tgt([c])[0]]
+            what = f"{lacked[0]!r}" if lacked else "some of its characters"
+            raise ValueError(f"{name}:{first_line + i}: prefix {text!r}: the target vocabulary "
+                             f"lacks {what}")
+    return out
+
+
 def _one_model(model):
     """A list of models is an ensemble (a list of one, that model); anything else stays."""
     if isinstance(model, list | tuple):
@@ -174,10 +191,12 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     Args:
         model: a Transformer, a list of them (an ensemble) or an Ensemble.
         tokenizer: the model's mt.tokenizer.Tokenizer.
-        lines: input sentences; empty (whitespace-only) lines are not searched.
+        lines: input sentences; a line that encodes to EOS alone (empty, whitespace, or only
+            what normalization removes, such as a byte-order mark) is not searched.
         opts: the search.
         progress: a progress bar on stderr (True), or the caller's tqdm bar to advance per line.
-        prefixes: per line, target text to force at the start of its translation ("" = none).
+        prefixes: per line, target text to force at the start of its translation ("" = none);
+            one the target vocabulary cannot spell is a ValueError (``encode_prefixes``).
         generator: the random stream for sampling (default: a new one from ``opts.seed``); a
             caller that searches a file in chunks passes one stream for all of them.
         warn: log a warning for lines translated in pieces, and for translations that lack a
@@ -193,15 +212,15 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         raise ValueError(f"{len(constraints)} constraint lists for {len(lines)} lines")
     limit = max_positions(model)
     encoded = tokenizer.encode_src(lines)
-    prefix_ids = tokenizer.encode_tgt(prefixes) if prefixes is not None else None
+    prefix_ids = encode_prefixes(tokenizer, prefixes) if prefixes is not None else None
     phrase_ids = encode_phrases(tokenizer, constraints) if constraints is not None else None
     sources: list[list[int]] = []
     forced: list[list[int]] = []
     wanted: list[list[list[int]]] = []
     owner: list[int] = []  # which line each source piece belongs to
     long_lines = 0
-    for i, (line, ids) in enumerate(zip(lines, encoded, strict=True)):
-        if not line.strip():
+    for i, ids in enumerate(encoded):
+        if len(ids) == 1:  # EOS alone: searching it would make up a sentence from nothing
             continue
         pieces = _pieces(ids, limit, tokenizer.src_boundaries)
         long_lines += len(pieces) > 1
@@ -283,6 +302,9 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
 
 
 def line_texts(tokenizer, result: LineResult) -> list[tuple[str, float]]:
+    """A line's n-best (text, score), best first: ("", 0.0) for an empty line, and one entry for
+    a line in pieces, their best translations joined and their scores summed (each normalised by
+    its own length penalty: the whole does not fit the model, so it has no score of its own)."""
     if not result.hyps:
         return [("", 0.0)]
     if len(result.hyps) == 1:
@@ -300,7 +322,8 @@ def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | No
                     constraints: list[list[str]] | None = None) -> list[list[tuple[str, float]]]:
     """Translates sentences; returns per line its n-best (text, score), best first.
 
-    Empty (or whitespace-only) lines give ``[("", 0.0)]`` without being searched. ``model`` may be
+    Empty lines (that encode to EOS alone: whitespace, a byte-order mark...) give ``[("", 0.0)]``
+    without being searched. ``model`` may be
     a list of models (an ensemble sharing ``tokenizer``). ``constraints``: per line, target
     phrases its translation must contain (``mt.constraints``).
     """

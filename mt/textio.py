@@ -9,6 +9,7 @@ checked as it is read.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
 import itertools
@@ -20,22 +21,28 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import BinaryIO, TextIO, cast
 
 
 class InputError(Exception):
     """A problem with the user's input files: the message names the file and line."""
 
 
+def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> str:
+    """One line read as bytes, as text without its line end; invalid UTF-8 raises InputError
+    with the file's name and the line number (``errors="replace"``: U+FFFD instead)."""
+    try:
+        return raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r")
+    except UnicodeDecodeError as err:
+        raise InputError(f"{name}:{lineno}: invalid UTF-8 ({err.reason}); "
+                         "use --errors replace to translate it anyway") from None
+
+
 def _lines(stream: BinaryIO, name: str, errors: str) -> Iterator[str]:
     """The lines of a byte stream, decoded one at a time (a final newline ends the last line; it
     does not start a new one); invalid UTF-8 stops with the file's name and the line number."""
     for lineno, raw in enumerate(stream, start=1):
-        try:
-            yield raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r")
-        except UnicodeDecodeError as err:
-            raise InputError(f"{name}:{lineno}: invalid UTF-8 ({err.reason}); "
-                             "use --errors replace to translate it anyway") from None
+        yield decode_line(raw, name, lineno, errors)
 
 
 def is_stdin(path: str | None) -> bool:
@@ -155,9 +162,44 @@ def _text_writer(raw: BinaryIO, gzipped: bool) -> TextIO:
     return io.TextIOWrapper(raw, encoding="utf-8")
 
 
+class _Utf8Writer:
+    """Text written as UTF-8 onto a byte stream that is not its own (stdout's buffer).
+
+    Not an io.TextIOWrapper: that one closes its stream when it is collected, and cannot let go
+    of it (``detach``) without flushing, which fails once the reader has left (``| head``). Here
+    the bytes wait in stdout's own buffer as before, so a reader that leaves fails the same write
+    or flush, and Python's last flush at exit goes where ``translate`` sends it.
+    """
+
+    def __init__(self, stream: BinaryIO, line_buffering: bool) -> None:
+        self.buffer, self.line_buffering = stream, line_buffering
+
+    def write(self, text: str) -> int:
+        self.buffer.write(text.encode("utf-8"))
+        if self.line_buffering and "\n" in text:
+            self.buffer.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.buffer.flush()
+
+
+def utf8_stdout() -> TextIO:
+    """stdout for text that must be UTF-8 whatever the locale or PYTHONIOENCODING say
+    (translations: input is always read as UTF-8 and ``-o FILE`` written so; a latin-1 stdout
+    would garble them and an ASCII one fail on the first umlaut). sys.stdout itself where it is
+    UTF-8 already or has no bytes underneath (a caller's StringIO); else a UTF-8 writer onto its
+    buffer, line-buffered where sys.stdout is (a terminal)."""
+    out = sys.stdout
+    if not hasattr(out, "buffer") or codecs.lookup(out.encoding or "ascii").name == "utf-8":
+        return out
+    out.flush()  # what was printed before comes first
+    return cast(TextIO, _Utf8Writer(out.buffer, out.line_buffering))
+
+
 @contextmanager
 def atomic_output(path: str | None) -> Iterator[TextIO]:
-    """stdout, or a file that appears under its name only once whole.
+    """stdout (as UTF-8: ``utf8_stdout``), or a file that appears under its name only once whole.
 
     A regular file (or a new one, or the file a symlink points to) is written as ``PATH.partial``
     beside it and renamed over it at the end, keeping an existing file's permissions: a file
@@ -168,7 +210,7 @@ def atomic_output(path: str | None) -> Iterator[TextIO]:
     written gzipped, as ``read_lines`` reads it.
     """
     if path is None or path in STDOUT_NAMES:
-        yield sys.stdout
+        yield utf8_stdout()
         return
     gzipped = path.endswith(".gz")
     if _written_directly(path):

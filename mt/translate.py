@@ -3,7 +3,8 @@
 Input is read a chunk of lines at a time (``--chunk-lines``); a chunk's lines are translated by
 ``mt.lines`` (encoded, sorted by length, cut into batches by a token budget, searched, put back in
 input order) and written before the next chunk is read, so memory is bounded whatever the input's
-size. Empty lines give empty lines without touching the model. A line longer than the model's
+size. Empty lines (also those of only whitespace, a byte-order mark or other characters the
+tokenizer drops) give empty lines without touching the model. A line longer than the model's
 maximum is translated in pieces, cut between sentences where it can, that are joined (one
 warning), never dropped. ``-o FILE`` appears only once whole. stdout carries translations only;
 logs, the progress bar and the interactive prompt go to stderr. See docs/decoding.md for every
@@ -16,6 +17,7 @@ are importable from here as well as from ``mt.options`` and ``mt.lines``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import signal
@@ -31,12 +33,19 @@ from mt.alignment import align_lines, word_scores
 from mt.config import positive_int
 from mt.constraints import encode_phrases, split_phrases
 from mt.incremental import first_member, max_positions
-from mt.inference import DTYPES, cap_kernel_caches, keep_freed_memory, load_models
+from mt.inference import (
+    DTYPES,
+    cap_kernel_caches,
+    device_mistake,
+    keep_freed_memory,
+    load_models,
+)
 from mt.lines import (
     IN_PIECES,
     NOT_SCORED,
     UNMET,
     LineResult,
+    encode_prefixes,
     line_texts,
     score_lines,
     search_lines,
@@ -52,9 +61,11 @@ from mt.textio import (
     check_output,
     chunks,
     count_lines,
+    decode_line,
     is_regular,
     parallel_lines,
     read_lines,
+    utf8_stdout,
 )
 from mt.workers import default_workers
 
@@ -151,19 +162,31 @@ def _format_score(result: LineResult, fields: list[list[str]]) -> str:
 
 
 def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace) -> None:
-    """A prompt on stderr; each line typed is translated and printed (flushed) at once."""
+    """A prompt on stderr; each line typed is translated and printed (flushed) at once.
+
+    Lines are read as bytes and decoded as a file's are (``--errors``). Under ``strict`` a line
+    that is not UTF-8 gets the one-line error and the prompt goes on, as a shell's does after a
+    mistyped command: a session is not lost to one bad paste. The n-best index counts the lines
+    typed from 0, a refused one included, so that it matches the line number of an error.
+    """
+    out = utf8_stdout()
     print("translate: type a sentence and press Enter; Ctrl-D ends", file=sys.stderr)
-    while True:
+    for lineno in itertools.count(1):
         print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
+        raw = sys.stdin.buffer.readline()
+        if not raw:
             print(file=sys.stderr)
             return
-        line = line.rstrip("\r\n")
+        try:
+            line = decode_line(raw, "<stdin>", lineno, args.errors)
+        except InputError as err:
+            print(f"translate: {err}", file=sys.stderr)
+            continue
         results = search_lines(model, tokenizer, [line], opts)
         fields = _fields(model, tokenizer, results, args)
-        for out in _format(0, line_texts(tokenizer, results[0]), fields[0], args.nbest):
-            print(out, flush=True)
+        for text in _format(lineno - 1, line_texts(tokenizer, results[0]), fields[0],
+                            args.nbest):
+            print(text, file=out, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     keep_freed_memory()
     cap_kernel_caches()
-    mistake = search_mistake(args)
+    mistake = search_mistake(args) or device_mistake(args.device)
     if mistake:
         raise SystemExit(f"translate: {mistake}")
     if args.mbr and args.score:
@@ -213,6 +236,13 @@ def main(argv: list[str] | None = None) -> None:
                                               pack=not args.no_pack)
     except ValueError as err:
         raise SystemExit(f"translate: {err}") from None
+    if args.prefix_file and is_regular(args.prefix_file):
+        try:  # a prefix the target vocabulary cannot spell stops translate before any work
+            for n, part in enumerate(chunks(read_lines(args.prefix_file, args.errors),
+                                            args.chunk_lines)):
+                encode_prefixes(tokenizer, part, args.prefix_file, n * args.chunk_lines + 1)
+        except ValueError as err:
+            raise SystemExit(f"translate: {err}") from None
     if args.constraints_file and is_regular(args.constraints_file):
         try:  # a phrase the target vocabulary cannot spell stops translate before any work
             for n, part in enumerate(chunks(read_lines(args.constraints_file, args.errors),
@@ -258,6 +288,12 @@ def main(argv: list[str] | None = None) -> None:
                     unfit += sum(not r.hyps for r in results)
                 else:
                     phrases = None
+                    if args.prefix_file:
+                        try:
+                            encode_prefixes(tokenizer, side["--prefix-file"], args.prefix_file,
+                                            done + 1)
+                        except ValueError as err:
+                            raise InputError(str(err)) from None
                     if args.constraints_file:
                         phrases = [split_phrases(c) for c in side["--constraints-file"]]
                         try:

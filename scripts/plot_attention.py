@@ -19,6 +19,7 @@ from mt.checkpoint import load_model
 from mt.config import EOS_ID
 from mt.scoring import cross_attention
 from mt.search import beam_search
+from mt.textio import utf8_stdout
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     fig.colorbar(image, ax=ax, fraction=0.04)
     fig.tight_layout()
     fig.savefig(args.output, dpi=120)
-    print(f"translation: {tok.decode_tgt([tgt_ids])[0]}\nwrote {args.output}")
+    print(f"translation: {tok.decode_tgt([tgt_ids])[0]}\nwrote {args.output}",
+          file=utf8_stdout())  # as translate prints it, whatever the locale
 
 
 if __name__ == "__main__":

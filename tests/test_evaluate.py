@@ -6,6 +6,7 @@ sanity checks against the mistakes they exist for.
 """
 
 import hashlib
+import io
 import json
 import os
 import random
@@ -221,6 +222,19 @@ def test_formats_show_the_same_scores(files, capsys):
     assert f"{bleu:.2f}" in text and "BLEU: nrefs:1|" in text
     main([*argv, "--format", "json"])
     assert json.loads(capsys.readouterr().out)["tests"] == saved["tests"]
+
+
+def test_results_on_stdout_are_utf8_whatever_the_locale(files, monkeypatch):
+    """Names and paths may hold any character: stdout is UTF-8, as --json-out is, not the
+    locale's encoding (an ASCII stdout failed after all the work was done)."""
+    hyp = files["tmp"] / "hyp-\u00fc.txt"
+    hyp.write_bytes(Path(files["good"]).read_bytes())
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    main(["--hyp", str(hyp), "--ref", files["ref"], "--name", "Pr\u00fcfung", "--quiet", "--json"])
+    stdout.flush()
+    result = json.loads(stdout.buffer.getvalue().decode("utf-8"))
+    assert result["tests"][0]["name"] == "Pr\u00fcfung"
 
 
 def test_named_test_set_resolves_against_the_repo_root(tmp_path, monkeypatch):

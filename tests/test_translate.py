@@ -93,6 +93,31 @@ def test_line_alignment_empty_long_and_many_lines(models, tmp_path, capsys):
     assert len(tok.encode_src([lines[100]])[0]) > 2000
 
 
+def test_lines_of_nothing_the_tokenizer_keeps_are_empty_lines(models, tmp_path, capsys):
+    """A line of a byte-order mark or a zero-width space encodes to EOS alone, as an empty line
+    does, and gives what an empty line gives in every format, not a sentence made up from
+    nothing."""
+    _, tok, _ = load_model(models["a"])
+    blank = ["\ufeff", "\u200b", " \ufeff\u200b "]
+    assert tok.encode_src(blank) == [[3]] * 3  # EOS alone
+    lines = ["the dog runs", *blank, "", "red ball"]
+    path = _write(tmp_path / "in.txt", lines)
+    args = ["-m", models["a"], "-i", path, "--beam", "2", *FAST]
+    for fmt in ([], ["--nbest", "2"], ["--alignment", "--word-scores"],
+                ["--nbest", "2", "--alignment", "--word-scores"],
+                ["--score", _write(tmp_path / "t.txt", ["the dog"] * len(lines))]):
+        out = _run([*args, *fmt], capsys)
+        if "--nbest" in fmt:  # index<TAB>rest: each line's entries, without its index
+            per_line: list[list[str]] = [[] for _ in lines]
+            for row in out:
+                i, rest = row.split("\t", 1)
+                per_line[int(i)].append(rest)
+        else:
+            per_line = [[row] for row in out]
+        assert len(per_line) == len(lines) and per_line[0] != per_line[4]
+        assert per_line[1] == per_line[2] == per_line[3] == per_line[4], fmt
+
+
 def test_long_lines_are_cut_after_sentences_else_between_words():
     """Known cuts with a made-up vocabulary: 4 starts a word, 5 continues one, 6 starts a word
     and ends a sentence ('▁.'), 7 is a closing quote alone, 8 ends a sentence with 。 (no space
@@ -621,6 +646,20 @@ def test_missing_or_corrupt_model_is_a_one_line_error(models, tmp_path):
         assert str(path) in message and "\n" not in message
 
 
+def test_a_device_torch_cannot_use_is_a_one_line_error_naming_it(models, tmp_path):
+    """--device is checked before loading: a misspelt one is not a broken model file, a GPU
+    missing not a traceback; mt-eval checks it too."""
+    from mt.evaluate import main as evaluate
+
+    inp = _write(tmp_path / "in.txt", ["the dog"])
+    wrong = ["foo", "cuda:x"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:1"])
+    for device in wrong:
+        with pytest.raises(SystemExit, match=f"^translate: --device {device}: [^\n]*$"):
+            main(["-m", models["a"], "-i", inp, "--device", device, *FAST])
+        with pytest.raises(SystemExit, match=f"^mt-eval: --device {device}: [^\n]*$"):
+            evaluate(["-m", models["a"], "--src", inp, "--ref", inp, "--device", device])
+
+
 def test_ensemble_of_one_model_twice_is_the_model(models, tmp_path, capsys):
     rng = random.Random(6)
     path = _write(tmp_path / "in.txt", [_sentence(rng) for _ in range(30)])
@@ -691,6 +730,33 @@ def test_alignment_links_words_of_both_sides(models, tmp_path, capsys):
         assert all(0 <= i < len(src.split()) for i, _ in pairs)
         # every target word is linked (each target token has one source token)
         assert {j for _, j in pairs} == set(range(len(hyp.split())))
+
+
+def test_alignment_counts_source_words_as_the_input_writes_them(models, tmp_path, capsys):
+    """A character the source vocabulary lacks (<unk>) belongs to the word it is written in
+    ("dog🙂", "🐕dog") and is a word of its own only between spaces: source word i is the input
+    line's i-th whitespace-separated word, as docs/decoding.md promises."""
+    from mt.alignment import _word_index
+
+    _, tok, _ = load_model(models["a"])
+    lines = ["the dog\U0001f642 runs", "\U0001f415dog sees a cat", "a \U0001f642 b",
+             "\u0436", "the \u0436\u0443\u043a cat \u0436", "red ball\u0436\U0001f642x big"]
+    for line in lines:
+        ids = tok.encode_src([line])[0][:-1]
+        assert 1 in ids  # <unk>
+        # SentencePiece splits at whitespace first: a line's pieces are its words' pieces
+        words = [tok.encode_src([word])[0][:-1] for word in line.split()]
+        assert ids == [t for w in words for t in w]
+        blank = [not tok.src.is_unknown(t) and not tok.src.id_to_piece(t).lstrip("\u2581")
+                 for t in ids]
+        want = [k for k, w in enumerate(words) for _ in w]
+        assert _word_index(tok.src, ids, source=True) == [
+            -1 if b else k for k, b in zip(want, blank, strict=True)]
+    out = _run(["-m", models["a"], "-i", _write(tmp_path / "in.txt", lines), "--beam", "2",
+                "--alignment", "--max-len-b", "8", "--quiet"], capsys)
+    for line, aligned in zip(lines, out, strict=True):
+        links = aligned.split(" ||| ")[1].split()
+        assert links and all(int(p.split("-")[0]) < len(line.split()) for p in links)
 
 
 def test_word_scores_are_per_word_and_sum_to_the_log_probability(models, tmp_path, capsys):
@@ -795,6 +861,27 @@ def test_dtype_prefix_and_seeded_sampling(models, tmp_path, capsys):
     assert s1 != _run([*sample, "--seed", "2"], capsys)
 
 
+def test_prefix_the_target_vocabulary_cannot_spell_is_refused(models, tmp_path, capsys,
+                                                             monkeypatch):
+    """A prefix with a character the target vocabulary lacks would be forced as <unk>: it is
+    refused as a constraint is, in one line naming the file, the line and the character, before
+    any work for a regular file and where it is read for a pipe."""
+    lines = ["the dog runs", "a red ball", "the man sees a cat"]
+    path = _write(tmp_path / "in.txt", lines)
+    bad = _write(tmp_path / "prefix.txt", ["the", "a red \u0436", ""])
+    args = ["-m", models["a"], "-i", path, "--beam", "2", "--max-len-b", "6", "--quiet"]
+    with pytest.raises(SystemExit, match=f"^translate: {bad}:2: prefix 'a red \u0436': "
+                                         "the target vocabulary lacks '\u0436'$"):
+        main([*args, "--prefix-file", bad])
+    assert capsys.readouterr().out == ""  # refused before any line is translated
+    _stdin(monkeypatch, Path(bad).read_bytes())
+    with pytest.raises(SystemExit, match="^translate: -:2: prefix .* lacks '\u0436'"):
+        main([*args, "--prefix-file", "-", "--chunk-lines", "1"])
+    model, tok, _ = load_model(models["a"])
+    with pytest.raises(ValueError, match="prefixes:2: .* lacks '\u0436'"):
+        search_lines(model, tok, lines, SearchOptions(beam=2), prefixes=["", "\u0436", ""])
+
+
 def test_constraints_file_puts_every_phrase_in_its_translation(models, tmp_path, capsys,
                                                               caplog):
     rng = random.Random(9)
@@ -861,17 +948,44 @@ def test_mbr_chooses_among_the_candidates_holding_the_constraints(models):
     assert some  # lines where MBR had candidates of both kinds to choose from
 
 
-def test_interactive_prompt(models, monkeypatch, capsys):
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
+class _Terminal(io.BytesIO):
+    def isatty(self) -> bool:
+        return True
 
-    monkeypatch.setattr(sys, "stdin", Terminal("the dog runs\n\nred ball\n"))
+
+def _terminal(monkeypatch, typed: bytes) -> None:
+    """stdin as a terminal that has ``typed`` to give (text over bytes, as Python's own)."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(_Terminal(typed), encoding="utf-8"))
+
+
+def test_interactive_prompt(models, monkeypatch, capsys):
+    _terminal(monkeypatch, b"the dog runs\n\nred ball\n")
     out = _run(["-m", models["a"], "--beam", "2", *FAST], capsys)
     model, tok, _ = load_model(models["a"])
     opts = SearchOptions(beam=2, max_len_a=0, max_len_b=4, min_len=1)
     assert out == [n[0][0] for n in translate_lines(model, tok, ["the dog runs", "", "red ball"],
                                                        opts)]
+
+
+def test_interactive_prompt_decodes_as_files_do_and_counts_lines(models, monkeypatch, capsys):
+    """A line typed at the prompt is decoded as a file's line (--errors): strict refuses one that
+    is not UTF-8 in one line naming it and the prompt goes on, replace translates it with
+    U+FFFD; --nbest's index counts the lines typed, as it counts a file's."""
+    typed = b"the dog runs\nthe \xff cat\nred ball\n"
+    model, tok, _ = load_model(models["a"])
+    opts = SearchOptions(beam=2, nbest=2, max_len_a=0, max_len_b=4, min_len=1)
+    want = [[[str(i), text] for text, _ in n] for i, n in enumerate(translate_lines(
+        model, tok, ["the dog runs", "the \ufffd cat", "red ball"], opts))]
+    args = ["-m", models["a"], "--beam", "2", "--nbest", "2", *FAST]
+    _terminal(monkeypatch, typed)
+    out = _run([*args, "--errors", "replace"], capsys)
+    assert [row.split("\t")[:2] for row in out] == [e for n in want for e in n]
+    _terminal(monkeypatch, typed)
+    main(args)
+    captured = capsys.readouterr()
+    assert [row.split("\t")[:2] for row in captured.out.splitlines()] == want[0] + want[2]
+    assert captured.err.count("translate: <stdin>:2: invalid UTF-8") == 1
+    assert "Traceback" not in captured.err
 
 
 def test_console_script_keeps_stdout_for_translations(models):
@@ -885,16 +999,39 @@ def test_console_script_keeps_stdout_for_translations(models):
     assert "translated 3 lines" in proc.stderr  # logs went to stderr
 
 
-def test_a_reader_that_leaves_early_gets_no_traceback(models, tmp_path):
+@pytest.mark.parametrize("encoding", ["utf-8", "ascii"])  # ascii: through utf8_stdout's writer
+def test_a_reader_that_leaves_early_gets_no_traceback(models, tmp_path, encoding):
     """`translate ... | head -1`: the output outgrows the pipe, head exits, and translate must stop
     quietly instead of printing a BrokenPipeError traceback."""
     script = Path(sys.executable).with_name("translate")
     src = _write(tmp_path / "in.txt", ["the dog sees a red ball"] * 8000)
     proc = subprocess.Popen([str(script), "-m", models["a"], "-i", src, "--beam", "1", *FAST],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                 "PYTHONIOENCODING": encoding})
     assert proc.stdout.readline()
     proc.stdout.close()
     stderr = proc.stderr.read()
     assert proc.wait(timeout=120) == 1
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+@pytest.mark.parametrize("encoding", ["latin-1", "ascii"])
+def test_stdout_is_utf8_whatever_the_locale(tmp_path, encoding):
+    """Input is read as UTF-8 and -o FILE written so: stdout too, whatever PYTHONIOENCODING or
+    the locale say (latin-1 garbled translations, ASCII failed on the first umlaut)."""
+    rng = random.Random(3)
+    text = [_sentence(rng) for _ in range(400)]
+    umlauts = [line.translate(str.maketrans("aou", "\u00e4\u00f6\u00fc")) for line in text]
+    tok = train_tokenizer(text[:200], umlauts[200:], TokenizerConfig(vocab_size=100))
+    model = _save_model(tmp_path / "de.pt", tok, 0)
+    src = _write(tmp_path / "in.txt", text[:20])
+    script = Path(sys.executable).with_name("translate")
+    args = [str(script), "-m", model, "-i", src, "--beam", "2", *FAST]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": encoding}
+    subprocess.run([*args, "-o", str(tmp_path / "out.txt")], check=True, timeout=120, env=env)
+    want = (tmp_path / "out.txt").read_bytes()
+    assert max(want.decode("utf-8")) > "\x7f"  # translations with umlauts
+    proc = subprocess.run(args, capture_output=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout == want
