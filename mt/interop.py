@@ -131,8 +131,14 @@ def import_main(argv: list[str] | None = None) -> None:
                    help="the format of DIR")
     p.add_argument("dir", help="model directory (config.json, weights, *.spm, vocab.json)")
     p.add_argument("--out", required=True, help="checkpoint file to write (.pt)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    # As mt-export: an existing file is replaced only when asked (--out DIR/pytorch_model.bin
+    # would otherwise overwrite the very weights being imported).
+    if Path(args.out).exists() and not args.force:
+        sys.exit(f"mt-import: {args.out} exists; choose another --out or pass --force to "
+                 "replace it")
     try:
         model, tokenizer = import_hf(args.dir)
     except ImportError as err:

@@ -385,6 +385,9 @@ def test_import_opus_like_marian_matches_hf(tmp_path, corpus_dir, separate):
     d, hf, hf_tok, src_vocab, tgt_vocab = _opus_like_dir(tmp_path, corpus_dir, transformers,
                                                           separate)
     import_main(["--from", "hf", str(d), "--out", str(tmp_path / "opus.pt")])
+    with pytest.raises(SystemExit, match="opus.pt exists; choose another --out or pass --force"):
+        import_main(["--from", "hf", str(d), "--out", str(tmp_path / "opus.pt")])
+    import_main(["--from", "hf", str(d), "--out", str(tmp_path / "opus.pt"), "--force"])
     model, tok, _ = load_model(tmp_path / "opus.pt")
     assert (model.cfg.activation, tok.joint) == ("silu", False)
     assert model.cfg.tie_embeddings == ("decoder" if separate else "all")
