@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     folder = Path(args.inputs[0]) if len(args.inputs) == 1 else None
     if folder and folder.is_dir() and not (args.last or args.best):
         raise SystemExit("average_checkpoints: with a folder, give --last N or --best N")
+    if not (folder and folder.is_dir()) and (args.last or args.best):
+        raise SystemExit("average_checkpoints: --last and --best pick from a checkpoints folder; "
+                         "named files are averaged as given")
     try:
         if folder and folder.is_dir():
             paths = pick(folder, args.last, args.best)

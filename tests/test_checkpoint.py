@@ -172,3 +172,9 @@ def test_average_script_errors_are_one_line_and_fewer_than_asked_is_said(tmp_pat
     assert result.returncode == 0, result.stderr
     assert "--last 99: " in result.stderr and "averaging 3" in result.stderr
     assert len(checkpoint.load(tmp_path / "avg.pt")["averaged_from"]) == 3
+    # named files are averaged as given: --last would read as a choice among them
+    files = [str(tmp_path / "step_1.pt"), str(tmp_path / "step_2.pt")]
+    result = subprocess.run([PYTHON, script, *files, "--last", "1", "-o", str(tmp_path / "two.pt")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "pick from a checkpoints folder" in result.stderr
+    assert not (tmp_path / "two.pt").exists()
