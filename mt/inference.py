@@ -121,7 +121,9 @@ class Int8Linear(nn.Module):
     or 63 where the CPU's product would overflow: ``int8_weight_levels``), inputs 127.
 
     Scales per *row* make a sentence's result independent of the others in its batch, as
-    search promises. torch.ao's dynamic quantization (this class's predecessor) scales each
+    search promises, up to one quantum: float32 rounding differs between batch shapes by ~5e-7,
+    which can move a value across a rounding boundary (a score by up to ~1e-2).
+    torch.ao's dynamic quantization (this class's predecessor) scales each
     call's input as a whole: a row with a large activation coarsened every other row, Multi30k
     BLEU moved with the batch composition (test2016 40.28-40.63 and valid 41.19-41.68 over
     batch sizes and workers; float32 40.73 and 41.75), and near-ties flipped between batch sizes.
