@@ -14,7 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, get_type_hints
+
+
+def conf_dir() -> Path:
+    """Hydra's configs: ``mt/conf`` in an installed wheel (pyproject.toml ships the repository's
+    top-level ``conf/`` there), else ``conf/`` beside the package (a checkout, an editable
+    install)."""
+    package = Path(__file__).resolve().parent
+    shipped = package / "conf"
+    return shipped if (shipped / "train.yaml").is_file() else package.parent / "conf"
+
 
 # Special token ids, fixed for every SentencePiece model that `mt` trains (see mt.tokenizer).
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3

@@ -18,11 +18,13 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from mt.config import conf_dir
+
 # The mt-eval command's logger: its messages keep one name, whichever module says them.
 log = logging.getLogger("mt.evaluate")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent  # relative paths in conf/testsets/ start here
-TESTSETS_DIR = REPO_ROOT / "conf" / "testsets"
+TESTSETS_DIR = conf_dir() / "testsets"
 OFFLINE_VARS = ("MT_OFFLINE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 DOWNLOAD_TIMEOUT_S = 20.0
 # Marks of tokenized text: a space before a comma or a final period, split clitics, BPE joiners,

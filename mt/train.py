@@ -29,7 +29,14 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from mt import checkpoint
-from mt.config import TrainConfig, check_keys, check_values, finetune_model_config, register_configs
+from mt.config import (
+    TrainConfig,
+    check_keys,
+    check_values,
+    conf_dir,
+    finetune_model_config,
+    register_configs,
+)
 from mt.corpus import Corpus
 from mt.data import tokenizer_config
 from mt.distributed import barrier, rank_seed, setup_distributed
@@ -42,7 +49,7 @@ from mt.tokenizer import Tokenizer
 
 log = logging.getLogger("mt.train")
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(conf_dir())
 
 
 # ----------------------------------------------------------------------------- trainer

@@ -117,3 +117,39 @@ def test_bench_translate_decodes_what_translate_decodes(trained_run, corpus_dir,
     assert report["systems"]["mt-float32"]["bleu"] == round(expected, 2)
     assert report["systems"]["ct2-float32"]["seconds"] > 0
     assert set(report["ratios"]) == {"mt-float32 / ct2-float32"}
+
+
+def test_a_wheel_ships_the_configs_and_trains_from_anywhere(tmp_path):
+    """conf/ sits at the top of the repository; a non-editable install must still find it (the
+    wheel carries it as mt/conf), from any working directory."""
+    import zipfile
+
+    from conftest import REPO
+
+    pytest.importorskip("setuptools")  # torch depends on it: the build needs no download
+    src = tmp_path / "src"
+    for name in ("mt", "conf"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    subprocess.run([PYTHON, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path / "dist")], check=True, capture_output=True,
+                   timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("mt-*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    shipped = {p.relative_to(site / "mt" / "conf") for p in (site / "mt" / "conf").rglob("*.yaml")}
+    assert shipped == {p.relative_to(REPO / "conf") for p in (REPO / "conf").rglob("*.yaml")}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**cli_env(tmp_path), "PYTHONPATH": str(site)}  # before the editable install's finder
+    job = subprocess.run([PYTHON, "-m", "mt.train", "experiment=multi30k_en_de_cpu", "--cfg",
+                          "job"], cwd=elsewhere, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert job.returncode == 0, job.stderr
+    assert "name: multi30k" in job.stdout
+    where = subprocess.run([PYTHON, "-c", "import mt.config, mt.testsets; "
+                            "print(mt.config.conf_dir(), mt.testsets.TESTSETS_DIR)"],
+                           cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60)
+    assert where.stdout.split() == [str(site / "mt" / "conf"),
+                                    str(site / "mt" / "conf" / "testsets")]
