@@ -34,12 +34,17 @@ FORMAT = "mt-checkpoint-1"
 def save_atomic(obj: Any, path: str | os.PathLike) -> None:
     """Writes to a temporary file in the same directory, fsyncs, then renames over ``path``.
 
-    A crash at any moment leaves either the old file or the new one, never half of one.
+    A crash at any moment leaves either the old file or the new one, never half of one. The file
+    gets the permissions of any new file (0666 less the umask): mkstemp's private 0600 would hide
+    checkpoints from the other users of a shared cluster.
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory; name the checkpoint file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
@@ -53,6 +58,12 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading it means setting it: set it straight back
+    os.umask(mask)
+    return mask
 
 
 def resolve(path: str | os.PathLike) -> Path:

@@ -136,6 +136,9 @@ def import_main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     # As mt-export: an existing file is replaced only when asked (--out DIR/pytorch_model.bin
     # would otherwise overwrite the very weights being imported).
+    if Path(args.out).is_dir():
+        sys.exit(f"mt-import: --out {args.out} is a directory; name the checkpoint file to write "
+                 "(e.g. model.pt)")
     if Path(args.out).exists() and not args.force:
         sys.exit(f"mt-import: {args.out} exists; choose another --out or pass --force to "
                  "replace it")
@@ -145,8 +148,11 @@ def import_main(argv: list[str] | None = None) -> None:
         sys.exit(f"mt-import: {err}; install the export extra: pip install 'mt[export]'")
     except (ValueError, FileNotFoundError, KeyError) as err:
         sys.exit(f"mt-import: {err}")
-    save_atomic(model_state(model, tokenizer, {"imported_from": str(Path(args.dir).resolve())}),
-                args.out)
+    try:
+        save_atomic(model_state(model, tokenizer,
+                                {"imported_from": str(Path(args.dir).resolve())}), args.out)
+    except OSError as err:  # a folder that cannot be made or written, a full disk
+        sys.exit(f"mt-import: cannot write {args.out}: {err}")
     n = sum(p.numel() for p in model.parameters())
     log.info("wrote %s (%.1fM parameters, vocabulary %d/%d)", args.out, n / 1e6,
              model.cfg.src_vocab_size, model.cfg.tgt_vocab_size)

@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> None:
         averaged = checkpoint.average(paths)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"average_checkpoints: {err}") from None
-    checkpoint.save_atomic(averaged, args.output)
+    try:
+        checkpoint.save_atomic(averaged, args.output)
+    except OSError as err:  # -o a directory, a folder that cannot be written, a full disk
+        raise SystemExit(f"average_checkpoints: cannot write {args.output}: {err}") from None
     print(f"averaged {len(paths)} checkpoints -> {args.output}", file=sys.stderr)
     for path in paths:
         print(f"  {path}", file=sys.stderr)

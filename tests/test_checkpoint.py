@@ -54,6 +54,24 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
 
 
+def test_a_checkpoint_gets_a_new_files_permissions_and_a_directory_is_refused(tmp_path):
+    """mkstemp makes 0600 files: the other users of a shared cluster could not read a run's
+    checkpoints. They get what open() would give (0666 less the umask)."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        checkpoint.save_atomic({"v": 1}, tmp_path / "a.pt")
+        os.umask(0o027)
+        checkpoint.save_atomic({"v": 1}, tmp_path / "b.pt")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.pt").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "b.pt").stat().st_mode & 0o777 == 0o640
+    with pytest.raises(IsADirectoryError, match="is a directory; name the checkpoint file"):
+        checkpoint.save_atomic({"v": 1}, tmp_path)
+
+
 def test_run_directory_resolves_to_best_then_last(tmp_path):
     ckpts = tmp_path / "run" / "checkpoints"
     ckpts.mkdir(parents=True)
@@ -178,3 +196,6 @@ def test_average_script_errors_are_one_line_and_fewer_than_asked_is_said(tmp_pat
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "pick from a checkpoints folder" in result.stderr
     assert not (tmp_path / "two.pt").exists()
+    result = subprocess.run([PYTHON, script, *files, "-o", str(tmp_path)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1 and "is a directory" in result.stderr.strip().splitlines()[-1]

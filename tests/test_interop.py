@@ -388,6 +388,8 @@ def test_import_opus_like_marian_matches_hf(tmp_path, corpus_dir, separate):
     with pytest.raises(SystemExit, match="opus.pt exists; choose another --out or pass --force"):
         import_main(["--from", "hf", str(d), "--out", str(tmp_path / "opus.pt")])
     import_main(["--from", "hf", str(d), "--out", str(tmp_path / "opus.pt"), "--force"])
+    with pytest.raises(SystemExit, match="is a directory; name the checkpoint file"):
+        import_main(["--from", "hf", str(d), "--out", str(tmp_path), "--force"])
     model, tok, _ = load_model(tmp_path / "opus.pt")
     assert (model.cfg.activation, tok.joint) == ("silu", False)
     assert model.cfg.tie_embeddings == ("decoder" if separate else "all")
