@@ -44,7 +44,7 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
@@ -60,7 +60,8 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
         os.close(dir_fd)
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's umask (what a new file's permissions leave out)."""
     mask = os.umask(0o022)  # reading it means setting it: set it straight back
     os.umask(mask)
     return mask

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def export_main(argv: list[str] | None = None) -> None:
     """``mt-export -m MODEL --format hf|ctranslate2 --out DIR [--quantization int8]``."""
-    from mt.checkpoint import load_model
+    from mt.checkpoint import load_model, umask
     from mt.export import check_marian, export_ctranslate2, export_hf
 
     p = argparse.ArgumentParser(prog="mt-export", description=(
@@ -70,6 +70,11 @@ def export_main(argv: list[str] | None = None) -> None:
                 export_hf(model, tokenizer, new)
             else:
                 export_ctranslate2(model, tokenizer, new, args.quantization)
+            # transformers writes model.safetensors 0600; an export is for others to read
+            mode = 0o666 & ~umask()
+            for f in new.rglob("*"):
+                if f.is_file():
+                    f.chmod(mode)
             _swap(new, out_dir, Path(tmp) / "old")
     except ImportError as err:
         sys.exit(f"mt-export: {err}; install the export extra: pip install 'mt[export]'")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 
 import pytest
@@ -172,6 +173,9 @@ def test_export_hf_matches_mt(tmp_path, tokenizer_dir, separate_tokenizer, corpu
     hf = transformers.MarianMTModel.from_pretrained(tmp_path / "hf").eval()
     hf_tok = transformers.MarianTokenizer.from_pretrained(tmp_path / "hf")
     assert hf_tok(texts)["input_ids"] == ids  # the same ids from the same text
+    mask_bits = os.umask(0o022)
+    os.umask(mask_bits)  # every file readable as any new file is (transformers wrote 0600)
+    assert {f.stat().st_mode & 0o777 for f in (tmp_path / "hf").iterdir()} == {0o666 & ~mask_bits}
 
     tgt_in = torch.cat([torch.full((len(ids), 1), BOS_ID), src[:, :-1].clamp(min=4)], dim=1)
     tgt_in = tgt_in.clamp(max=tok.tgt_vocab_size - 1)
