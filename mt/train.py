@@ -336,24 +336,34 @@ class Trainer:
         running = time.perf_counter() - self.fit_start if self.fit_start is not None else 0.0
         return self.seconds_before + running
 
-    def should_stop(self) -> bool:
+    def stop_reason(self) -> str:
+        """Why training ends now, for the log ("" while it goes on): a run that ends before the
+        bar's total (a time budget, patience) says which budget ended it."""
         t = self.cfg.trainer
         if t.max_steps and self.step >= t.max_steps:
-            return True
+            return f"trainer.max_steps={t.max_steps} reached"
         if t.max_epochs and self.epoch >= t.max_epochs:
-            return True
+            return f"trainer.max_epochs={t.max_epochs} reached"
         if t.patience and self.bad_validations >= t.patience:
-            return True
+            return (f"trainer.patience={t.patience}: no better valid {t.best_metric} in "
+                    f"{self.bad_validations} validations")
         elapsed = self.seconds()
         if self.world > 1:  # every rank must see the same clock: same stop step, same lr
             clock = torch.tensor([elapsed], dtype=torch.float64, device=self.device)
             dist.all_reduce(clock, op=dist.ReduceOp.MAX)
             elapsed = clock.item()
         self.elapsed = elapsed
-        return bool(t.max_minutes and elapsed / 60 >= t.max_minutes)
+        if t.max_minutes and elapsed / 60 >= t.max_minutes:
+            return (f"trainer.max_minutes={t.max_minutes:g} reached "
+                    f"({elapsed / 60:.1f} minutes of training)")
+        return ""
 
     def fit(self) -> float | None:
         t = self.cfg.trainer
+        if not (t.max_steps or t.max_epochs or t.max_minutes or t.patience) and self.rank == 0:
+            log.warning("no budget (trainer.max_steps, max_epochs, max_minutes and patience are "
+                        "all 0): training goes on until you stop it; the same command resumes "
+                        "from the last checkpoint")
         per_step = t.accumulation * self.world
         self.fit_start = time.perf_counter()
         self.model.train()
@@ -365,7 +375,7 @@ class Trainer:
                        dynamic_ncols=True, mininterval=1.0)
         window = self.window
         window.restart_clock()
-        stopped = self.should_stop()
+        stopped = self.stop_reason()
         while not stopped:
             batches = self.corpus.batches(t.max_tokens, t.seed, self.epoch)
             steps_in_epoch = len(batches) // per_step
@@ -400,15 +410,16 @@ class Trainer:
                     window.restart_clock()  # tokens/s measures training only
                 elif t.save_every and self.step % t.save_every == 0:
                     self.save(improved=False, step_checkpoint=False)
-                if self.should_stop():
-                    stopped = True
+                stopped = self.stop_reason()
+                if stopped:
                     break
             if not stopped:
                 self.epoch += 1
                 self.step_in_epoch = 0
-                stopped = self.should_stop()
+                stopped = self.stop_reason()
         if bar is not None:
             bar.close()
+            log.info("training stopped at step %d: %s", self.step, stopped)
         self._check_bad_steps()
         if self.validated_step != self.step:
             self._validate_and_save()

@@ -334,6 +334,25 @@ def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr
     assert lr[5] == pytest.approx(1e-3)  # the peak, at the last warmup step
 
 
+def test_a_run_says_which_budget_ended_it(tmp_path, corpus_dir, tokenizer_dir):
+    """A run that stops before the progress bar's total (patience, a time budget) said nothing:
+    the quick start seemed to end at step 429 of 500 for no reason."""
+    common = ["trainer.test_at_end=false", "trainer.log_every=50"]
+    # lr 0: the valid loss never improves after the first validation
+    patience = run_train(tmp_path, tmp_path / "p", corpus_dir, tokenizer_dir, *common,
+                         "trainer.max_steps=60", "trainer.validate_every=5",
+                         "trainer.patience=2", "trainer.best_metric=loss", "optim.lr=0")
+    assert ("training stopped at step 15: trainer.patience=2: no better valid loss in 2 "
+            "validations") in patience.stderr
+    minutes = run_train(tmp_path, tmp_path / "m", corpus_dir, tokenizer_dir, *common,
+                        "trainer.max_steps=100000", "trainer.max_minutes=0.0001")
+    assert re.search(r"training stopped at step \d+: trainer.max_minutes=0.0001 reached",
+                     minutes.stderr)
+    steps = run_train(tmp_path, tmp_path / "s", corpus_dir, tokenizer_dir, *common,
+                      "trainer.max_steps=3")
+    assert "training stopped at step 3: trainer.max_steps=3 reached" in steps.stderr
+
+
 def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, corpus_dir,
                                                                      tokenizer_dir):
     common = ["trainer.max_steps=4", "trainer.validate_every=4", "trainer.test_at_end=false",
