@@ -119,6 +119,9 @@ def read_pairs(files: str, fmt: str, src_lang: str, tgt_lang: str) -> Iterator[d
     for lineno, raw in enumerate(_lines(path), start=1):
         line = _decode(raw, path, lineno)
         if fmt == "tsv":
+            if not line.strip():  # as a blank line of the text format: an empty pair
+                yield {"src": "", "tgt": ""}
+                continue
             tabs = line.count("\t")
             if tabs != 1:
                 raise DataError(f"{path}:{lineno}: expected source<TAB>target, found {tabs} tabs")
@@ -267,7 +270,7 @@ def _load_hub(cfg: DataConfig, split: str, cache_dir: str | None):
             ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split,
                                        cache_dir=cache_dir)
     except ConnectionError as err:
-        raise RuntimeError(
+        raise ConnectionError(
             f"could not reach the Hugging Face hub for {name} ({err}); download it once with "
             "internet (the datasets cache keeps it; HF_HUB_OFFLINE=1 then reads the cache) or use "
             "data.source=files"

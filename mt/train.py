@@ -45,7 +45,7 @@ from mt.loss import label_smoothed_nll
 from mt.model import build_model, count_parameters
 from mt.optim import autocast_dtype, build_optimizer, lr_lambda
 from mt.runlog import Metrics, Window, finish, validate
-from mt.tokenizer import Tokenizer
+from mt.tokenizer import META_FILE, Tokenizer
 
 log = logging.getLogger("mt.train")
 
@@ -59,6 +59,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path) -> None:
         self.cfg, self.run_dir = cfg, run_dir
         self.rank, self.world, self.device = setup_distributed(cfg.trainer.device)
+        # Settings that cannot work are refused before any SentencePiece training or encoding.
+        self.amp_dtype = autocast_dtype(cfg.trainer.precision, self.device)
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         # Rank 0 keeps the seed; other ranks draw dropout from streams of their own, not copies of
@@ -80,6 +82,11 @@ class Trainer:
             cfg.model, replaced = finetune_model_config(cfg.model, start["model_config"])
             if replaced:
                 log.info("%s: the model's shape replaces %s", origin, replaced)
+        elif cfg.model.tie_embeddings == "all" and not cfg.data.tokenizer.joint:
+            tok_dir = Path(cfg.data.tokenizer.path or run_dir / "tokenizer")
+            if not (tok_dir / META_FILE).exists():  # to be trained as two vocabularies
+                raise ValueError(TIED_NEEDS_JOINT)
+        saved_config = (start.get("config") or {}) if resuming else {}
         cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
         self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
                              Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
@@ -87,8 +94,7 @@ class Trainer:
         if cfg.model.tie_embeddings == "all" and not tok.joint:
             # Two vocabularies of one size pass the model's size check, but id 11 would be
             # "▁The" in one and "s" in the other, sharing one embedding.
-            raise ValueError("model.tie_embeddings=all needs a joint vocabulary: set "
-                             "data.tokenizer.joint=true, or model.tie_embeddings=decoder")
+            raise ValueError(TIED_NEEDS_JOINT)
         cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
         self.model = build_model(cfg.model).to(self.device)
         if start is not None and not resuming:
@@ -107,7 +113,6 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda taken: multiplier(taken + 1))
         self.step_lr = cfg.optim.lr * multiplier(1)  # the learning rate of the last step taken
-        self.amp_dtype = autocast_dtype(cfg.trainer.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type,
                                            enabled=self.amp_dtype == torch.float16)
         log.info("precision: %s on %s, %d process(es)",
@@ -127,6 +132,10 @@ class Trainer:
         self.validated_step = -1
         self.window = Window(self.device)  # the loss and speed since the last log line
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+        if resuming and self.rank == 0:
+            changed = config_changes(saved_config, self.config_dict)
+            if changed:
+                log.info("resuming with settings changed since %s: %s", last, ", ".join(changed))
         if resuming:
             self._resume(last)
             if self.history and self.history[-1]["step"] == self.step:
@@ -187,6 +196,19 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.step_in_epoch = (state["step"], state["epoch"],
                                                       state["step_in_epoch"])
+        # The position in the epoch is counted in steps; a step is accumulation x processes
+        # batches. Another count per step would start the epoch again at another batch.
+        saved_acc = ((ckpt.get("config") or {}).get("trainer") or {}).get("accumulation", 1)
+        saved_per_step = saved_acc * state["world_size"]
+        per_step = self.cfg.trainer.accumulation * self.world
+        if saved_per_step != per_step:
+            seen = self.step_in_epoch * saved_per_step
+            self.step_in_epoch = seen // per_step
+            again = seen - self.step_in_epoch * per_step
+            log.warning("resuming with %d batches per step (trainer.accumulation x processes) "
+                        "where the run took %d: each update changes size, and the epoch goes on "
+                        "from its batch %d%s", per_step, saved_per_step, seen - again,
+                        f" ({again} of its batches trained again)" if again else "")
         self.best, self.bad_validations = state["best"], state["bad_validations"]
         self.history = state["history"]
         self.skipped_steps = state.get("skipped_steps", 0)
@@ -212,7 +234,7 @@ class Trainer:
         # they would wait at the next barrier for a rank 0 that had raised.
         bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
         if bad:
-            raise RuntimeError(f"training diverged: non-finite weights ({', '.join(bad[:3])}); "
+            raise Diverged(f"training diverged: non-finite weights ({', '.join(bad[:3])}); "
                                f"not overwriting {self.ckpt_dir / 'last.pt'}. Lower optim.lr, "
                                "raise optim.warmup_steps or set optim.clip_norm")
         mine = {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -324,7 +346,7 @@ class Trainer:
             last = self.ckpt_dir / "last.pt"
             saved = (f"last good weights are in {last}" if last.exists()
                      else "no checkpoint was saved yet")
-            raise RuntimeError(
+            raise Diverged(
                 f"training diverged: {worst} steps in a row with a NaN/inf loss "
                 f"(trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); {saved}. Lower "
                 "optim.lr, raise optim.warmup_steps or set optim.clip_norm"
@@ -452,6 +474,29 @@ class Trainer:
         barrier(self.world)
 
 
+TIED_NEEDS_JOINT = ("model.tie_embeddings=all needs a joint vocabulary: set "
+                    "data.tokenizer.joint=true, or model.tie_embeddings=decoder")
+
+
+def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """``key=new (was old)`` for every leaf of the config that differs from a checkpoint's,
+    so that a resumed run says what it does differently (a budget raised, a batch size
+    changed) instead of doing it silently."""
+    out = []
+    for key in sorted(saved.keys() | now.keys()):
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b and not (isinstance(a, list | tuple) and isinstance(b, list | tuple)
+                             and list(a) == list(b)):
+            out.append(f"{prefix}{key}={b} (was {a})")
+    return out
+
+
+class Diverged(RuntimeError):
+    """Training blew up (NaN/inf); the message says where the last good weights are."""
+
+
 def _as_python_state(state):
     """random.setstate needs tuples; a checkpoint round trip may give lists."""
     version, internal, gauss = state
@@ -515,6 +560,24 @@ def leave_run_dir(own: Path, shared: Path, remove: bool, meta: str | None = ".hy
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
 def hydra_main(dcfg: DictConfig) -> float | None:
+    """The run, with the mistakes a user can fix (a config value, a data file, a budget, a
+    divergence) said in one line on stderr; the traceback goes to train.log only, or to stderr
+    too with HYDRA_FULL_ERROR=1, as Hydra's own errors."""
+    try:
+        return _run(dcfg)
+    except (ValueError, OSError, Diverged) as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, "mt-train failed",
+                                   None, sys.exc_info())
+        logs = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+        for handler in logs:
+            handler.handle(record)
+        where = f" (traceback in {logs[0].baseFilename})" if logs else ""
+        raise SystemExit(f"mt-train: {err}{where}") from None
+
+
+def _run(dcfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
     check_keys(dcfg)
@@ -532,6 +595,7 @@ def hydra_main(dcfg: DictConfig) -> float | None:
         named = [""] * dist.get_world_size()
         dist.all_gather_object(named, str(run_dir))
         if dist.get_rank() > 0:
+            logging.getLogger().setLevel(logging.WARNING)  # rank 0 tells the story once
             leave_run_dir(run_dir, Path(shared[0]), named.index(str(run_dir)) == dist.get_rank(),
                           HydraConfig.get().output_subdir)
         run_dir, cfg = Path(shared[0]), shared[1]

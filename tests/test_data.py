@@ -135,7 +135,7 @@ def test_hub_style_datasets_load_the_same_pairs(tmp_path):
 def test_hub_offline_fails_with_one_clear_sentence():
     cfg = DataConfig(source="hub", hub_name="wmt/wmt14", hub_config="de-en", src_lang="en",
                      tgt_lang="de")
-    with pytest.raises(RuntimeError, match="could not reach the Hugging Face hub for wmt/wmt14"):
+    with pytest.raises(ConnectionError, match="could not reach the Hugging Face hub for wmt/wmt14"):
         load_split(cfg, "train")
 
 
@@ -169,6 +169,12 @@ def test_bad_input_names_file_and_line(tmp_path, fmt, files, message):
         (tmp_path / name).write_bytes(data)
     with pytest.raises(DataError, match=message):
         load_split(_cfg(tmp_path, fmt), "train", cache_dir=str(tmp_path / "cache"))
+
+
+def test_a_blank_tsv_line_is_an_empty_pair_as_in_the_text_format(tmp_path):
+    (tmp_path / "train.tsv").write_bytes(b"a\tx\n\nb\ty\n\n")
+    ds = load_split(_cfg(tmp_path, "tsv"), "train", cache_dir=str(tmp_path / "cache"))
+    assert _pairs(ds) == [("a", "x"), ("", ""), ("b", "y"), ("", "")]
 
 
 def test_bad_gzip_input_names_file_and_line(tmp_path):
