@@ -242,11 +242,19 @@ def train_tokenizer(
             sentences = _sample(src_texts + tgt_texts, cfg.input_sentence_size, seed)
         else:
             sentences = _sample(both(), cfg.input_sentence_size, seed)
-        return Tokenizer(_train_one(sentences, cfg, seed, cfg.user_symbols))
-    return Tokenizer(  # user symbols mark sources: the target vocabulary has no use for them
-        _train_one(_sample(src_texts, cfg.input_sentence_size, seed), cfg, seed, cfg.user_symbols),
-        _train_one(_sample(tgt_texts, cfg.input_sentence_size, seed), cfg, seed),
-    )
+        tok = Tokenizer(_train_one(sentences, cfg, seed, cfg.user_symbols))
+    else:
+        tok = Tokenizer(  # user symbols mark sources: the target vocabulary has no use for them
+            _train_one(_sample(src_texts, cfg.input_sentence_size, seed), cfg, seed,
+                       cfg.user_symbols),
+            _train_one(_sample(tgt_texts, cfg.input_sentence_size, seed), cfg, seed),
+        )
+    sizes = {tok.src_vocab_size, tok.tgt_vocab_size}
+    if min(sizes) < cfg.vocab_size:  # hard_vocab_limit=False shrank it to what the text holds
+        log.warning("data.tokenizer.vocab_size=%d: the text holds %s pieces, which SentencePiece "
+                    "trained instead", cfg.vocab_size,
+                    " and ".join(str(n) for n in sorted(sizes)))
+    return tok
 
 
 def _release_memory() -> None:

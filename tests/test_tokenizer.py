@@ -45,11 +45,14 @@ def test_train_special_ids_round_trip(model_type, joint):
 
 
 @pytest.mark.parametrize("model_type", ["unigram", "bpe"])
-def test_vocabulary_larger_than_the_text_supports_shrinks(model_type):
+def test_vocabulary_larger_than_the_text_supports_shrinks(model_type, caplog):
     # hard_vocab_limit=False: valid for bpe too (SentencePiece picks the largest size it can)
-    tok = train_tokenizer(SRC[:50], TGT[:50], TokenizerConfig(model_type=model_type,
-                                                               vocab_size=5000), seed=0)
+    with caplog.at_level("WARNING", logger="mt.tokenizer"):
+        tok = train_tokenizer(SRC[:50], TGT[:50], TokenizerConfig(model_type=model_type,
+                                                                   vocab_size=5000), seed=0)
     assert 30 < tok.src_vocab_size < 5000
+    assert (f"data.tokenizer.vocab_size=5000: the text holds {tok.src_vocab_size} pieces"
+            in caplog.text)  # said, not silent
 
 
 def test_same_seed_same_model_and_bad_type():
