@@ -112,7 +112,10 @@ def plot_curves(metrics_file: Path, out: Path) -> bool:
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "valid_loss" in r]
     fig, (ax_loss, ax_bleu) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (smoothed)")
+    # NLL against NLL (the label-smoothed loss sits higher; runs before "nll" was logged: that)
+    key = "nll" if train and "nll" in train[0] else "loss"
+    ax_loss.plot([r["step"] for r in train], [r[key] for r in train],
+                 label="train NLL" if key == "nll" else "train (smoothed)")
     ax_loss.plot([r["step"] for r in valid], [r["valid_loss"] for r in valid], "o-",
                  label="valid NLL")
     ax_loss.set_xlabel("step")
@@ -143,7 +146,7 @@ class Window:
         self.restart()
 
     def restart(self) -> None:
-        self.loss = torch.zeros((), device=self.device)
+        self.loss = torch.zeros(2, device=self.device)  # label-smoothed loss, NLL
         self.loss_tokens = torch.zeros((), dtype=torch.long, device=self.device)
         self.restart_clock()
 
@@ -156,22 +159,24 @@ class Window:
     def state(self) -> dict:
         """The loss so far, for a checkpoint: a resumed run's next log line then equals the
         uninterrupted run's (a sync with the device: called at saves only)."""
-        return {"loss": float(self.loss), "loss_tokens": int(self.loss_tokens)}
+        loss, nll = self.loss.tolist()
+        return {"loss": loss, "nll": nll, "loss_tokens": int(self.loss_tokens)}
 
     def load(self, state: dict) -> None:
-        self.loss.fill_(state["loss"])
+        self.loss.copy_(torch.tensor([state["loss"], state.get("nll", 0.0)]))
         self.loss_tokens.fill_(state["loss_tokens"])
 
     def add(self, loss: torch.Tensor, tokens: int, finite: torch.Tensor) -> None:
-        """A step's loss summed over ``tokens`` target tokens; a NaN/inf step counts for speed
-        only."""
+        """A step's loss and NLL ((2,)) summed over ``tokens`` target tokens; a NaN/inf step
+        counts for speed only."""
         self.loss += torch.where(finite, loss.float(), 0.0)
         self.loss_tokens += finite * tokens
         self.tokens += tokens
 
     def read(self) -> dict:
         seconds = time.perf_counter() - self.start
-        out = {"loss": float(self.loss) / max(int(self.loss_tokens), 1),
+        loss, nll = (self.loss / self.loss_tokens.clamp(min=1)).tolist()
+        out = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)),
                "tgt_tokens_per_s": self.tokens / max(seconds, 1e-9)}
         self.restart()
         return out
@@ -220,5 +225,5 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device) -> None:
             json.dump({**report.get("best", {}), "averaged": report.get("averaged")}, f, indent=2)
         if cfg.data.source != "hub" and cfg.data.format == "text":  # tsv/jsonl: no source file
             src_file = split_files(cfg.data, cfg.data.test.split("+")[0])[0]  # the first part
-            print(f"try: translate -m {run_dir} -i {src_file}")
+            print(f"try: translate -m {run_dir} -i {src_file.resolve()}")  # from anywhere
     print(f"run directory: {run_dir}")

@@ -289,13 +289,14 @@ class Trainer:
                    step_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches.
 
-        Returns the summed label-smoothed loss and whether it is finite, both device tensors:
+        Returns the summed label-smoothed loss and NLL (a (2,) tensor: the NLL is what the valid
+        loss measures, so the two curves compare) and whether they are finite, device tensors:
         nothing here waits for the device. When the loss is NaN/inf the fused optimizer skips
         the update on the device (weights and optimizer state unchanged; the schedule moves on),
         and fit() reads the count every few steps (_check_bad_steps).
         """
         self.optimizer.zero_grad(set_to_none=True)
-        loss_total = torch.zeros((), device=self.device)
+        loss_total = torch.zeros(2, device=self.device)
         for i, batch in enumerate(micro_batches):
             src, tgt_in, tgt_out = (t.to(self.device, non_blocking=True)
                                     for t in self.corpus.collate(batch))
@@ -304,11 +305,11 @@ class Trainer:
             with sync:
                 with self._autocast():
                     logits = self.net(src, tgt_in)
-                loss, _ = label_smoothed_nll(logits, tgt_out, self.cfg.optim.label_smoothing)
+                loss, nll = label_smoothed_nll(logits, tgt_out, self.cfg.optim.label_smoothing)
                 # DDP averages gradients over ranks; scale so the result is sum / step_tokens.
                 self.scaler.scale(loss * self.world / step_tokens).backward()
-            loss_total += loss.detach()
-        finite = torch.isfinite(loss_total).float()
+            loss_total += torch.stack([loss.detach(), nll.detach()]).float()
+        finite = torch.isfinite(loss_total).all().float()
         if self.world > 1:  # skip on every rank, or on none
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         self.scaler.unscale_(self.optimizer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 import re
 import signal
@@ -311,6 +312,10 @@ def test_a_resumed_run_logs_each_step_once_with_the_losses_of_a_run_never_stoppe
 
     assert [r["step"] for r in records(full)] == [3, 5, 6, 9, 10, 12, 15, 15]
     assert records(split) == records(full)  # step 12's window holds steps 10-12
+    train = [r for r in records(full) if "loss" in r]
+    # the NLL beside the label-smoothed loss (0.1 here), on the valid loss's scale
+    assert all(0 < r["nll"] < r["loss"] and r["ppl"] == pytest.approx(math.exp(r["nll"]))
+               for r in train)
 
 
 def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr(
@@ -516,3 +521,17 @@ def test_valid_loss_leaves_out_a_pair_longer_than_the_model_and_bleu_keeps_it(to
                         torch.device("cpu"))
     assert both["valid_loss"] == pytest.approx(fits["valid_loss"], rel=1e-6)
     assert both["valid_chrf"] != fits["valid_chrf"]  # the long pair is in BLEU and chrF
+
+
+def test_a_sweep_keeps_stdout_for_results(tmp_path, corpus_dir, tokenizer_dir):
+    """Hydra's launcher lines ("Launching 2 jobs locally") went to stdout, which carries results
+    only; each job trains in a directory of its own."""
+    cmd = [PYTHON, "-m", "mt.train", "-m", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.sweep.dir={tmp_path / 'sweep'}", "trainer.max_steps=1",
+           "trainer.test_at_end=false", "trainer.seed=1,2"]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Launching 2 jobs" in result.stderr
+    assert result.stdout.splitlines() == [f"run directory: {tmp_path / 'sweep' / n}"
+                                          for n in ("0", "1")]
