@@ -178,6 +178,21 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def _check_direction(paths: list[str], test: TestSet) -> None:
+    """Warns when a model was trained for another language pair than the test set's: a
+    de-en test scored with an en-de model gives BLEU near 0 and no other sign of the mix-up."""
+    from mt.checkpoint import load
+
+    if not test.langpair:
+        return
+    for path in paths:
+        data = (load(path, mmap=True).get("config") or {}).get("data") or {}
+        pair = f"{data.get('src_lang')}-{data.get('tgt_lang')}"
+        if "src_lang" in data and "tgt_lang" in data and pair != test.langpair:
+            log.warning("%s was trained for %s, test set %s is %s: check the direction "
+                        "(--langpair)", path, pair, test.name, test.langpair)
+
+
 def _translate(system: System, test: TestSet, sources: list[str] | None, n: int, loaded: dict,
                args: argparse.Namespace) -> tuple[list[str], dict]:
     from mt.workers import default_workers
@@ -195,6 +210,7 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
         except ValueError as err:
             raise EvalError(f"-m {system.path}: {err}") from None
         loaded[n] = (model, tokenizer)
+        _check_direction(names, test)
         configs = [m.cfg for m in getattr(model, "models", [model])]
         system.info = {"model": ",".join(names),
                        "config_hash": ",".join(config_hash(dict(vars(c))) for c in configs),

@@ -358,9 +358,23 @@ def _tiny_model_and_test_set(tmp_path: Path) -> tuple[str, str]:
     cfg = ModelConfig(encoder_layers=1, decoder_layers=1, d_model=32, ffn_dim=64, heads=2,
                       max_positions=64, src_vocab_size=tok.src_vocab_size,
                       tgt_vocab_size=tok.tgt_vocab_size)
-    save_atomic(model_state(build_model(cfg).eval(), tok, None), tmp_path / "m.pt")
+    run_config = {"data": {"src_lang": "en", "tgt_lang": "de"}}  # as mt-train records it
+    save_atomic(model_state(build_model(cfg).eval(), tok, run_config), tmp_path / "m.pt")
     return (_write(tmp_path / "test.en", src[:12]),
             _write(tmp_path / "test.de", [s.upper() for s in src[:12]]))
+
+
+def test_a_model_trained_for_the_other_direction_is_said(tmp_path, capsys, caplog):
+    """An en-de model scored on a de-en test set gives BLEU near 0 and no other sign."""
+    src_file, ref_file = _tiny_model_and_test_set(tmp_path)
+    argv = ["-m", str(tmp_path / "m.pt"), "--src", src_file, "--ref", ref_file, "--beam", "1",
+            "--max-len-b", "3"]
+    with caplog.at_level("WARNING", logger="mt.evaluate"):
+        _run([*argv, "--langpair", "en-de"], capsys)
+    assert "trained for" not in caplog.text
+    with caplog.at_level("WARNING", logger="mt.evaluate"):
+        _run([*argv, "--langpair", "de-en"], capsys)
+    assert "m.pt was trained for en-de, test set" in caplog.text and "is de-en" in caplog.text
 
 
 def test_bfloat16_evaluation_scores_what_translate_writes(tmp_path, capsys):
