@@ -52,30 +52,35 @@ def add_search_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, *
     if nbest:
         p.add_argument("--nbest", type=int, default=1,
                        help="print up to N lines per input line, 'index<TAB>translation<TAB>"
-                            "score' (an empty line or one translated in pieces has one)")
+                            "score' (an empty line or one translated in pieces has one); "
+                            "default: 1, the translation alone")
     p.add_argument("--lenpen", type=float, default=0.6,
                    help="GNMT length penalty alpha (default: 0.6)")
     p.add_argument("--max-len-a", type=float, default=1.5,
                    help="at most a * source tokens + b output tokens, EOS included (default: 1.5)")
-    p.add_argument("--max-len-b", type=int, default=10, help="(default: 10)")
-    p.add_argument("--min-len", type=int, default=0, help="no EOS before this many tokens")
+    p.add_argument("--max-len-b", type=int, default=10, help="b of --max-len-a (default: 10)")
+    p.add_argument("--min-len", type=int, default=0,
+                   help="no EOS before this many tokens (default: 0)")
     p.add_argument("--no-repeat-ngram-size", type=count_or_off, default=0, metavar="N",
-                   help="no n-gram of N tokens twice in one translation (0: off), against the "
-                        "loops of an under-trained model")
+                   help="no n-gram of N tokens twice in one translation, against the loops of "
+                        "an under-trained model (default: 0, off)")
     p.add_argument("--sampling", action="store_true",
                    help="sample translations instead of beam search")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0: all)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature (default: 1.0)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k best tokens (default: 0, all)")
     p.add_argument("--top-p", type=float, default=1.0,
-                   help="sample from the smallest set of tokens with this much mass (1.0: all)")
+                   help="sample from the smallest set of tokens with this much mass "
+                        "(default: 1.0, all)")
     p.add_argument("--epsilon", type=float, default=0.0,
-                   help="sample no token of probability below this (0: all); 0.02 with --mbr "
-                        "(Freitag et al., 2023)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+                   help="sample no token of probability below this (default: 0, all); 0.02 "
+                        "with --mbr (Freitag et al., 2023)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--mbr", choices=UTILITIES, default=None,
                    help="minimum Bayes risk: of --mbr-candidates translations per line (samples "
                         "with --sampling, else the beam's n-best), the one with the best mean "
-                        "chrF or BLEU against the others")
+                        "chrF or BLEU against the others (default: off)")
     p.add_argument("--mbr-candidates", type=positive_int, default=16, metavar="N",
                    help="candidates per line for --mbr (default: 16)")
     p.add_argument("--batch-tokens", type=positive_int, default=4096,

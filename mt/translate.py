@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "See docs/decoding.md.",
     )
     p.add_argument("-m", "--model", required=True, action="extend", nargs="+",
-                   help="a run directory (its best checkpoint is used) or a checkpoint file; "
+                   help="a checkpoint file, or a run directory (its checkpoints/best.pt, else "
+                        "last.pt; give RUN/checkpoints/averaged.pt for the averaged model); "
                         "several make an ensemble (they must share the tokenizer)")
     p.add_argument("-i", "--input", default=None,
                    help="input file (default: stdin; an interactive prompt on a terminal)")
@@ -111,21 +112,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layer for --alignment (Python index; default: penultimate)")
     p.add_argument("--chunk-lines", type=positive_int, default=100_000,
                    help="lines read, sorted by length, translated and written at a time: bounds "
-                        "the memory of a large file and streams a pipe")
+                        "the memory of a large file and streams a pipe (default: 100000)")
     p.add_argument("--workers", type=positive_int, default=None,
                    help="batches searched at once, one thread and one core each (CPU); default: "
                         "one per core torch may use on CPU, 1 on a GPU. Batches are cut to keep "
                         "every worker busy, so scores may differ in their last bits between "
                         "worker counts")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights and activations; bfloat16 is the fast path on CPUs with "
-                        "AVX512-BF16/AMX and on GPUs; int8: int8 linear layers (CPU only)")
+                        "AVX512-BF16/AMX and on GPUs; int8: int8 linear layers (CPU only) "
+                        "(default: float32)")
     p.add_argument("--no-pack", action="store_true",
                    help="keep linear layers as they are on CPU (default: pre-packed for oneDNN, "
                         "faster)")
     p.add_argument("--errors", choices=("strict", "replace"), default="strict",
-                   help="invalid UTF-8 input: stop with the line number, or replace it")
+                   help="invalid UTF-8 input: stop with the line number, or replace it "
+                        "(default: strict)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar or info logs")
     return p
 
