@@ -38,7 +38,7 @@ from mt.config import (
     register_configs,
 )
 from mt.corpus import Corpus
-from mt.data import tokenizer_config
+from mt.data import split_files, tokenizer_config
 from mt.distributed import barrier, rank_seed, setup_distributed
 from mt.inference import cap_kernel_caches
 from mt.loss import label_smoothed_nll
@@ -90,6 +90,9 @@ class Trainer:
         cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
         self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
                              Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
+        if cfg.trainer.test_at_end and cfg.data.source == "files":
+            for split in cfg.data.test.split("+"):  # missing: say so now, not after training
+                split_files(cfg.data, split)
         tok = self.corpus.tokenizer
         if cfg.model.tie_embeddings == "all" and not tok.joint:
             # Two vocabularies of one size pass the model's size check, but id 11 would be

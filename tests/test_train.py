@@ -466,6 +466,17 @@ def test_tied_embeddings_refuse_two_vocabularies_of_one_size(tmp_path, corpus_di
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_missing_test_split_fails_before_training(tmp_path, corpus_dir, tokenizer_dir):
+    """The test split is read after the last step; a typo in data.test cost the whole run."""
+    cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={tmp_path / 'run'}", "data.test=tst", "trainer.max_steps=3"]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    assert "tst.en: no such file" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_nan_loss_skips_the_step_and_stops_a_diverging_run(tmp_path, corpus_dir, tokenizer_dir):
     # lr = inf makes the weights NaN after the first update, so every later loss is NaN:
     # the run must stop with a clear message instead of saving NaN weights.
