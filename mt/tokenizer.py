@@ -337,6 +337,9 @@ def load_or_train(
         require_symbols(tok, cfg.user_symbols,
                         f"the tokenizer in {directory} (data.tokenizer.path, or the run's own)",
                         "retrain it: set data.tokenizer.path to a new directory")
+        log.info("reusing the tokenizer in %s (%s, %s pieces)", directory,
+                 "joint" if tok.joint else "separate",
+                 tok.src_vocab_size if tok.joint else f"{tok.src_vocab_size}/{tok.tgt_vocab_size}")
         return tok
     start = time.perf_counter()
     src, tgt = texts()

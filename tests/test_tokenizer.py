@@ -111,8 +111,12 @@ def test_load_or_train_reuses_a_complete_directory(tmp_path, caplog):
     first = load_or_train(tmp_path / "tok", texts, cfg, seed=1)
     meta = json.loads((tmp_path / "tok" / META_FILE).read_text())
     assert meta["config"]["vocab_size"] == 100 and meta["seed"] == 1
-    again = load_or_train(tmp_path / "tok", texts, cfg, seed=1)
+    with caplog.at_level(logging.INFO, logger="mt.tokenizer"):
+        again = load_or_train(tmp_path / "tok", texts, cfg, seed=1)
     assert calls == [1] and again.fingerprint == first.fingerprint
+    assert f"reusing the tokenizer in {tmp_path / 'tok'} (joint, {first.src_vocab_size} pieces)" \
+        in caplog.text  # which one a run reuses is said
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mt.tokenizer"):
         other = load_or_train(tmp_path / "tok", texts, TokenizerConfig(vocab_size=200), seed=1)
     assert calls == [1] and other.fingerprint == first.fingerprint
