@@ -154,7 +154,9 @@ def filter_lengths(src_lens: np.ndarray, tgt_lens: np.ndarray, empty: np.ndarray
     alive = ~empty
     report.empty = int(empty.sum())
     for name, bad in (("too_short", short < cfg.min_tokens), ("too_long", long_ > cfg.max_tokens),
-                      ("ratio", (long_ > cfg.max_ratio * np.maximum(short, 1))
+                      # divided, not multiplied: long / short is rounded once, so a ratio of
+                      # exactly max_ratio (115 / 100 at 1.15) is kept, as the config says
+                      ("ratio", (long_ / np.maximum(short, 1) > cfg.max_ratio)
                        if cfg.max_ratio > 0 else np.zeros_like(alive))):
         dropped = alive & bad
         setattr(report, name, int(dropped.sum()))
@@ -295,10 +297,15 @@ def _int64(lens: Sequence[int]) -> np.ndarray:
     return lens.astype(np.int64)
 
 
-def shard_batches(batches: list[list[int]], rank: int, world_size: int) -> list[list[int]]:
-    """This rank's batches: every world_size-th; the tail is dropped so all ranks step together."""
-    usable = len(batches) - len(batches) % world_size
-    return batches[rank:usable:world_size]
+def step_batches(batches: list[list[int]], step: int, accumulation: int,
+                 world: int) -> list[list[list[int]]]:
+    """The batches of an epoch's optimizer step ``step`` (from 0), one list per rank: the step
+    takes the next ``accumulation x world`` batches and rank r the r-th ``accumulation`` of them.
+    An epoch has ``len(batches) // (accumulation x world)`` steps: the tail that cannot fill one
+    (fewer batches than that) is left out of this epoch, so that all ranks step together."""
+    per_step = accumulation * world
+    group = batches[step * per_step : (step + 1) * per_step]
+    return [group[r * accumulation : (r + 1) * accumulation] for r in range(world)]
 
 
 def budget_batches(lengths: Sequence[int], order: Sequence[int], budget: int

@@ -45,6 +45,11 @@ import numpy as np
 
 from mt.config import DataConfig, TokenizerConfig, is_user_symbol
 
+# Part of the text cache's key: bump it when reading changes what a file's lines become (2: a
+# byte-order mark before line 1 is dropped, a blank TSV line is an empty pair), so that a cache
+# written by an older mt is not served as the text.
+READ_VERSION = 2
+
 
 class DataError(ValueError):
     """Bad input data; the message names the file and line."""
@@ -241,7 +246,8 @@ def _load_one(cfg: DataConfig, split: str, cache_dir: str | None):
                         "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang},
             features=datasets.Features({"src": datasets.Value("string"),
                                         "tgt": datasets.Value("string")}),
-            fingerprint=stable_hash([stamp, cfg.format, cfg.src_lang, cfg.tgt_lang]),
+            fingerprint=stable_hash([stamp, cfg.format, cfg.src_lang, cfg.tgt_lang,
+                                     READ_VERSION]),
             cache_dir=cache_dir,
         )
     except datasets.exceptions.DatasetGenerationError as err:
@@ -307,7 +313,7 @@ def sample_texts(ds, size: int, seed: int, joint: bool) -> tuple[list[str], list
     Joint vocabularies get ``size // 2`` rows of each side, so both languages together give
     ``size`` sentences (as ``TokenizerConfig.input_sentence_size`` means).
     """
-    rows = size // 2 if joint else size
+    rows = max(1, size // 2) if joint else size
     if ds.cache_files:
         # A private memory map (unpickling re-opens the Arrow files): the pages the sample touches,
         # most of a big corpus, leave the resident set with it instead of staying mapped.

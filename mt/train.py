@@ -29,6 +29,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from mt import checkpoint
+from mt.batching import step_batches
 from mt.config import (
     TrainConfig,
     check_keys,
@@ -409,11 +410,10 @@ class Trainer:
                 raise ValueError(f"one epoch has {len(batches)} batches, fewer than "
                                  f"trainer.accumulation x processes = {per_step}")
             while self.step_in_epoch < steps_in_epoch:
-                first = self.step_in_epoch * per_step
-                step_batches = batches[first : first + per_step]
-                step_tokens = sum(self.corpus.tgt_lens[i] + 1 for b in step_batches for i in b)
-                mine = step_batches[self.rank * t.accumulation : (self.rank + 1) * t.accumulation]
-                loss, finite = self.train_step(mine, step_tokens)
+                shares = step_batches(batches, self.step_in_epoch, t.accumulation, self.world)
+                step_tokens = sum(self.corpus.tgt_lens[i] + 1
+                                  for share in shares for b in share for i in b)
+                loss, finite = self.train_step(shares[self.rank], step_tokens)
                 self.step += 1
                 self.step_in_epoch += 1
                 self._count_bad_step(finite)

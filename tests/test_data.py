@@ -18,7 +18,7 @@ from mt.batching import (  # noqa: E402
     filter_lengths,
     filter_pairs,
     pair_hash,
-    shard_batches,
+    step_batches,
     token_batches,
 )
 from mt.config import BOS_ID, EOS_ID, PAD_ID, DataConfig, FilterConfig, TokenizerConfig  # noqa: E402
@@ -149,6 +149,21 @@ def test_file_cache_is_reused_and_sees_edits(tmp_path):
     assert len(load_split(_cfg(tmp_path / "d"), "train", cache_dir=cache)) == 2
 
 
+def test_a_new_way_of_reading_is_not_served_from_an_old_cache(tmp_path, monkeypatch):
+    """The text cache is keyed by the files' stamps; an mt that reads them otherwise (a BOM
+    dropped) must bump READ_VERSION and get fresh text, not the older mt's."""
+    import mt.data
+
+    _write_split(tmp_path / "d", "text", "train", PAIRS)
+    cache = str(tmp_path / "cache")
+    assert _pairs(load_split(_cfg(tmp_path / "d"), "train", cache_dir=cache)) == PAIRS
+    decode = mt.data._decode
+    monkeypatch.setattr(mt.data, "_decode", lambda *a: decode(*a).upper())
+    monkeypatch.setattr(mt.data, "READ_VERSION", mt.data.READ_VERSION + 1)
+    again = load_split(_cfg(tmp_path / "d"), "train", cache_dir=cache)
+    assert _pairs(again) == [(s.upper(), t.upper()) for s, t in PAIRS]
+
+
 @pytest.mark.parametrize(
     ("fmt", "files", "message"),
     [
@@ -215,6 +230,12 @@ def test_filter_counts_are_exact():
                                   FilterConfig(min_tokens=0, max_tokens=100, max_ratio=0,
                                                dedup=False))
     assert report.kept == 9 and report.empty == 1  # empty sides are always dropped
+    # a ratio of exactly max_ratio is kept even where max_ratio x short rounds below long
+    # (1.15 x 100 = 114.99999999999999 < 115)
+    for ratio, short, long_ in ((1.15, 100, 115), (2.3, 50, 115)):
+        keep, report = filter_lengths(np.array([short]), np.array([long_]), np.array([False]),
+                                      None, FilterConfig(1, 1000, ratio, False))
+        assert report.ratio == 0 and keep.tolist() == [0], (ratio, short, long_)
 
 
 def test_filter_pairs_on_text_matches_the_rules():
@@ -257,6 +278,7 @@ def encoded(tmp_path_factory):
 
 def test_tokenizer_sample_is_aligned_and_sized(encoded):
     pairs, ds, _, _ = encoded
+    assert [len(side) for side in sample_texts(ds, 1, seed=3, joint=True)] == [1, 1]
     src, tgt = sample_texts(ds, 100, seed=3, joint=True)  # joint: 50 rows, both sides
     assert len(src) == len(tgt) == 50
     assert all(pair in pairs for pair in zip(src, tgt, strict=True))
@@ -414,16 +436,20 @@ def test_padding_overhead_under_ten_percent(max_tokens):
     assert budget / (len(batches) * max_tokens) > 0.9  # batches are nearly full, too
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_see_disjoint_batches_covering_the_epoch(world):
+@pytest.mark.parametrize(("world", "accumulation"), [(1, 1), (2, 1), (3, 2), (4, 3)])
+def test_ranks_see_disjoint_batches_covering_the_epoch(world, accumulation):
+    """What mt.train.fit trains: every batch of an epoch once, by one rank, but the tail that
+    cannot fill a step (fewer than accumulation x world batches)."""
     src, tgt = _lengths(3001, 3)
     batches = token_batches(src, tgt, 700, seed=0, epoch=2)
-    shards = [shard_batches(batches, r, world) for r in range(world)]
-    assert len({len(s) for s in shards}) == 1  # every rank takes the same number of steps
-    seen = [i for s in shards for b in s for i in b]
-    assert len(seen) == len(set(seen))  # disjoint
-    tail = len(batches) % world  # the documented dropped tail: fewer than world batches
-    assert sorted(seen) == sorted(i for b in batches[: len(batches) - tail] for i in b)
+    per_step = accumulation * world
+    steps = [step_batches(batches, k, accumulation, world) for k in range(len(batches) // per_step)]
+    assert all(len(share) == accumulation for shares in steps for share in shares)
+    trained = [b for shares in steps for share in shares for b in share]
+    assert trained == batches[: len(trained)]  # in order, none twice
+    assert len(batches) - len(trained) < per_step  # the tail left out
+    ranks = {tuple(b): r for shares in steps for r, share in enumerate(shares) for b in share}
+    assert len(ranks) == len(trained)  # each batch on exactly one rank
 
 
 def test_corpus_interface_and_reuse(tmp_path, monkeypatch):
