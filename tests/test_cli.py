@@ -117,6 +117,8 @@ def test_bench_translate_decodes_what_translate_decodes(trained_run, corpus_dir,
     assert report["systems"]["mt-float32"]["bleu"] == round(expected, 2)
     assert report["systems"]["ct2-float32"]["seconds"] > 0
     assert set(report["ratios"]) == {"mt-float32 / ct2-float32"}
+    assert report["systems"]["mt-float32"]["same_as_mt_float32"] == 1.0
+    assert 0 <= report["systems"]["ct2-float32"]["same_as_mt_float32"] <= 1
 
 
 def test_a_wheel_ships_the_configs_and_trains_from_anywhere(tmp_path):

@@ -228,6 +228,35 @@ def test_beam_is_exact_when_it_can_hold_every_hypothesis():
     assert [h.score for h in hyps] == pytest.approx([s for s, _ in brute[:10]], abs=1e-4)
 
 
+@pytest.mark.parametrize("nbest", [1, 3])
+def test_without_a_length_penalty_beam_stops_early_and_returns_the_same(nbest, monkeypatch):
+    """At lenpen 0 a sentence ends once its nbest best finished hypotheses score at least its best
+    live one (scores only fall): the same n-best as the search that waits for beam_size finished
+    (lenpen 1e-12 ranks alike but keeps waiting), in fewer decoder steps."""
+    from mt.incremental import Decoder
+
+    model, src = _model(seed=2, final_logits_bias=True), _pad(_sources(12, seed=4))
+    with torch.no_grad():  # sentences that end before the budget, as a trained model's do
+        model.final_logits_bias[EOS_ID] = 1.0
+    calls = []
+    log_probs = Decoder.log_probs
+
+    def counted(self, tokens):
+        calls.append(tokens.numel())
+        return log_probs(self, tokens)
+
+    monkeypatch.setattr(Decoder, "log_probs", counted)
+    kw = dict(beam_size=6, nbest=nbest, max_len_a=2.0, max_len_b=10)
+    fast = beam_search(model, src, lenpen=0.0, **kw)
+    rows_fast, calls[:] = sum(calls), []
+    slow = beam_search(model, src, lenpen=1e-12, **kw)
+    rows_slow = sum(calls)
+    assert [[h.tokens for h in hs] for hs in fast] == [[h.tokens for h in hs] for hs in slow]
+    for hs_fast, hs_slow in zip(fast, slow, strict=True):
+        assert [h.logprob for h in hs_fast] == pytest.approx([h.logprob for h in hs_slow])
+    assert rows_fast < rows_slow if nbest == 1 else rows_fast <= rows_slow  # fewer rows decoded
+
+
 def _repeats(tokens: list[int], n: int, start: int = 0) -> bool:
     """Whether an n-gram ending at or after position ``start`` occurs earlier in ``tokens``."""
     grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
