@@ -20,14 +20,16 @@ read -r -a seeds <<< "${SEEDS:-1}"
 say() { printf '\n+ %s\n' "$*" >&2; }
 
 runs=()
+shared=()  # later seeds take the first run's tokenizer: an ensemble needs one vocabulary
 for seed in "${seeds[@]}"; do
   dir=$run
   (( ${#seeds[@]} > 1 )) && dir=$run/seed$seed
-  say mt-train "experiment=$experiment" "hydra.run.dir=$dir" "trainer.seed=$seed" "$@"
+  say mt-train "experiment=$experiment" "hydra.run.dir=$dir" "trainer.seed=$seed" "${shared[@]}" "$@"
   start=$(date +%s)
-  mt-train "experiment=$experiment" "hydra.run.dir=$dir" "trainer.seed=$seed" "$@"
+  mt-train "experiment=$experiment" "hydra.run.dir=$dir" "trainer.seed=$seed" "${shared[@]}" "$@"
   echo "training, averaging and the test decode took $(( ($(date +%s) - start) / 60 )) minutes" >&2
   runs+=("$dir")
+  shared=("data.tokenizer.path=${runs[0]}/tokenizer")
 done
 
 say "tokenizer: ${runs[0]}/tokenizer"

@@ -41,8 +41,9 @@ model() {  # averaged.pt where mt-train wrote one (trainer.average_last), else b
 }
 
 train "$out/reverse" data.src_lang=de data.tgt_lang=en
-if [[ ! -s $data/bt.en ]]; then
-  say translate -m "$(model "$out/reverse")" -i "$data/mono.de" -o "$data/bt.en" --beam 5
+if [[ ! -s $data/bt.en || ! -s $data/bt.de ]]; then  # both: an interrupt may fall between
+  say translate -m "$(model "$out/reverse")" -i "$data/mono.de" -o "$data/bt.en" --beam 5 \
+    --dtype bfloat16
   translate -m "$(model "$out/reverse")" -i "$data/mono.de" -o "$data/bt.en" --beam 5 \
     --dtype bfloat16
   cp "$data/mono.de" "$data/bt.de"
