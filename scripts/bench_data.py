@@ -124,6 +124,7 @@ class MemorySampler(threading.Thread):
         super().__init__(daemon=True)
         self.peak = {"pss_mb": 0, "anon_mb": 0}
         self.running = True
+        self.lock = threading.Lock()  # take() resets the peak while run() may be raising it
 
     @staticmethod
     def _pss(pid: int) -> tuple[int, int]:
@@ -148,8 +149,9 @@ class MemorySampler(threading.Thread):
     def sample(self) -> None:
         pids = [os.getpid(), *self._children(os.getpid())]
         pss, anon = (sum(v) / 1024 for v in zip(*(self._pss(p) for p in pids), strict=True))
-        self.peak = {"pss_mb": max(self.peak["pss_mb"], round(pss)),
-                     "anon_mb": max(self.peak["anon_mb"], round(anon))}
+        with self.lock:
+            self.peak = {"pss_mb": max(self.peak["pss_mb"], round(pss)),
+                         "anon_mb": max(self.peak["anon_mb"], round(anon))}
 
     def run(self) -> None:
         while self.running:
@@ -159,7 +161,8 @@ class MemorySampler(threading.Thread):
     def take(self) -> dict:
         """The peak since the last call, and a fresh start."""
         self.sample()
-        peak, self.peak = self.peak, {"pss_mb": 0, "anon_mb": 0}
+        with self.lock:
+            peak, self.peak = self.peak, {"pss_mb": 0, "anon_mb": 0}
         return peak
 
 
