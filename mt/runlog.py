@@ -23,6 +23,11 @@ log = logging.getLogger("mt.train")
 _said_too_long: set[tuple[int, int]] = set()  # (valid pairs, limit): warned once per process
 
 
+def perplexity(nll: float) -> float:
+    """exp(NLL per token), capped where an untrained model's would overflow."""
+    return math.exp(min(nll, 50))
+
+
 def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
              trainer: TrainerConfig, device: torch.device) -> dict:
     """Loss and perplexity on the valid pairs (teacher forced, without label smoothing, so runs
@@ -58,7 +63,7 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
     hyps = [n[0][0] for n in translate_lines(model, tokenizer, src, opts)]
     scores = score(hyps, tgt)
     loss = loss_sum / max(tokens, 1)
-    return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50)),
+    return {"valid_loss": loss, "valid_ppl": perplexity(loss),
             "valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
 
 
@@ -176,7 +181,7 @@ class Window:
     def read(self) -> dict:
         seconds = time.perf_counter() - self.start
         loss, nll = (self.loss / self.loss_tokens.clamp(min=1)).tolist()
-        out = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)),
+        out = {"loss": loss, "nll": nll, "ppl": perplexity(nll),
                "tgt_tokens_per_s": self.tokens / max(seconds, 1e-9)}
         self.restart()
         return out

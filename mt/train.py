@@ -87,7 +87,6 @@ class Trainer:
             tok_dir = Path(cfg.data.tokenizer.path or run_dir / "tokenizer")
             if not (tok_dir / META_FILE).exists():  # to be trained as two vocabularies
                 raise ValueError(TIED_NEEDS_JOINT)
-        saved_config = (start.get("config") or {}) if resuming else {}
         cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
         self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
                              Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
@@ -136,10 +135,6 @@ class Trainer:
         self.validated_step = -1
         self.window = Window(self.device)  # the loss and speed since the last log line
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
-        if resuming and self.rank == 0:
-            changed = config_changes(saved_config, self.config_dict)
-            if changed:
-                log.info("resuming with settings changed since %s: %s", last, ", ".join(changed))
         if resuming:
             self._resume(last)
             if self.history and self.history[-1]["step"] == self.step:
@@ -189,6 +184,11 @@ class Trainer:
 
     def _resume(self, path: Path) -> None:
         ckpt = checkpoint.load(path)
+        saved_config = ckpt.get("config") or {}
+        if self.rank == 0:
+            changed = config_changes(saved_config, self.config_dict)
+            if changed:
+                log.info("resuming with settings changed since %s: %s", path, ", ".join(changed))
         self.model.load_state_dict(ckpt["model"])
         state = ckpt["trainer"]
         for saved, group in zip(state["optimizer"]["param_groups"], self.optimizer.param_groups,
@@ -202,7 +202,7 @@ class Trainer:
                                                       state["step_in_epoch"])
         # The position in the epoch is counted in steps; a step is accumulation x processes
         # batches. Another count per step would start the epoch again at another batch.
-        saved_acc = ((ckpt.get("config") or {}).get("trainer") or {}).get("accumulation", 1)
+        saved_acc = (saved_config.get("trainer") or {}).get("accumulation", 1)
         saved_per_step = saved_acc * state["world_size"]
         per_step = self.cfg.trainer.accumulation * self.world
         if saved_per_step != per_step:
