@@ -17,6 +17,7 @@ folder or a single file works.
 from __future__ import annotations
 
 import os
+import random
 import re
 import tempfile
 from pathlib import Path
@@ -149,6 +150,34 @@ def best_step_checkpoints(paths: list[Path], history: list[dict], best_metric: s
         return int(p.stem.split("_")[1])
 
     return sorted((p for p in paths if step(p) in score), key=lambda p: -score[step(p)])
+
+
+def prune_step_checkpoints(directory: Path, history: list[dict], keep_last: int, keep_best: int,
+                           best_metric: str) -> None:
+    """Keeps the last ``keep_last`` and the ``keep_best`` best step checkpoints (by the run's
+    validation ``history``); deletes the others."""
+    steps = step_checkpoints(directory)
+    keep = set(steps[-keep_last:]) if keep_last else set()
+    if keep_best:
+        keep.update(best_step_checkpoints(steps, history, best_metric)[:keep_best])
+    for path in steps:
+        if path not in keep:
+            path.unlink()
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's random streams (torch, Python, CUDA), for an exact resume."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else []}
+
+
+def set_rng_state(state: dict) -> None:
+    """Puts back what ``rng_state`` saved; the streams draw on as before the save."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]  # a checkpoint round trip may give lists
+    random.setstate((version, tuple(internal), gauss))
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # Model config keys that may differ between checkpoints that are averaged: the dropouts (training

@@ -209,6 +209,21 @@ def finetune_model_config(config: ModelConfig, saved: dict[str, Any]) -> tuple[M
     return model, ", ".join(ignored)
 
 
+def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """``key=new (was old)`` for every leaf of the config that differs from a checkpoint's,
+    so that a resumed run says what it does differently (a budget raised, a batch size
+    changed) instead of doing it silently."""
+    out = []
+    for key in sorted(saved.keys() | now.keys()):
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b and not (isinstance(a, list | tuple) and isinstance(b, list | tuple)
+                             and list(a) == list(b)):
+            out.append(f"{prefix}{key}={b} (was {a})")
+    return out
+
+
 def is_user_symbol(text: str) -> bool:
     """Whether SentencePiece can take ``text`` as a user symbol (``data.tag``): one non-empty word
     (it cuts at spaces, '▁' once encoded), no ',' (its trainer takes the list joined by

@@ -1,15 +1,23 @@
 """The process group of a run under ``torchrun``: which process this is, on which device.
 
 Scaling past one process is plain DistributedDataParallel (``mt.train``); this module only starts
-the group (gloo on CPU, NCCL on GPU) and lets ranks wait for each other.
+the group (gloo on CPU, NCCL on GPU), lets ranks wait for each other, and gives every rank rank 0's
+run directory and config.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("mt.distributed")
+
+T = TypeVar("T")
 
 
 def setup_distributed(device_cfg: str) -> tuple[int, int, torch.device]:
@@ -56,3 +64,77 @@ def rank_seed(seed: int, rank: int) -> int:
     import numpy as np
 
     return int(np.random.SeedSequence([seed & 0xFFFF_FFFF, rank]).generate_state(1)[0])
+
+
+def share_run(run_dir: Path, cfg: T, meta: str | None) -> tuple[Path, T]:
+    """Rank 0's run directory and resolved config, on every rank of an initialised group.
+
+    Each torchrun process resolved ``${now}`` itself, so each named a directory of its own; and
+    interpolations such as ``data.dir=${hydra:runtime.output_dir}/data`` differ the same way, so
+    the whole config comes from rank 0 too. Ranks above 0 log warnings only (rank 0 tells the
+    story once) and leave the directory they named (``leave_run_dir``).
+    """
+    shared = [str(run_dir), cfg]
+    dist.broadcast_object_list(shared, src=0)
+    # Several ranks may have named the same directory: the first of them removes it.
+    named = [""] * dist.get_world_size()
+    dist.all_gather_object(named, str(run_dir))
+    if dist.get_rank() > 0:
+        logging.getLogger().setLevel(logging.WARNING)
+        leave_run_dir(run_dir, Path(shared[0]), named.index(str(run_dir)) == dist.get_rank(), meta)
+    return Path(shared[0]), shared[1]
+
+
+def leave_run_dir(own: Path, shared: Path, remove: bool, meta: str | None = ".hydra") -> None:
+    """Run by ranks above 0 once they know rank 0's directory (``shared``): the run's log is rank
+    0's, and the directory Hydra made for this process (``own``: its clock named it, a second
+    after rank 0's) is removed by ``remove``, the first rank that named it, so that a
+    multi-process run leaves one run directory, not one per rank.
+
+    Only what Hydra wrote is removed: its ``meta`` folder (``hydra.output_subdir``) with its three
+    files and the log files this process had open there; a directory holding anything else stays.
+    Tidying up never stops the run: a failure is a warning. A process that Hydra moved into
+    ``own`` (``hydra.job.chdir=true``) moves to ``shared``, where rank 0 works, so that relative
+    paths mean the same on every rank and its working directory is never one that was removed.
+    """
+    if own.is_dir() and Path.cwd().resolve() == own.resolve():
+        os.chdir(shared)
+    root, logs = logging.getLogger(), set()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == own:
+            root.removeHandler(handler)
+            handler.close()
+            logs.add(Path(handler.baseFilename).name)
+    if not remove or not own.is_dir() or own.resolve() == shared.resolve():
+        return
+    meta_dir = own / meta if meta else None
+    hydra_files = {"config.yaml", "hydra.yaml", "overrides.yaml"}
+
+    def hydras(p: Path) -> bool:
+        if p.is_symlink():
+            return False
+        if p == meta_dir:
+            return p.is_dir() and {q.name for q in p.iterdir()} <= hydra_files
+        return p.name in logs and p.is_file()
+
+    try:
+        entries = list(own.iterdir())
+        if not all(hydras(p) for p in entries):
+            return
+        for p in entries:
+            if p == meta_dir:
+                for q in p.iterdir():
+                    q.unlink()
+                p.rmdir()
+            else:
+                p.unlink()
+        own.rmdir()
+        # Folders the template made for it alone (``runs/${now:%Y-%m-%d}/${now:%H-%M-%S}`` with
+        # the second rank past midnight): empty, and not on rank 0's path.
+        parent = own.resolve().parent
+        while parent not in shared.resolve().parents and not any(parent.iterdir()):
+            parent.rmdir()
+            parent = parent.parent
+    except OSError as err:
+        log.warning("could not remove %s, the run directory this process named before it took "
+                    "rank 0's (%s): %s", own, shared, err)

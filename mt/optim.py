@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from mt.config import OptimConfig
+
 
 def cpu_has_fast_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matrix products about 2x (AVX512-BF16) to 4.5x (AMX) float32's."""
@@ -86,3 +88,29 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.
         raise ValueError(f"optim.name must be adam or adamw, got {cfg.optim.name!r}")
     return kinds[cfg.optim.name](model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                  eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay, fused=True)
+
+
+def take_optim_config(optimizer: torch.optim.Optimizer,
+                      scheduler: torch.optim.lr_scheduler.LambdaLR, o: OptimConfig) -> list[str]:
+    """Gives a resumed run's optimizer this run's ``optim.lr``, betas, eps and weight_decay.
+
+    Loading the saved state brings back the saver's (and the scheduler's base rate), so the
+    advice after a divergence, "lower optim.lr and run again in the run directory", would
+    change nothing. Values equal to the saved ones leave the state untouched: a resumed run
+    with the same config continues exactly.
+
+    Returns:
+        ``optim.KEY=NEW (was OLD)`` for each value changed.
+    """
+    now = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    group = optimizer.param_groups[0]
+    was = {"lr": scheduler.base_lrs[0], "betas": tuple(group["betas"]), "eps": group["eps"],
+           "weight_decay": group["weight_decay"]}
+    changed = [k for k in now if now[k] != was[k]]
+    if changed:
+        scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
+        lr = o.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+        for group in optimizer.param_groups:
+            group.update(initial_lr=o.lr, lr=lr, betas=now["betas"], eps=o.eps,
+                         weight_decay=o.weight_decay)
+    return [f"optim.{k}={now[k]} (was {was[k]})" for k in changed]

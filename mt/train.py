@@ -35,22 +35,26 @@ from mt.config import (
     check_keys,
     check_values,
     conf_dir,
+    config_changes,
     finetune_model_config,
     register_configs,
 )
 from mt.corpus import Corpus
 from mt.data import split_files, tokenizer_config
-from mt.distributed import barrier, rank_seed, setup_distributed
+from mt.distributed import barrier, rank_seed, setup_distributed, share_run
 from mt.inference import cap_kernel_caches
 from mt.loss import label_smoothed_nll
 from mt.model import build_model, count_parameters
-from mt.optim import autocast_dtype, build_optimizer, lr_lambda
+from mt.optim import autocast_dtype, build_optimizer, lr_lambda, take_optim_config
 from mt.runlog import Metrics, Window, finish, validate
 from mt.tokenizer import META_FILE, Tokenizer
 
 log = logging.getLogger("mt.train")
 
 CONF_DIR = str(conf_dir())
+
+TIED_NEEDS_JOINT = ("model.tie_embeddings=all needs a joint vocabulary: set "
+                    "data.tokenizer.joint=true, or model.tie_embeddings=decoder")
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -158,30 +162,6 @@ class Trainer:
             "window": self.window.state(),
         }
 
-    def _take_optim_config(self) -> None:
-        """A resumed run's optimizer takes this run's optim.lr, betas, eps and weight_decay.
-
-        Loading the saved state brings back the saver's (and the scheduler's base rate), so the
-        advice after a divergence, "lower optim.lr and run again in the run directory", would
-        change nothing. Values equal to the saved ones leave the state untouched: a resumed run
-        with the same config continues exactly.
-        """
-        o = self.cfg.optim
-        now = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
-        group = self.optimizer.param_groups[0]
-        was = {"lr": self.scheduler.base_lrs[0], "betas": tuple(group["betas"]),
-               "eps": group["eps"], "weight_decay": group["weight_decay"]}
-        changed = [k for k in now if now[k] != was[k]]
-        if not changed:
-            return
-        log.warning("resuming with %s", ", ".join(f"optim.{k}={now[k]} (was {was[k]})"
-                                                  for k in changed))
-        self.scheduler.base_lrs = [o.lr] * len(self.optimizer.param_groups)
-        lr = o.lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
-        for group in self.optimizer.param_groups:
-            group.update(initial_lr=o.lr, lr=lr, betas=now["betas"], eps=o.eps,
-                         weight_decay=o.weight_decay)
-
     def _resume(self, path: Path) -> None:
         ckpt = checkpoint.load(path)
         saved_config = ckpt.get("config") or {}
@@ -196,7 +176,9 @@ class Trainer:
             saved["fused"], saved["foreach"] = group["fused"], group["foreach"]
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self._take_optim_config()
+        changed = take_optim_config(self.optimizer, self.scheduler, self.cfg.optim)
+        if changed:
+            log.warning("resuming with %s", ", ".join(changed))
         self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.step_in_epoch = (state["step"], state["epoch"],
                                                       state["step_in_epoch"])
@@ -223,11 +205,7 @@ class Trainer:
         # size, or a checkpoint older than rng_ranks, which held rank 0's alone): no exact resume.
         ranks = state.get("rng_ranks", [state["rng"]])
         if state["world_size"] == self.world and self.rank < len(ranks):
-            rng = ranks[self.rank]
-            torch.set_rng_state(rng["torch"])
-            random.setstate(_as_python_state(rng["python"]))
-            if rng["cuda"]:
-                torch.cuda.set_rng_state_all(rng["cuda"])
+            checkpoint.set_rng_state(ranks[self.rank])
         log.info("resumed %s at step %d (epoch %d, step %d of it)", path, self.step, self.epoch,
                  self.step_in_epoch)
 
@@ -241,8 +219,7 @@ class Trainer:
             raise Diverged(f"training diverged: non-finite weights ({', '.join(bad[:3])}); "
                                f"not overwriting {self.ckpt_dir / 'last.pt'}. Lower optim.lr, "
                                "raise optim.warmup_steps or set optim.clip_norm")
-        mine = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []}
+        mine = checkpoint.rng_state(self.device)
         rng = [mine] * self.world
         if self.world > 1:  # every rank's stream, so that each draws on after a resume as before
             dist.all_gather_object(rng, mine)
@@ -254,22 +231,11 @@ class Trainer:
         t = self.cfg.trainer
         if step_checkpoint and (t.keep_last > 0 or t.keep_best > 0 or t.average_last > 0):
             checkpoint.save_atomic(inference, self.ckpt_dir / f"step_{self.step}.pt")
-            self._prune_step_checkpoints()
+            checkpoint.prune_step_checkpoints(self.ckpt_dir, self.history,
+                                              max(t.keep_last, t.average_last),
+                                              t.keep_best, t.best_metric)
         if improved:
             checkpoint.save_atomic(inference, self.ckpt_dir / "best.pt")
-
-    def _prune_step_checkpoints(self) -> None:
-        """Keeps the last max(keep_last, average_last) and the keep_best best step checkpoints."""
-        t = self.cfg.trainer
-        steps = checkpoint.step_checkpoints(self.ckpt_dir)
-        n_last = max(t.keep_last, t.average_last)
-        keep = set(steps[-n_last:]) if n_last else set()
-        if t.keep_best:
-            ranked = checkpoint.best_step_checkpoints(steps, self.history, t.best_metric)
-            keep.update(ranked[: t.keep_best])
-        for path in steps:
-            if path not in keep:
-                path.unlink()
 
     # -- validation
 
@@ -478,88 +444,8 @@ class Trainer:
         barrier(self.world)
 
 
-TIED_NEEDS_JOINT = ("model.tie_embeddings=all needs a joint vocabulary: set "
-                    "data.tokenizer.joint=true, or model.tie_embeddings=decoder")
-
-
-def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
-    """``key=new (was old)`` for every leaf of the config that differs from a checkpoint's,
-    so that a resumed run says what it does differently (a budget raised, a batch size
-    changed) instead of doing it silently."""
-    out = []
-    for key in sorted(saved.keys() | now.keys()):
-        a, b = saved.get(key), now.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_changes(a, b, f"{prefix}{key}.")
-        elif a != b and not (isinstance(a, list | tuple) and isinstance(b, list | tuple)
-                             and list(a) == list(b)):
-            out.append(f"{prefix}{key}={b} (was {a})")
-    return out
-
-
 class Diverged(RuntimeError):
     """Training blew up (NaN/inf); the message says where the last good weights are."""
-
-
-def _as_python_state(state):
-    """random.setstate needs tuples; a checkpoint round trip may give lists."""
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
-
-
-def leave_run_dir(own: Path, shared: Path, remove: bool, meta: str | None = ".hydra") -> None:
-    """Run by ranks above 0 once they know rank 0's directory (``shared``): the run's log is rank
-    0's, and the directory Hydra made for this process (``own``: its clock named it, a second
-    after rank 0's) is removed by ``remove``, the first rank that named it, so that a
-    multi-process run leaves one run directory, not one per rank.
-
-    Only what Hydra wrote is removed: its ``meta`` folder (``hydra.output_subdir``) with its three
-    files and the log files this process had open there; a directory holding anything else stays.
-    Tidying up never stops the run: a failure is a warning. A process that Hydra moved into
-    ``own`` (``hydra.job.chdir=true``) moves to ``shared``, where rank 0 works, so that relative
-    paths mean the same on every rank and its working directory is never one that was removed.
-    """
-    if own.is_dir() and Path.cwd().resolve() == own.resolve():
-        os.chdir(shared)
-    root, logs = logging.getLogger(), set()
-    for handler in list(root.handlers):
-        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == own:
-            root.removeHandler(handler)
-            handler.close()
-            logs.add(Path(handler.baseFilename).name)
-    if not remove or not own.is_dir() or own.resolve() == shared.resolve():
-        return
-    meta_dir = own / meta if meta else None
-    hydra_files = {"config.yaml", "hydra.yaml", "overrides.yaml"}
-
-    def hydras(p: Path) -> bool:
-        if p.is_symlink():
-            return False
-        if p == meta_dir:
-            return p.is_dir() and {q.name for q in p.iterdir()} <= hydra_files
-        return p.name in logs and p.is_file()
-
-    try:
-        entries = list(own.iterdir())
-        if not all(hydras(p) for p in entries):
-            return
-        for p in entries:
-            if p == meta_dir:
-                for q in p.iterdir():
-                    q.unlink()
-                p.rmdir()
-            else:
-                p.unlink()
-        own.rmdir()
-        # Folders the template made for it alone (``runs/${now:%Y-%m-%d}/${now:%H-%M-%S}`` with
-        # the second rank past midnight): empty, and not on rank 0's path.
-        parent = own.resolve().parent
-        while parent not in shared.resolve().parents and not any(parent.iterdir()):
-            parent.rmdir()
-            parent = parent.parent
-    except OSError as err:
-        log.warning("could not remove %s, the run directory this process named before it took "
-                    "rank 0's (%s): %s", own, shared, err)
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
@@ -589,20 +475,8 @@ def _run(dcfg: DictConfig) -> float | None:
     check_values(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Each torchrun process resolved ${now} itself; they must share rank 0's directory.
         setup_distributed(cfg.trainer.device)
-        # Interpolations such as data.dir=${hydra:runtime.output_dir}/data differ the same way, so
-        # the whole resolved config comes from rank 0 too.
-        shared = [str(run_dir), cfg]
-        dist.broadcast_object_list(shared, src=0)
-        # Several ranks may have named the same directory: the first of them removes it.
-        named = [""] * dist.get_world_size()
-        dist.all_gather_object(named, str(run_dir))
-        if dist.get_rank() > 0:
-            logging.getLogger().setLevel(logging.WARNING)  # rank 0 tells the story once
-            leave_run_dir(run_dir, Path(shared[0]), named.index(str(run_dir)) == dist.get_rank(),
-                          HydraConfig.get().output_subdir)
-        run_dir, cfg = Path(shared[0]), shared[1]
+        run_dir, cfg = share_run(run_dir, cfg, HydraConfig.get().output_subdir)
     trainer = Trainer(cfg, run_dir)
     best = trainer.fit()
     if trainer.rank == 0:

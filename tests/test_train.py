@@ -399,7 +399,7 @@ def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, c
 def test_a_rank_leaves_only_a_directory_that_hydra_alone_wrote(tmp_path, monkeypatch):
     import logging
 
-    from mt.train import leave_run_dir
+    from mt.distributed import leave_run_dir
 
     shared = tmp_path / "rank0"
     dirs = {name: tmp_path / name for name in ("stray", "twice", "notes", "older-run")}
