@@ -254,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("systems (several allowed, in any mix)")
     g.add_argument("-m", "--model", nargs="+", action=_AddSystem, default=None,
                    help="run directory or checkpoint; translates each test set's source. "
-                   "Comma-separated paths (a.pt,b.pt) are one system: their ensemble")
+                   "Unlike translate's -m, several paths (-m a.pt b.pt) are several systems, "
+                   "scored side by side; comma-separated paths (a.pt,b.pt) are one system, "
+                   "their ensemble")
     g.add_argument("--hyp", nargs="+", action=_AddSystem, default=None,
                    help="hypothesis file (detokenized, one line per sentence); with several "
                    "test sets put {test} in the path")

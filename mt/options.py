@@ -74,8 +74,8 @@ def add_search_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, *
                    help="sample from the smallest set of tokens with this much mass "
                         "(default: 1.0, all)")
     p.add_argument("--epsilon", type=float, default=0.0,
-                   help="sample no token of probability below this (default: 0, all); 0.02 "
-                        "with --mbr (Freitag et al., 2023)")
+                   help="sample no token of probability below this (default: 0, all); for "
+                        "--mbr candidates, 0.02 is a good choice (Freitag et al., 2023)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--mbr", choices=UTILITIES, default=None,
                    help="minimum Bayes risk: of --mbr-candidates translations per line (samples "

@@ -56,6 +56,23 @@ def test_default_config_is_the_demo():
     assert (cfg.model.name, cfg.data.source) == ("transformer_tiny", "demo")
 
 
+@pytest.mark.parametrize("schema, path", [("ModelConfig", "model/transformer_tiny"),
+                                          ("TrainerConfig", "trainer/default"),
+                                          ("OptimConfig", "optim/adam_inverse_sqrt")])
+def test_the_dataclass_defaults_are_the_default_group_files(schema, path):
+    """Python users (ModelConfig()) get the model that mt-train builds by default."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    import mt.config
+
+    defaults = dataclasses.asdict(getattr(mt.config, schema)())
+    values = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / f"{path}.yaml"))
+    assert {k: v for k, v in values.items()
+            if defaults[k] != v and not (isinstance(v, list) and list(defaults[k]) == v)} == {}
+
+
 def test_misspelt_key_fails_with_its_name():
     from hydra.errors import ConfigCompositionException
 
