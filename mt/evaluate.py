@@ -30,7 +30,7 @@ from pathlib import Path
 
 from mt.config import positive_int
 from mt.options import add_search_arguments, search_mistake, search_options
-from mt.report import METRICS, compare, make_metric, render, score_system
+from mt.report import METRICS, compare, make_metric, render, score_system, sentence_scores
 from mt.testsets import (
     EvalError,
     TestSet,
@@ -40,7 +40,7 @@ from mt.testsets import (
     read_references,
     read_text,
 )
-from mt.textio import utf8_stdout
+from mt.textio import reader_left, utf8_stdout
 
 log = logging.getLogger("mt.evaluate")
 
@@ -127,9 +127,11 @@ def run(args: argparse.Namespace) -> dict:
                 if s.kind == "model" for t in tests]
         if not outs:
             log.warning("--output is for translations made with -m; ignored")
-        if len(set(outs)) != len(outs):
-            raise EvalError(f"--output {args.output}: several translations would go to one file; "
-                            "put {test} and/or {n} (the system's number) in it")
+        _one_file_each("--output", args.output, outs, "translations")
+    if args.sentence_scores:
+        _one_file_each("--sentence-scores", args.sentence_scores,
+                       [_expand(args.sentence_scores, t, i) for i in range(1, len(systems) + 1)
+                        for t in tests], "systems' scores")
     metric_args = {"tokenize": args.tokenize, "lowercase": args.lowercase}
     for test in tests:  # a BLEU tokenizer that cannot load fails now, not after translating
         make_metric("bleu", trg_lang=_target_lang(test), **metric_args)
@@ -163,6 +165,10 @@ def run(args: argparse.Namespace) -> dict:
             record.update(score_system(hyps, refs, args.metrics, trg_lang=trg_lang,
                                        confidence_n=args.confidence_n if args.confidence else 0,
                                        **metric_args))
+            if args.sentence_scores:
+                record["sentence_scores"] = _write_sentence_scores(
+                    _expand(args.sentence_scores, test, n), hyps, refs, args.metrics,
+                    trg_lang=trg_lang, **metric_args)
             entry["systems"].append(record)
             named_hyps.append((system.name, hyps))
         entry["signatures"] = {m: entry["systems"][0]["scores"][m]["signature"]
@@ -176,6 +182,24 @@ def run(args: argparse.Namespace) -> dict:
             log.warning("a paired test needs two systems or more; only one was given")
         result["tests"].append(entry)
     return result
+
+
+def _one_file_each(flag: str, pattern: str, paths: list[str], what: str) -> None:
+    if len(set(paths)) != len(paths):
+        raise EvalError(f"{flag} {pattern}: several {what} would go to one file; put {{test}} "
+                        "and/or {n} (the system's number) in it")
+
+
+def _write_sentence_scores(path: str, hyps: list[str], refs: list[list[str]], metrics: list[str],
+                           **metric_args) -> str:
+    """JSON lines: the signatures, then a record per sentence (``report.sentence_scores``)."""
+    rows, signatures = sentence_scores(hyps, refs, metrics, **metric_args)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"signatures": signatures}, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    return str(out)
 
 
 def _check_direction(paths: list[str], test: TestSet) -> None:
@@ -306,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default="text", help="tables on stdout, or one JSON object (default: text)")
     g.add_argument("--json", action="store_true", help="same as --format json")
     g.add_argument("--json-out", help="write every score, signature and timing to this file")
+    g.add_argument("--sentence-scores", metavar="PATH",
+                   help="write each sentence's scores (JSON lines: its metrics, hypothesis and "
+                        "references; BLEU with effective order) to PATH, for error analysis; "
+                        "{test} and {n} (system number) are replaced")
     g.add_argument("--width", "-w", type=int, default=2, help="decimals in tables")
     g.add_argument("--quiet", "-q", action="store_true", help="warnings and errors only")
     return p
@@ -343,7 +371,11 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json_out).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n",
                                        encoding="utf-8")
     # UTF-8 whatever the locale, as --json-out: names and paths may hold any character
-    print(render(result, "json" if args.json else args.format, args.width), file=utf8_stdout())
+    try:
+        print(render(result, "json" if args.json else args.format, args.width),
+              file=utf8_stdout(), flush=True)
+    except BrokenPipeError:  # the reader left (`mt-eval ... | head`): no traceback
+        raise reader_left() from None
 
 
 if __name__ == "__main__":

@@ -26,13 +26,15 @@ METRICS = ("bleu", "chrf", "chrf++", "ter")
 
 
 def make_metric(name: str, *, tokenize: str | None = None, lowercase: bool = False,
-                trg_lang: str = "", references: list[list[str]] | None = None):
-    """A sacrebleu metric object; ``references`` (one list per reference) are cached in it."""
+                trg_lang: str = "", references: list[list[str]] | None = None,
+                sentence: bool = False):
+    """A sacrebleu metric object; ``references`` (one list per reference) are cached in it.
+    ``sentence``: for sentence scores (BLEU with effective order, as sacrebleu advises)."""
     from sacrebleu.metrics import CHRF, TER
 
     if name == "bleu":
         return _bleu(tokenize=tokenize, lowercase=lowercase, trg_lang=trg_lang,
-                     references=references)
+                     references=references, effective_order=sentence)
     if name in ("chrf", "chrf++"):
         return CHRF(word_order=2 if name == "chrf++" else 0, lowercase=lowercase,
                     references=references)
@@ -42,7 +44,7 @@ def make_metric(name: str, *, tokenize: str | None = None, lowercase: bool = Fal
 
 
 def _bleu(*, tokenize: str | None, lowercase: bool, trg_lang: str,
-          references: list[list[str]] | None):
+          references: list[list[str]] | None, effective_order: bool = False):
     """sacreBLEU's BLEU, with a tokenizer that cannot be loaded said in one line.
 
     sacreBLEU loads the tokenizer when BLEU is built: the spm/flores ones download a SentencePiece
@@ -70,7 +72,7 @@ def _bleu(*, tokenize: str | None, lowercase: bool, trg_lang: str,
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
     try:
         return BLEU(tokenize=tokenize, lowercase=lowercase, trg_lang=trg_lang,
-                    references=references)
+                    references=references, effective_order=effective_order)
     except (urllib.error.URLError, TimeoutError, SystemExit) as err:  # SystemExit: its SSL error
         reason = getattr(err, "reason", err)
         raise EvalError(f"{what}: cannot download its SentencePiece model ({reason}); "
@@ -118,6 +120,28 @@ def score_system(hyps: list[str], refs: list[list[str]], metrics: list[str], *,
     for name, details in scores.items():
         flat.update({name: details["score"], f"{name}_signature": details["signature"]})
     return {**flat, "scores": scores, "len_ratio": ratio}
+
+
+def sentence_scores(hyps: list[str], refs: list[list[str]], metrics: list[str], *,
+                    tokenize: str | None = None, lowercase: bool = False,
+                    trg_lang: str = "") -> tuple[list[dict], dict[str, str]]:
+    """Every metric's score of each sentence alone, for error analysis: which lines a system
+    gets wrong, where two systems differ. Corpus BLEU is not their mean.
+
+    Returns:
+        one record per line (``line`` from 1, a score per metric, ``hyp``, ``refs``) and each
+        metric's signature (BLEU's says ``eff:yes``: n-gram orders a short sentence lacks are
+        left out instead of zeroing its score).
+    """
+    scorers = {name: make_metric(name, tokenize=tokenize, lowercase=lowercase, trg_lang=trg_lang,
+                                 sentence=True) for name in metrics}
+    rows = []
+    for i, hyp in enumerate(hyps):
+        these = [r[i] for r in refs]
+        rows.append({"line": i + 1, **{name: float(m.sentence_score(hyp, these).score)
+                                       for name, m in scorers.items()},
+                     "hyp": hyp, "refs": these})
+    return rows, {name: str(m.get_signature()) for name, m in scorers.items()}
 
 
 # ----------------------------------------------------------------------------- significance

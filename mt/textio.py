@@ -184,6 +184,14 @@ class _Utf8Writer:
         self.buffer.flush()
 
 
+def reader_left() -> SystemExit:
+    """The exit to raise on a BrokenPipeError from stdout (``cmd | head``): no traceback, and
+    stdout pointed at /dev/null so that Python's flush at exit fails no more (Python's docs,
+    "Note on SIGPIPE")."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return SystemExit(1)
+
+
 def utf8_stdout() -> TextIO:
     """stdout for text that must be UTF-8 whatever the locale or PYTHONIOENCODING say
     (translations: input is always read as UTF-8 and ``-o FILE`` written so; a latin-1 stdout

@@ -65,6 +65,7 @@ from mt.textio import (
     is_regular,
     parallel_lines,
     read_lines,
+    reader_left,
     utf8_stdout,
 )
 from mt.workers import default_workers
@@ -324,8 +325,7 @@ def main(argv: list[str] | None = None) -> None:
                                           else f"; {args.output} not written"), file=sys.stderr)
         raise _Interrupted(getattr(err, "signal", signal.SIGINT)) from None
     except BrokenPipeError:  # the reader left (`translate ... | head`): stop without a traceback
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as Python's docs advise
-        raise SystemExit(1) from None
+        raise reader_left() from None
     except OSError as err:  # writing failed (a full disk); the partial file is gone
         raise SystemExit(f"translate: {args.output or '<stdout>'}: cannot write "
                          f"({err.strerror})") from None

@@ -335,6 +335,41 @@ def test_sacrebleu_test_set_from_the_cache_equals_the_cli(files):
                                                                           abs=1e-3)
 
 
+@pytest.mark.parametrize("two_refs", [False, True])
+def test_sentence_scores_equal_the_sacrebleu_cli_line_by_line(files, capsys, two_refs):
+    refs = [files["ref"], files["ref2"]] if two_refs else [files["ref"]]
+    pattern = str(files["tmp"] / "scores" / "{test}.{n}.jsonl")
+    result = _run(["--hyp", files["good"], files["bad"], "--ref", *refs, "--name", "t",
+                   "-M", "bleu", "chrf", "ter", "--sentence-scores", pattern], capsys)
+    written = [s["sentence_scores"] for s in result["tests"][0]["systems"]]
+    assert written == [pattern.format(test="t", n=n) for n in (1, 2)]
+    lines = Path(written[1]).read_text(encoding="utf-8").splitlines()
+    signatures, rows = json.loads(lines[0])["signatures"], [json.loads(x) for x in lines[1:]]
+    hyps = Path(files["bad"]).read_text(encoding="utf-8").splitlines()
+    assert [r["line"] for r in rows] == list(range(1, 201))
+    assert [r["hyp"] for r in rows] == hyps
+    assert [r["refs"] for r in rows] == [list(x) for x in zip(
+        *(Path(f).read_text(encoding="utf-8").splitlines() for f in refs), strict=True)]
+    for name in ("bleu", "chrf", "ter"):
+        out = subprocess.run([SACREBLEU, *refs, "-i", files["bad"], "-sl", "-m", name, "-w", "6"],
+                             capture_output=True, text=True, check=True).stdout.splitlines()
+        assert len(out) == 200
+        theirs = [line.split(" = ", 1) for line in out]
+        assert {sig.split("|", 1)[1] for sig, _ in theirs} == {signatures[name]}
+        assert [r[name] for r in rows] == pytest.approx(
+            [float(rest.split()[0]) for _, rest in theirs], abs=1e-5), name
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(files):
+    """`mt-eval ... | head`: the pipe closes before the results are written."""
+    proc = subprocess.Popen([sys.executable, "-m", "mt.evaluate", "--hyp", files["good"],
+                             "--ref", files["ref"], "--json", "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first byte
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 1 and err == ""
+
+
 def test_output_pattern_must_separate_systems(files):
     with pytest.raises(SystemExit, match="several translations would go to one file"):
         main(["-m", "a.pt", "b.pt", "--src", files["ref"], "--ref", files["ref"],
