@@ -207,6 +207,9 @@ class EncodedPairs:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def draw(self, seed: int, epoch: int) -> None:
+        """Nothing to draw: one segmentation for every epoch (``SampledPairs`` draws one)."""
+
     def batches(self, max_tokens: int, seed: int, epoch: int) -> list[list[int]]:
         return token_batches(self.src_lens, self.tgt_lens, max_tokens, seed, epoch)
 

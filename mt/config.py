@@ -114,6 +114,11 @@ class DataConfig:
     # synthetic sources from real ones; valid, test and translate input are never tagged
     tagged: list[str] = field(default_factory=list)
     tag: str = "<BT>"
+    # how often each pair of a split of data.train appears per epoch (fairseq's --upsample-primary,
+    # OpenNMT-py's corpus weights), e.g. {train: 2} with train=train+bt: the real pairs twice,
+    # the synthetic ones once. A fraction is a fresh random share each epoch ({bt: 0.5}: half of
+    # bt, another half each epoch; 1.5: every pair, and half of them again). Unnamed splits: 1.
+    upsample: dict[str, float] = field(default_factory=dict)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
 
@@ -301,6 +306,13 @@ def check_values(cfg: TrainConfig) -> None:
     if d.filter.max_tokens < d.filter.min_tokens:
         raise ValueError(f"data.filter.max_tokens={d.filter.max_tokens} is below "
                          f"data.filter.min_tokens={d.filter.min_tokens}")
+    parts = d.train.split("+")
+    for split, factor in d.upsample.items():
+        if split not in parts:
+            raise ValueError(f"data.upsample.{split}: not one of data.train's splits "
+                             f"({', '.join(parts)})")
+        if not factor > 0:
+            raise ValueError(f"data.upsample.{split} must be above 0, got {factor}")
     if t.best_metric not in ("bleu", "loss"):
         raise ValueError(f"trainer.best_metric must be bleu or loss, got {t.best_metric!r}")
 

@@ -11,8 +11,10 @@ import time
 from array import array
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from mt.batching import token_batches
 from mt.config import TokenizerConfig, TrainConfig
 from mt.data import count_tagged, load_split, load_train, tokenizer_config
 from mt.distributed import barrier
@@ -47,7 +49,7 @@ class Corpus:
 
             write_demo_corpus(data.dir)
         tok_cfg = tokenizer_config(data)
-        train = load_train(data)
+        train, sizes = load_train(data, sizes=True)
         if data.tagged and rank == 0:
             log.info("data.tagged: %s of %s training pairs have sources tagged %s (splits %s)",
                      f"{count_tagged(train, data.tag):,}", f"{len(train):,}", data.tag,
@@ -77,6 +79,15 @@ class Corpus:
                          "%.1f candidates per sentence on average (found in %.1f s)",
                          data.subword_alpha, data.subword_nbest,
                          len(self.pairs.src.scores) / len(self.pairs), time.perf_counter() - start)
+        self.mix = None
+        if data.upsample:
+            names = data.train.split("+")
+            self.mix = Mix(self.pairs.rows, sizes, [data.upsample.get(s, 1.0) for s in names])
+            if rank == 0:
+                log.info("data.upsample: %s; %s pairs an epoch", ", ".join(
+                    f"{s} x{f:g} ({n:,} pairs)" for s, f, n in zip(
+                        names, self.mix.factors, self.mix.kept, strict=True)),
+                    f"{len(self.mix.epoch(cfg.trainer.seed, 0)):,}")
         valid = load_split(data, data.valid)
         n = data.max_valid_sentences or len(valid)
         self.valid_src, self.valid_tgt = list(valid["src"][:n]), list(valid["tgt"][:n])
@@ -102,14 +113,56 @@ class Corpus:
 
     @property
     def src_lens(self) -> array:
-        return self.pairs.src_lens
+        """Source lengths (with EOS) of the pairs that ``batches`` last indexed (see tgt_lens)."""
+        return self._src_lens if self.mix is not None else self.pairs.src_lens
 
     @property
-    def tgt_lens(self) -> array:  # with subword regularization: of the epoch last batched
-        return self.pairs.tgt_lens
+    def tgt_lens(self) -> array:
+        """Target lengths (without BOS/EOS) of the pairs that ``batches`` last indexed: with
+        subword regularization, of that epoch's segmentations; with ``data.upsample``, of that
+        epoch's mix."""
+        return self._tgt_lens if self.mix is not None else self.pairs.tgt_lens
 
     def batches(self, max_tokens: int, seed: int, epoch: int) -> list[list[int]]:
-        return self.pairs.batches(max_tokens, seed, epoch)
+        """The epoch's batches of pair indices (deterministic for seed and epoch)."""
+        if self.mix is None:
+            return self.pairs.batches(max_tokens, seed, epoch)
+        self.pairs.draw(seed, epoch)
+        self._index = self.mix.epoch(seed, epoch)
+        src = np.frombuffer(self.pairs.src_lens, np.int32)[self._index]
+        tgt = np.frombuffer(self.pairs.tgt_lens, np.int32)[self._index]
+        # array('i'), as without a mix: indexing gives plain ints
+        self._src_lens, self._tgt_lens = array("i", src.tobytes()), array("i", tgt.tobytes())
+        return token_batches(src, tgt, max_tokens, seed, epoch)
 
     def collate(self, batch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.pairs.collate(batch)
+        return self.pairs.collate(batch if self.mix is None else self._index[batch])
+
+
+class Mix:
+    """The pairs of an epoch when ``data.upsample`` weighs the splits of ``data.train``.
+
+    A split's factor f puts each of its kept pairs int(f) times in the epoch, and a random
+    (f - int(f)) share of them once more, drawn again each epoch from (seed, epoch): over many
+    epochs every pair appears f times per epoch on average, and a resumed run sees the mix it
+    would have seen. Indices are those of the filtered pairs (``EncodedPairs``).
+    """
+
+    def __init__(self, rows: np.ndarray, sizes: list[int], factors: list[float]) -> None:
+        """``rows``: each kept pair's row in the joined splits, whose sizes are ``sizes``."""
+        split = np.searchsorted(np.cumsum(sizes), rows, side="right")
+        self.groups = [np.flatnonzero(split == s) for s in range(len(sizes))]
+        self.factors = factors
+        self.kept = [len(g) for g in self.groups]
+
+    def epoch(self, seed: int, epoch: int) -> np.ndarray:
+        """(N,) pair indices of the epoch, a pair repeated as its split's factor says."""
+        rng = np.random.default_rng([abs(seed), epoch, 2])  # not token_batches' stream
+        parts = []
+        for group, factor in zip(self.groups, self.factors, strict=True):
+            whole = int(factor)
+            parts += [group] * whole
+            share = round((factor - whole) * len(group))
+            if share:
+                parts.append(np.sort(rng.choice(group, size=share, replace=False)))
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)

@@ -146,13 +146,14 @@ def read_pairs(files: str, fmt: str, src_lang: str, tgt_lang: str) -> Iterator[d
 
 
 def load_split(cfg: DataConfig, split: str, cache_dir: str | None = None,
-               tagged: Collection[str] = ()):
+               tagged: Collection[str] = (), sizes: bool = False):
     """A ``datasets.Dataset`` with string columns ``src`` and ``tgt`` for one split.
 
     ``split`` may join several with ``+`` (``train+backtranslated``), as Hugging Face's split
     syntax does: their pairs in that order, e.g. the original corpus and a synthetic one.
     ``cache_dir`` overrides the ``datasets`` cache (``HF_DATASETS_CACHE``) for local files.
     The sources of the splits named in ``tagged`` start with ``cfg.tag`` (see ``load_train``).
+    ``sizes``: return (dataset, the number of pairs of each joined split) instead.
     """
     import datasets
 
@@ -168,10 +169,11 @@ def load_split(cfg: DataConfig, split: str, cache_dir: str | None = None,
     for part in parts:
         ds = _load_one(cfg, part, cache_dir)
         loaded.append(tag_sources(ds, cfg.tag) if part in tagged else ds)
-    return loaded[0] if len(loaded) == 1 else datasets.concatenate_datasets(loaded)
+    joined = loaded[0] if len(loaded) == 1 else datasets.concatenate_datasets(loaded)
+    return (joined, [len(ds) for ds in loaded]) if sizes else joined
 
 
-def load_train(cfg: DataConfig, cache_dir: str | None = None):
+def load_train(cfg: DataConfig, cache_dir: str | None = None, sizes: bool = False):
     """The training pairs of ``data.train``, the sources of ``data.tagged``'s splits tagged.
 
     Tagged back-translation (Caswell et al., 2019): a synthetic source that starts with a reserved
@@ -180,7 +182,7 @@ def load_train(cfg: DataConfig, cache_dir: str | None = None):
     are real text and stay untagged.
     """
     check_tagging(cfg)
-    return load_split(cfg, cfg.train, cache_dir, tagged=cfg.tagged)
+    return load_split(cfg, cfg.train, cache_dir, tagged=cfg.tagged, sizes=sizes)
 
 
 def check_tagging(cfg: DataConfig) -> None:

@@ -46,8 +46,12 @@ class SampledPairs:
         self._src_pick, self.src_lens = self.src.pick(self.alpha, rng)
         self._tgt_pick, self.tgt_lens = self.tgt.pick(self.alpha, rng)
 
-    def batches(self, max_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    def draw(self, seed: int, epoch: int) -> None:
+        """The epoch's segmentations (and so ``src_lens``, ``tgt_lens``)."""
         self._draw(np.random.default_rng([abs(seed), epoch, 1]))  # not token_batches' stream
+
+    def batches(self, max_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+        self.draw(seed, epoch)
         return token_batches(self.src_lens, self.tgt_lens, max_tokens, seed, epoch)
 
     def collate(self, batch: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:

@@ -256,8 +256,9 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
 
 
-@pytest.mark.parametrize("data", [[], ["data.subword_alpha=0.5", "data.subword_nbest=8"]],
-                         ids=["one-segmentation", "subword-sampling"])
+@pytest.mark.parametrize("data", [[], ["data.subword_alpha=0.5", "data.subword_nbest=8"],
+                                  ["+data.upsample.train=0.5"]],
+                         ids=["one-segmentation", "subword-sampling", "upsample"])
 def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_dir, tokenizer_dir,
                                                              data):
     # Log lines every 3 steps and saves every 2: the kill lands inside a log window, after lines
@@ -290,7 +291,8 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
     resumed = run_train(tmp_path, killed, corpus_dir, tokenizer_dir, *steps)
     assert "resumed" in resumed.stderr
     assert "settings changed" not in resumed.stderr  # the same command: nothing to report
-    assert ("subword regularization" in resumed.stderr) == bool(data)
+    assert ("subword regularization" in resumed.stderr) == ("subword" in " ".join(data))
+    assert ("pairs an epoch" in resumed.stderr) == ("upsample" in " ".join(data))
     a, b = weights(full), weights(killed)
     assert a.keys() == b.keys()
     for name in a:

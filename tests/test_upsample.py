@@ -1,0 +1,77 @@
+"""data.upsample: how often each split of data.train appears per epoch (mt.corpus.Mix)."""
+
+import random
+from collections import Counter
+
+import datasets
+import numpy as np
+import pytest
+
+from mt.config import PAD_ID, DataConfig, FilterConfig, TokenizerConfig, TrainConfig, check_values
+from mt.corpus import Corpus, Mix
+
+WORDS = ["house", "garden", "green", "small", "river", "stone", "light", "water", "tree", "bird"]
+
+
+def test_a_split_appears_as_often_as_its_factor_says():
+    rows = np.array([0, 1, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13])  # rows 2 and 7 were filtered out
+    mix = Mix(rows, sizes=[5, 9], factors=[2.0, 0.5])
+    assert mix.kept == [4, 8]
+    epoch = mix.epoch(seed=1, epoch=0)
+    counts = Counter(epoch.tolist())
+    assert all(counts[i] == 2 for i in range(4))  # pairs 0-3: rows of the first split
+    assert sum(counts[i] for i in range(4, 12)) == 4 and max(counts[i] for i in range(4, 12)) == 1
+    assert epoch.tolist() == mix.epoch(seed=1, epoch=0).tolist()  # a resumed run sees the same
+    shares = {tuple(sorted(set(mix.epoch(1, e).tolist()) - set(range(4)))) for e in range(8)}
+    assert len(shares) > 1  # another half of the second split in another epoch
+    whole = Counter(Mix(rows, [5, 9], [1.5, 1.0]).epoch(3, 2).tolist())
+    assert sorted(whole[i] for i in range(4)) == [1, 1, 2, 2] and set(whole) == set(range(12))
+
+
+def _sentence(rng: random.Random, suffix: str) -> str:
+    return " ".join(rng.choice(WORDS) + suffix for _ in range(rng.randint(2, 8)))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])  # 0.5: subword regularization, SampledPairs
+def test_an_epoch_of_the_corpus_holds_each_split_as_often_as_data_upsample_says(
+        tmp_path, monkeypatch, alpha):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    rng = random.Random(0)
+    d = tmp_path / "d"
+    d.mkdir()
+    for split, n, suffix in [("train", 120, ""), ("bt", 80, "s"), ("valid", 5, "")]:
+        src = [_sentence(rng, suffix) for _ in range(n)]
+        (d / f"{split}.en").write_text("".join(s + "\n" for s in src))
+        (d / f"{split}.de").write_text("".join(s.upper() + "\n" for s in src))
+    cfg = TrainConfig()
+    cfg.data = DataConfig(source="files", dir=str(d), src_lang="en", tgt_lang="de",
+                          train="train+bt", upsample={"train": 2, "bt": 0.5}, subword_alpha=alpha,
+                          tokenizer=TokenizerConfig(vocab_size=120),
+                          filter=FilterConfig(max_ratio=0))
+    check_values(cfg)
+    corpus = Corpus(cfg, tmp_path / "run", rank=0, world=1)
+    kept_train, kept_bt = corpus.mix.kept
+    batches = corpus.batches(300, seed=1, epoch=0)
+    seen = Counter()
+    for batch in batches:
+        src, _, tgt_out = corpus.collate(batch)
+        assert [int((row != PAD_ID).sum()) for row in src] == [corpus.src_lens[i] for i in batch]
+        assert [int((row != PAD_ID).sum()) for row in tgt_out] == [corpus.tgt_lens[i] + 1
+                                                                   for i in batch]
+        seen.update(corpus.tokenizer.src.decode(row[row != PAD_ID].tolist()) for row in src)
+    bt = {s: n for s, n in seen.items() if s.split()[0].endswith("s")}
+    train = {s: n for s, n in seen.items() if s not in bt}
+    assert len(train) == kept_train and set(train.values()) == {2}
+    assert len(bt) == round(kept_bt / 2) and set(bt.values()) == {1}
+    assert corpus.batches(300, seed=1, epoch=0) == batches
+
+
+@pytest.mark.parametrize("upsample, message", [
+    ({"extra": 2.0}, r"data\.upsample\.extra: not one of data\.train's splits \(train, bt\)"),
+    ({"bt": 0.0}, r"data\.upsample\.bt must be above 0, got 0\.0"),
+])
+def test_data_upsample_names_its_mistake(upsample, message):
+    cfg = TrainConfig()
+    cfg.data.train, cfg.data.upsample = "train+bt", upsample
+    with pytest.raises(ValueError, match=message):
+        check_values(cfg)
