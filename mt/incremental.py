@@ -7,27 +7,48 @@ forced passes (``mt.scoring``) and the loaders (``mt.inference``) use ``Ensemble
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import Tensor
 
 
 class Ensemble:
-    """Several models that decode as one: per step, the average of their log-probabilities.
+    """Several models that decode as one: per step, the (weighted) average of their
+    log-probabilities.
 
     The average of log-probabilities is a product of experts; it is renormalised so that scores
     stay log-probabilities. Every member encodes the source and keeps its own cache, so members may
     differ in depth or width, but they must share the target vocabulary (a token id has to mean the
-    same piece to all of them) and the source ids are given to all of them.
+    same piece to all of them) and the source ids are given to all of them. ``weights`` (one per
+    model, scaled to sum to 1; default equal) let a stronger member count more, as Marian's
+    ``--weights``.
     """
 
-    def __init__(self, models: list) -> None:
+    def __init__(self, models: list, weights: list[float] | None = None) -> None:
         if not models:
             raise ValueError("an ensemble needs at least one model")
         sizes = [m.cfg.tgt_vocab_size for m in models]
         if len(set(sizes)) > 1:
             raise ValueError(f"ensemble members must share the target vocabulary; got target "
                              f"vocabulary sizes {sizes}")
+        weights = [1.0] * len(models) if weights is None else list(weights)
+        if len(weights) != len(models):
+            raise ValueError(f"{len(weights)} ensemble weights for {len(models)} models")
+        if not all(w > 0 for w in weights):  # NaN fails too
+            raise ValueError(f"ensemble weights must be above 0, got {weights}")
         self.models = list(models)
+        self.weights = [w / sum(weights) for w in weights]
+
+
+def mix_log_probs(log_probs: Iterable[Tensor], weights: list[float]) -> Tensor:
+    """The renormalised weighted sum of the members' log-probabilities (..., V); each input is
+    overwritten (they are the members' fresh float32 outputs)."""
+    total = None
+    for lp, w in zip(log_probs, weights, strict=True):
+        lp = lp.mul_(w)
+        total = lp if total is None else total.add_(lp)
+    return torch.log_softmax(total, -1)
 
     @property
     def max_positions(self) -> int:
@@ -65,6 +86,7 @@ class Decoder:
 
     def __init__(self, model, src: Tensor, max_len: int) -> None:
         self.models = ensemble_members(model)
+        self.weights = model.weights if isinstance(model, Ensemble) else [1.0]
         self.caches = []
         for m in self.models:
             memory, src_mask = m.encode(src)
@@ -87,11 +109,10 @@ class Decoder:
                 torch.log_softmax(m.project(states[i : i + block]), -1, dtype=torch.float32,
                                   out=out[i : i + block])
             return out
-        total = None
-        for m, cache in zip(self.models, self.caches, strict=True):
-            lp = torch.log_softmax(m.decode_step(tokens, cache), -1, dtype=torch.float32)
-            total = lp if total is None else total.add_(lp)
-        return torch.log_softmax(total / len(self.models), -1)
+        return mix_log_probs((torch.log_softmax(m.decode_step(tokens, cache), -1,
+                                                dtype=torch.float32)
+                              for m, cache in zip(self.models, self.caches, strict=True)),
+                             self.weights)
 
     def reorder(self, index: Tensor, beams: int = 1) -> None:
         for cache in self.caches:

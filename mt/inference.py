@@ -241,9 +241,10 @@ def device_mistake(device: str) -> str | None:
     return None
 
 
-def load_models(paths: list[str], device: str, dtype: str = "float32", pack: bool = True):
-    """Loads one model or an ensemble, ready to decode (see prepare_model); returns (model or
-    Ensemble, tokenizer, checkpoint paths).
+def load_models(paths: list[str], device: str, dtype: str = "float32", pack: bool = True,
+                weights: list[float] | None = None):
+    """Loads one model or an ensemble (``weights``: one per path), ready to decode (see
+    prepare_model); returns (model or Ensemble, tokenizer, checkpoint paths).
 
     Raises:
         ValueError: with the file's name, for a missing, corrupt or incompatible model.
@@ -265,4 +266,4 @@ def load_models(paths: list[str], device: str, dtype: str = "float32", pack: boo
         tokenizer = tokenizer or tok
         models.append(prepare_model(model, dtype, device, pack))
         names.append(ckpt["path"])
-    return (models[0] if len(models) == 1 else Ensemble(models)), tokenizer, names
+    return (models[0] if len(models) == 1 else Ensemble(models, weights)), tokenizer, names

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mt.config import BOS_ID, PAD_ID
-from mt.incremental import ensemble_members
+from mt.incremental import ensemble_members, mix_log_probs
 from mt.search import Hypothesis, inference_search, length_penalty
 
 
@@ -23,11 +23,11 @@ from mt.search import Hypothesis, inference_search, length_penalty
 def forced_scores(model, src: Tensor, tgt: Tensor, lenpen: float = 0.0) -> list[Hypothesis]:
     """Scores given translations as a search would have scored them, had it produced them.
 
-    One teacher-forced pass per model (an Ensemble averages and renormalises its members'
-    log-probabilities as the searches do), so ``score`` and ``logprob`` equal what ``--nbest``
-    reports for the same tokens, up to the order of sums. What people score given translations
-    for: reranking n-best lists, filtering parallel data by model score, and the log-probability
-    (hence perplexity) of references.
+    One teacher-forced pass per model (an Ensemble mixes its members' log-probabilities with
+    its weights and renormalises, as the searches do), so ``score`` and ``logprob`` equal what
+    ``--nbest`` reports for the same tokens, up to the order of sums. What people score given
+    translations for: reranking n-best lists, filtering parallel data by model score, and the
+    log-probability (hence perplexity) of references.
 
     Args:
         model: a Transformer or an Ensemble.
@@ -50,12 +50,9 @@ def forced_scores(model, src: Tensor, tgt: Tensor, lenpen: float = 0.0) -> list[
     # keeping only the target's: (B, T, V) whole would be gigabytes for large batches.
     block = max(1, 2**22 // members[0].cfg.tgt_vocab_size)
     for i in range(0, targets.numel(), block):
-        total = None
-        for m, y in zip(members, states, strict=True):
-            lp = torch.log_softmax(m.project(y[i : i + block]), -1, dtype=torch.float32)
-            total = lp if total is None else total.add_(lp)
-        if len(members) > 1:
-            total = torch.log_softmax(total / len(members), -1)
+        lps = [torch.log_softmax(m.project(y[i : i + block]), -1, dtype=torch.float32)
+               for m, y in zip(members, states, strict=True)]
+        total = lps[0] if len(members) == 1 else mix_log_probs(lps, model.weights)
         target_lp[i : i + block] = total.gather(-1, targets[i : i + block, None])[:, 0]
     token_lp = torch.zeros(tgt.shape, dtype=torch.float32, device=tgt.device)
     token_lp.masked_scatter_(real, target_lp)

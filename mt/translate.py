@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a checkpoint file, or a run directory (its checkpoints/best.pt, else "
                         "last.pt; give RUN/checkpoints/averaged.pt for the averaged model); "
                         "several make an ensemble (they must share the tokenizer)")
+    p.add_argument("--weights", type=float, nargs="+", default=None, metavar="W",
+                   help="an ensemble's weight per -m model, in their order (scaled to sum to 1; "
+                        "default: equal)")
     p.add_argument("-i", "--input", default=None,
                    help="input file (default: stdin; an interactive prompt on a terminal)")
     p.add_argument("-o", "--output", default=None,
@@ -202,6 +205,11 @@ def main(argv: list[str] | None = None) -> None:
     mistake = search_mistake(args) or device_mistake(args.device)
     if mistake:
         raise SystemExit(f"translate: {mistake}")
+    if args.weights is not None and len(args.weights) != len(args.model):
+        raise SystemExit(f"translate: --weights: {len(args.weights)} weights for "
+                         f"{len(args.model)} models (-m); one per model, in their order")
+    if args.weights is not None and not all(w > 0 for w in args.weights):
+        raise SystemExit(f"translate: --weights must be above 0, got {args.weights}")
     if args.mbr and args.score:
         raise SystemExit("translate: --mbr chooses among translations it searches; it does not "
                          "combine with --score")
@@ -237,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"translate: {err}") from None
     try:
         model, tokenizer, names = load_models(args.model, args.device, args.dtype,
-                                              pack=not args.no_pack)
+                                              pack=not args.no_pack, weights=args.weights)
     except ValueError as err:
         raise SystemExit(f"translate: {err}") from None
     if args.prefix_file and is_regular(args.prefix_file):

@@ -195,11 +195,12 @@ def test_nbest_sorted_and_scores_match_forced_rescoring(lenpen):
             assert h.logprob == pytest.approx(_rescore(model, src, h.tokens, 0.0), abs=1e-4)
 
 
-@pytest.mark.parametrize("members", [1, 2])
-def test_forced_scores_are_the_scores_search_gives(members):
+@pytest.mark.parametrize("members, weights", [(1, None), (2, None), (2, [3.0, 1.0])])
+def test_forced_scores_are_the_scores_search_gives(members, weights):
     """Scoring the search's own n-best lists, all in one padded batch, gives back their scores:
-    padding does not leak, and an ensemble renormalises as its search does."""
-    model = _model() if members == 1 else Ensemble([_model(0), _model(1, decoder_layers=1)])
+    padding does not leak, and an ensemble renormalises (with its weights) as its search does."""
+    model = (_model() if members == 1
+             else Ensemble([_model(0), _model(1, decoder_layers=1)], weights))
     srcs = _sources()
     results = beam_search(model, _pad(srcs), beam_size=4, nbest=4, lenpen=0.6, max_len_b=8)
     pairs = [(src, h) for src, hyps in zip(srcs, results, strict=True) for h in hyps]
@@ -445,21 +446,28 @@ def test_ensemble_of_copies_equals_the_model_and_mixes_log_probs():
     for a, b in zip(single, copies, strict=True):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
-    mixed = beam_search(Ensemble([model, other]), _pad(srcs), beam_size=3, nbest=2, lenpen=0.0)
-    for src, hyps in zip(srcs, mixed, strict=True):
-        for h in hyps:  # renormalised mean of the members' teacher-forced log-probabilities
-            with torch.no_grad():
-                tgt_in = torch.tensor([[BOS_ID] + h.tokens])
-                mean = sum(torch.log_softmax(m(torch.tensor([src]), tgt_in), -1)
-                           for m in (model, other)) / 2
-            target = torch.tensor(h.tokens + [EOS_ID])[:, None]
-            lp = torch.log_softmax(mean, -1)[0].gather(1, target)
-            assert h.score == pytest.approx(float(lp.sum()), abs=1e-4)
+    for weights in (None, [1.0, 3.0]):
+        mixed = beam_search(Ensemble([model, other], weights), _pad(srcs), beam_size=3, nbest=2,
+                            lenpen=0.0)
+        share = [0.5, 0.5] if weights is None else [0.25, 0.75]
+        for src, hyps in zip(srcs, mixed, strict=True):
+            for h in hyps:  # renormalised weighted mean of the members' teacher-forced lprobs
+                with torch.no_grad():
+                    tgt_in = torch.tensor([[BOS_ID] + h.tokens])
+                    mean = sum(w * torch.log_softmax(m(torch.tensor([src]), tgt_in), -1)
+                               for w, m in zip(share, (model, other), strict=True))
+                target = torch.tensor(h.tokens + [EOS_ID])[:, None]
+                lp = torch.log_softmax(mean, -1)[0].gather(1, target)
+                assert h.score == pytest.approx(float(lp.sum()), abs=1e-4)
 
 
 def test_ensemble_needs_one_target_vocabulary():
     with pytest.raises(ValueError, match="target vocabulary"):
         Ensemble([_model(vocab=40), _model(vocab=41)])
+    with pytest.raises(ValueError, match="1 ensemble weights for 2 models"):
+        Ensemble([_model(), _model()], [1.0])
+    with pytest.raises(ValueError, match="above 0"):
+        Ensemble([_model(), _model()], [1.0, 0.0])
 
 
 def test_cross_attention_is_the_models_own():

@@ -667,8 +667,17 @@ def test_ensemble_of_one_model_twice_is_the_model(models, tmp_path, capsys):
     single = _run(["-m", models["a"], "-i", path, *fast], capsys)
     twice = _run(["-m", models["a"], models["a"], "-i", path, *fast], capsys)
     assert single == twice
+    assert _run(["-m", models["a"], models["a"], "--weights", "1", "3", "-i", path, *fast],
+                capsys) == single
     mixed = _run(["-m", models["a"], "-m", models["b"], "-i", path, *fast], capsys)
     assert len(mixed) == 30
+    # nearly all the weight on one member: that member's translations
+    leaning = _run(["-m", models["a"], models["b"], "--weights", "1", "1e-9", "-i", path, *fast],
+                   capsys)
+    assert leaning == single != mixed
+    for weights, message in [(["1"], "1 weights for 2 models"), (["1", "0"], "above 0")]:
+        with pytest.raises(SystemExit, match=f"^translate: --weights.*{message}"):
+            main(["-m", models["a"], models["b"], "--weights", *weights, "-i", path, "--quiet"])
     with pytest.raises(SystemExit, match="share"):
         main(["-m", models["a"], models["other_vocab"], "-i", path, "--quiet"])
 
