@@ -101,7 +101,9 @@ class DataConfig:
     test: str = "test"
     hub_name: str | None = None  # e.g. wmt14
     hub_config: str | None = None  # e.g. de-en
-    max_valid_sentences: int = 0  # 0 = all; BLEU during training on the first N valid pairs
+    # 0 = all; else validation uses only the first N valid pairs: its loss and perplexity as well
+    # as BLEU and chrF, so best.pt, patience and plateau cuts (by any best_metric) too
+    max_valid_sentences: int = 0
     num_proc: int = 0  # processes that encode the corpus; 0 = 1 below 200k pairs, else all cores
     # subword regularization (Kudo, 2018): each epoch, each side of each training pair takes one of
     # its subword_nbest best segmentations, with probability ~ P(segmentation)^subword_alpha.
