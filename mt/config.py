@@ -148,7 +148,11 @@ class TrainerConfig:
     save_every: int = 0  # also write last.pt every N steps between validations; 0 = only then
     log_every: int = 50
     patience: int = 0  # stop after this many validations without a better best_metric; 0 = never
-    best_metric: str = "bleu"  # bleu | loss
+    best_metric: str = "bleu"  # bleu | chrf | loss: picks best.pt, keep_best; drives patience
+    # a validation is better only when it beats the best by more than this (BLEU or chrF points,
+    # or loss per token), so that a gain within the valid set's noise neither replaces best.pt
+    # nor resets patience; 0 = any gain
+    min_improvement: float = 0.0
     keep_last: int = 2  # the last N step checkpoints are kept (besides last.pt and best.pt)
     keep_best: int = 0  # and the N best by best_metric (for `average_checkpoints.py --best`)
     average_last: int = 0  # average the last N step checkpoints at the end (0 = off)
@@ -256,12 +260,29 @@ def check_keys(node, schema: type | None = None, prefix: str = "") -> None:
             check_keys(node[key], hints[key], f"{name}.")
 
 
+# What trainer.best_metric names: the validation record's key, and +1 where higher is better.
+BEST_METRICS = {"bleu": ("valid_bleu", 1), "chrf": ("valid_chrf", 1), "loss": ("valid_loss", -1)}
+
+
+def improves(value: float, best: float | None, best_metric: str, min_improvement: float) -> bool:
+    """Whether a validation score ``value`` counts as better than ``best`` (None: the first one).
+
+    Better means by more than ``min_improvement`` (trainer.min_improvement), so that a gain within
+    the noise of a small valid set neither replaces best.pt nor resets patience; best.pt and
+    patience both ask this one question.
+    """
+    if best is None:
+        return True
+    sign = BEST_METRICS[best_metric][1]
+    return sign * (value - best) > min_improvement
+
+
 def check_values(cfg: TrainConfig) -> None:
     """Raises ValueError naming the first key whose value is out of its range.
 
     The schema checks types only: ``trainer.log_every=0`` would pass it and stop the run with a
     ZeroDivisionError an hour later, ``optim.label_smoothing=1.5`` would train on a negative NLL
-    weight and ``trainer.best_metric=chrf`` would silently keep the checkpoint of the best loss.
+    weight and ``trainer.best_metric=ter`` would silently keep the checkpoint of the best loss.
     """
     t, o, d, m = cfg.trainer, cfg.optim, cfg.data, cfg.model
     at_least = {
@@ -276,6 +297,7 @@ def check_values(cfg: TrainConfig) -> None:
             "trainer.patience": t.patience, "trainer.keep_last": t.keep_last,
             "trainer.keep_best": t.keep_best, "trainer.average_last": t.average_last,
             "trainer.lenpen": t.lenpen, "trainer.seed": t.seed,
+            "trainer.min_improvement": t.min_improvement,
             "trainer.num_threads": t.num_threads, "optim.weight_decay": o.weight_decay,
             "optim.warmup_steps": o.warmup_steps, "optim.min_lr": o.min_lr,
             "optim.clip_norm": o.clip_norm, "optim.lr": o.lr,
@@ -302,8 +324,9 @@ def check_values(cfg: TrainConfig) -> None:
     if d.filter.max_tokens < d.filter.min_tokens:
         raise ValueError(f"data.filter.max_tokens={d.filter.max_tokens} is below "
                          f"data.filter.min_tokens={d.filter.min_tokens}")
-    if t.best_metric not in ("bleu", "loss"):
-        raise ValueError(f"trainer.best_metric must be bleu or loss, got {t.best_metric!r}")
+    if t.best_metric not in BEST_METRICS:
+        raise ValueError(f"trainer.best_metric must be one of {', '.join(BEST_METRICS)}, "
+                         f"got {t.best_metric!r}")
 
 
 def positive_int(text: str) -> int:

@@ -31,12 +31,14 @@ from omegaconf import DictConfig, OmegaConf
 from mt import checkpoint
 from mt.batching import step_batches
 from mt.config import (
+    BEST_METRICS,
     TrainConfig,
     check_keys,
     check_values,
     conf_dir,
     config_changes,
     finetune_model_config,
+    improves,
     register_configs,
 )
 from mt.corpus import Corpus
@@ -338,7 +340,9 @@ class Trainer:
         if t.max_epochs and self.epoch >= t.max_epochs:
             return f"trainer.max_epochs={t.max_epochs} reached"
         if t.patience and self.bad_validations >= t.patience:
-            return (f"trainer.patience={t.patience}: no better valid {t.best_metric} in "
+            by = (f" (by more than trainer.min_improvement={t.min_improvement:g})"
+                  if t.min_improvement else "")
+            return (f"trainer.patience={t.patience}: no better valid {t.best_metric}{by} in "
                     f"{self.bad_validations} validations")
         elapsed = self.seconds()
         if self.world > 1:  # every rank must see the same clock: same stop step, same lr
@@ -422,10 +426,9 @@ class Trainer:
         improved = False
         if self.rank == 0:
             metrics = self.validate()
-            key = "valid_bleu" if self.cfg.trainer.best_metric == "bleu" else "valid_loss"
-            sign = 1 if key == "valid_bleu" else -1
-            value = metrics[key]
-            improved = self.best is None or sign * value > sign * self.best
+            t = self.cfg.trainer
+            value = metrics[BEST_METRICS[t.best_metric][0]]
+            improved = improves(value, self.best, t.best_metric, t.min_improvement)
             if improved:
                 self.best, self.bad_validations = value, 0
             else:

@@ -80,7 +80,8 @@ def test_a_misspelt_key_added_with_plus_fails_with_its_name(override, name):
     ("trainer.validate_every=0", "trainer.validate_every must be at least 1"),
     ("trainer.patience=-1", "trainer.patience must be at least 0"),
     ("trainer.seed=-5", "trainer.seed must be at least 0"),
-    ("trainer.best_metric=chrf", "trainer.best_metric must be bleu or loss, got 'chrf'"),
+    ("trainer.best_metric=ter", "trainer.best_metric must be one of bleu, chrf, loss, got 'ter'"),
+    ("trainer.min_improvement=-0.5", "trainer.min_improvement must be at least 0, got -0.5"),
     ("optim.label_smoothing=1.5", r"optim.label_smoothing must be in \[0, 1\), got 1.5"),
     ("optim.betas=[0.9,0.98,0.5]", "optim.betas must be two numbers"),
     ("optim.betas=[0.9,1.0]", r"optim.betas\[1\] must be in \[0, 1\)"),
@@ -182,6 +183,81 @@ def test_cosine_schedule_needs_a_budget():
     with pytest.raises(ValueError, match="trainer.max_steps or trainer.max_minutes"):
         lr_lambda(compose(["optim.schedule=cosine", "trainer.max_steps=0",
                            "trainer.max_minutes=0"]))
+
+
+@pytest.fixture()
+def trainer_factory(tmp_path, corpus_dir, tokenizer_dir, monkeypatch):
+    """A tiny Trainer in this process (its datasets cache in tmp_path, torch's thread count put
+    back afterwards), to be given validation scores instead of decoding."""
+    import datasets
+
+    from mt.train import Trainer
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    threads = torch.get_num_threads()
+
+    def make(name: str, *overrides: str) -> Trainer:
+        (tmp_path / name).mkdir()  # as Hydra does
+        return Trainer(compose([*tiny_train_args(corpus_dir, tokenizer_dir), *overrides]),
+                       tmp_path / name)
+
+    yield make
+    torch.set_num_threads(threads)
+
+
+# (BLEU, chrF) of five validations: BLEU peaks at the 3rd, chrF at the 4th (by 0.5 only)
+SCORES = [(20.0, 40.0), (25.0, 45.0), (28.0, 44.0), (22.0, 45.5), (21.0, 43.0)]
+
+
+def validate_with(trainer, scores: list[tuple[float, float]]) -> list[str]:
+    """Validates at steps 1, 2, ... with the given scores, each step's weights stamped with its
+    number; returns the stop reason after each."""
+    stamp = next(trainer.model.parameters())  # also the first weight in the checkpoint
+    reasons = []
+    for step, (bleu, chrf) in enumerate(scores, 1):
+        trainer.step = step
+        with torch.no_grad():
+            stamp.fill_(step)
+        trainer.validate = lambda b=bleu, c=chrf: {"valid_loss": 2.0, "valid_ppl": math.exp(2),
+                                                   "valid_bleu": b, "valid_chrf": c}
+        trainer._validate_and_save()
+        reasons.append(trainer.stop_reason())
+    return reasons
+
+
+def stamp_of(path: Path) -> float:
+    """The step whose weights ``path`` holds (``validate_with``'s stamp)."""
+    weights = torch.load(path, weights_only=True)["model"]
+    return weights[next(iter(weights))].flatten()[0].item()
+
+
+def test_best_metric_chrf_picks_best_pt_and_keep_best_by_chrf(trainer_factory):
+    trainer = trainer_factory("chrf", "trainer.best_metric=chrf", "trainer.keep_last=0",
+                              "trainer.keep_best=2")
+    validate_with(trainer, SCORES)
+    ckpts = trainer.ckpt_dir
+    assert stamp_of(ckpts / "best.pt") == 4  # the best chrF, not the best BLEU (step 3)
+    assert trainer.best == 45.5 and trainer.bad_validations == 1
+    assert sorted(p.name for p in ckpts.glob("step_*.pt")) == ["step_2.pt", "step_4.pt"]
+    bleu = trainer_factory("bleu", "trainer.keep_last=0", "trainer.keep_best=2")
+    validate_with(bleu, SCORES)
+    assert stamp_of(bleu.ckpt_dir / "best.pt") == 3
+    assert sorted(p.name for p in bleu.ckpt_dir.glob("step_*.pt")) == ["step_2.pt", "step_3.pt"]
+
+
+def test_min_improvement_keeps_the_earlier_best_and_stops_sooner(trainer_factory):
+    """chrF 45.5 beats 45 by 0.5: not better with min_improvement 1, so best.pt stays step 2's
+    and the validations from step 3 on all count against patience."""
+    plain = trainer_factory("plain", "trainer.best_metric=chrf", "trainer.patience=3")
+    strict = trainer_factory("strict", "trainer.best_metric=chrf", "trainer.patience=3",
+                             "trainer.min_improvement=1")
+    assert validate_with(plain, SCORES)[-1] == ""  # step 4 reset the count: 1 bad so far
+    reasons = validate_with(strict, SCORES)
+    assert reasons[:4] == ["", "", "", ""]
+    assert reasons[4] == ("trainer.patience=3: no better valid chrf (by more than "
+                          "trainer.min_improvement=1) in 3 validations")
+    assert stamp_of(strict.ckpt_dir / "best.pt") == 2 and strict.best == 45.0
+    assert stamp_of(plain.ckpt_dir / "best.pt") == 4
 
 
 def test_label_smoothed_loss_matches_its_definition():
