@@ -131,6 +131,11 @@ class OptimConfig:
     schedule: str = "inverse_sqrt"  # inverse_sqrt | cosine | constant
     warmup_steps: int = 4000
     min_lr: float = 0.0  # floor for the cosine schedule
+    # reduce on plateau, on top of the schedule (fairseq's reduce_lr_on_plateau, Marian's
+    # --lr-decay-strategy stalled): the rate is multiplied by plateau_factor each time
+    # trainer.best_metric has not improved in plateau_patience validations; 0 or 1 = off
+    plateau_factor: float = 0.0
+    plateau_patience: int = 3
     clip_norm: float = 0.0  # 0 disables gradient clipping
     label_smoothing: float = 0.1
 
@@ -151,7 +156,7 @@ class TrainerConfig:
     best_metric: str = "bleu"  # bleu | chrf | loss: picks best.pt, keep_best; drives patience
     # a validation is better only when it beats the best by more than this (BLEU or chrF points,
     # or loss per token), so that a gain within the valid set's noise neither replaces best.pt
-    # nor resets patience; 0 = any gain
+    # nor resets patience and plateau counts; 0 = any gain
     min_improvement: float = 0.0
     keep_last: int = 2  # the last N step checkpoints are kept (besides last.pt and best.pt)
     keep_best: int = 0  # and the N best by best_metric (for `average_checkpoints.py --best`)
@@ -268,8 +273,8 @@ def improves(value: float, best: float | None, best_metric: str, min_improvement
     """Whether a validation score ``value`` counts as better than ``best`` (None: the first one).
 
     Better means by more than ``min_improvement`` (trainer.min_improvement), so that a gain within
-    the noise of a small valid set neither replaces best.pt nor resets patience; best.pt and
-    patience both ask this one question.
+    the noise of a small valid set neither replaces best.pt nor resets patience; best.pt, patience
+    and the plateau schedule (mt.optim) all ask this one question.
     """
     if best is None:
         return True
@@ -290,6 +295,7 @@ def check_values(cfg: TrainConfig) -> None:
             "trainer.validate_every": t.validate_every, "trainer.log_every": t.log_every,
             "trainer.beam_size": t.beam_size, "trainer.max_bad_steps": t.max_bad_steps,
             "data.subword_nbest": d.subword_nbest, "data.filter.min_tokens": d.filter.min_tokens,
+            "optim.plateau_patience": o.plateau_patience,
             "model.encoder_layers": m.encoder_layers, "model.decoder_layers": m.decoder_layers,
             "model.d_model": m.d_model, "model.ffn_dim": m.ffn_dim, "model.heads": m.heads},
         0: {"trainer.max_steps": t.max_steps, "trainer.max_epochs": t.max_epochs,
@@ -319,6 +325,13 @@ def check_values(cfg: TrainConfig) -> None:
     for key, value in below_one.items():
         if not 0 <= value < 1:
             raise ValueError(f"{key} must be in [0, 1), got {value}")
+    if not 0 <= o.plateau_factor <= 1:
+        raise ValueError(f"optim.plateau_factor must be in [0, 1] (0 or 1: off), "
+                         f"got {o.plateau_factor}")
+    if 0 < o.plateau_factor < 1 and t.patience and o.plateau_patience >= t.patience:
+        raise ValueError(f"optim.plateau_patience={o.plateau_patience} must be below "
+                         f"trainer.patience={t.patience}: the run would stop before the learning "
+                         "rate is ever reduced")
     if not o.eps > 0:
         raise ValueError(f"optim.eps must be above 0, got {o.eps}")
     if d.filter.max_tokens < d.filter.min_tokens:

@@ -82,6 +82,10 @@ def test_a_misspelt_key_added_with_plus_fails_with_its_name(override, name):
     ("trainer.seed=-5", "trainer.seed must be at least 0"),
     ("trainer.best_metric=ter", "trainer.best_metric must be one of bleu, chrf, loss, got 'ter'"),
     ("trainer.min_improvement=-0.5", "trainer.min_improvement must be at least 0, got -0.5"),
+    ("optim.plateau_factor=1.5", r"optim.plateau_factor must be in \[0, 1\]"),
+    ("optim.plateau_patience=0", "optim.plateau_patience must be at least 1, got 0"),
+    ("optim.plateau_factor=0.5 optim.plateau_patience=4 trainer.patience=4",
+     "optim.plateau_patience=4 must be below trainer.patience=4: the run would stop before"),
     ("optim.label_smoothing=1.5", r"optim.label_smoothing must be in \[0, 1\), got 1.5"),
     ("optim.betas=[0.9,0.98,0.5]", "optim.betas must be two numbers"),
     ("optim.betas=[0.9,1.0]", r"optim.betas\[1\] must be in \[0, 1\)"),
@@ -96,7 +100,7 @@ def test_a_value_out_of_range_fails_with_the_key(override, message):
     """The schema checks types; a count of 0 or a smoothing of 1.5 must stop the run at start-up,
     not with a ZeroDivisionError mid-run or as a silently different run."""
     with pytest.raises(ValueError, match=message):
-        compose([override])
+        compose(override.split())
 
 
 def test_wrong_type_fails_with_the_key():
@@ -183,6 +187,79 @@ def test_cosine_schedule_needs_a_budget():
     with pytest.raises(ValueError, match="trainer.max_steps or trainer.max_minutes"):
         lr_lambda(compose(["optim.schedule=cosine", "trainer.max_steps=0",
                            "trainer.max_minutes=0"]))
+
+
+def history_of(metric: str, values: list[float]) -> list[dict]:
+    """Validation records as last.pt keeps them, every 10 steps; the other scores move against
+    ``metric``'s, so that reading the wrong key gives another answer."""
+    return [{"step": 10 * (i + 1), "valid_loss": 5.0 + v if metric != "loss" else v,
+             "valid_bleu": -v, "valid_chrf": -v, f"valid_{metric}": v}
+            for i, v in enumerate(values)]
+
+
+@pytest.mark.parametrize("metric, values, min_improvement, cuts", [
+    # 12 best; 11, 11.5 bad: a cut; 11 bad; 13 best; 12, 12 bad: a cut; 12 bad
+    ("bleu", [10, 12, 11, 11.5, 11, 13, 12, 12, 12], 0.0, [0, 0, 0, 1, 1, 1, 1, 2, 2]),
+    # 13 is only 1 above 12: bad with min_improvement 1.5, so the second cut comes early
+    ("bleu", [10, 12, 11, 11.5, 11, 13, 12, 12, 12], 1.5, [0, 0, 0, 1, 1, 2, 2, 3, 3]),
+    ("chrf", [40, 41, 41, 41, 45, 44, 46, 40, 40], 0.0, [0, 0, 0, 1, 1, 1, 1, 1, 2]),
+    ("loss", [3.0, 2.5, 2.6, 2.5, 2.4, 2.4, 2.45, 2.3, 2.31], 0.0, [0, 0, 0, 1, 1, 1, 2, 2, 2]),
+])
+def test_plateau_multiplier_is_the_factor_to_the_number_of_plateaus_in_the_history(
+        metric, values, min_improvement, cuts):
+    """The cuts are read from the validation history alone (what last.pt saves), so a resumed
+    run knows them; each plateau_patience bad validations in a row is one cut."""
+    from mt.optim import lr_lambda, plateau_reductions
+
+    cfg = compose(["optim.warmup_steps=10", "optim.plateau_factor=0.5", "optim.plateau_patience=2",
+                   f"trainer.best_metric={metric}", f"trainer.min_improvement={min_improvement}"])
+    plain = lr_lambda(compose(["optim.warmup_steps=10"]))
+    full = history_of(metric, values)
+    history: list[dict] = []
+    f = lr_lambda(cfg, history=lambda: history)
+    for n, expected in enumerate(cuts, 1):
+        history[:] = full[:n]
+        assert plateau_reductions(history, cfg) == expected, n
+        for step in (5, 10, 400):  # on top of the schedule, in warmup and after it
+            assert f(step) == pytest.approx(plain(step) * 0.5 ** expected), (n, step)
+    for factor in (0, 1):  # off
+        cfg.optim.plateau_factor = factor
+        assert plateau_reductions(full, cfg) == 0
+        assert lr_lambda(cfg, history=lambda: full)(400) == plain(400)
+
+
+def test_a_resume_gives_the_next_step_the_rate_of_this_runs_schedule():
+    """LambdaLR saved the next step's rate under the saver's settings; a resume with the same
+    settings leaves it bit for bit, one that turns the plateau cut on applies it at once."""
+    from mt.optim import build_optimizer, lr_lambda, take_optim_config
+
+    history = history_of("bleu", [10, 9, 9])  # one plateau at patience 2
+
+    def resumed(overrides: list[str]) -> tuple[list[str], float]:
+        cfg = compose(["optim.warmup_steps=10", "optim.lr=1e-3", *overrides])
+        model = torch.nn.Linear(2, 2)
+        opt = build_optimizer(model, cfg, torch.device("cpu"))
+        f = lr_lambda(cfg, history=lambda: history)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda taken: f(taken + 1))
+        opt.load_state_dict(saved_opt)
+        sched.load_state_dict(saved_sched)
+        return take_optim_config(opt, sched, cfg), opt.param_groups[0]["lr"]
+
+    saver = compose(["optim.warmup_steps=10", "optim.lr=1e-3"])
+    model = torch.nn.Linear(2, 2)
+    opt = build_optimizer(model, saver, torch.device("cpu"))
+    f = lr_lambda(saver, history=lambda: history)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda taken: f(taken + 1))
+    for _ in range(30):
+        opt.step()
+        sched.step()
+    saved_opt, saved_sched = copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
+    rate = saved_opt["param_groups"][0]["lr"]
+    assert resumed([]) == ([], rate)
+    notes, cut = resumed(["optim.plateau_factor=0.5", "optim.plateau_patience=2"])
+    assert cut == pytest.approx(rate / 2)
+    assert notes == [f"a learning rate of {cut:.4g} for step 31 (was {rate:.4g}): this run's "
+                     "schedule settings give it"]
 
 
 @pytest.fixture()
@@ -414,6 +491,55 @@ def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr
         peak = 1e-3 if step <= 6 else 5e-4
         assert rate == pytest.approx(peak * min(step / 5, math.sqrt(5 / step)), rel=1e-12), step
     assert lr[5] == pytest.approx(1e-3)  # the peak, at the last warmup step
+
+
+def test_plateau_cuts_the_rate_and_a_killed_run_resumes_with_the_same_rates(
+        tmp_path, corpus_dir, tokenizer_dir):
+    """trainer.min_improvement=100 makes every validation after the first a bad one, so with
+    plateau_patience 1 each cuts the rate in half from the next step on. A run killed between
+    saves (a save_every checkpoint, or a validation's) resumes at the same rates: the cuts are
+    read from the history in last.pt."""
+    steps = ["trainer.max_steps=12", "trainer.validate_every=3", "trainer.save_every=2",
+             "trainer.test_at_end=false", "trainer.best_metric=loss",
+             "trainer.min_improvement=100", "optim.plateau_factor=0.5",
+             "optim.plateau_patience=1"]
+    full = tmp_path / "full"
+    result = run_train(tmp_path, full, corpus_dir, tokenizer_dir, *steps)
+    assert "step 6: valid loss not better in 1 validations (optim.plateau_patience): learning " \
+           "rate x 0.5 (cut 1, x 0.5 in all)" in result.stderr
+    lines = (full / "metrics.jsonl").read_text().splitlines()
+    lr = {r["step"]: r["lr"] for r in map(json.loads, lines) if "lr" in r}
+    for step, rate in lr.items():  # cuts at the validations of steps 6 and 9 (and 12)
+        cuts = (step > 6) + (step > 9)
+        assert rate == pytest.approx(1e-3 * min(step / 5, math.sqrt(5 / step)) * 0.5 ** cuts,
+                                     rel=1e-12), step
+
+    killed = tmp_path / "killed"
+    cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={killed}", *steps]
+    proc = subprocess.Popen(cmd, env=cli_env(tmp_path), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics, deadline = killed / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(x)["step"] >= 8 for x in
+                                    metrics.read_text().splitlines() if x.endswith("}")):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = run_train(tmp_path, killed, corpus_dir, tokenizer_dir, *steps)
+    assert "resumed" in resumed.stderr and "learning rate of" not in resumed.stderr
+
+    def records(run_dir: Path) -> list[dict]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if not k.endswith("_per_s")}
+                for x in lines]
+
+    assert records(killed) == records(full)
+    a, b = weights(full), weights(killed)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
 
 
 def test_a_run_says_which_budget_ended_it(tmp_path, corpus_dir, tokenizer_dir):
