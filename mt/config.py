@@ -163,6 +163,7 @@ class TrainerConfig:
     average_last: int = 0  # average the last N step checkpoints at the end (0 = off)
     beam_size: int = 5  # for validation and test BLEU
     lenpen: float = 0.6
+    save_valid_hyps: bool = True  # each validation's translations in run_dir/valid/step_N.hyp
     precision: str = "auto"  # auto (bf16 on CUDA or AVX512-BF16/AMX CPUs) | bf16 | fp16 | fp32
     compile: bool = False
     seed: int = 1

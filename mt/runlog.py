@@ -29,11 +29,13 @@ def perplexity(nll: float) -> float:
 
 
 def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
-             trainer: TrainerConfig, device: torch.device) -> dict:
+             trainer: TrainerConfig, device: torch.device, hyp_file: Path | None = None) -> dict:
     """Loss and perplexity on the valid pairs (teacher forced, without label smoothing, so runs
     with different smoothing compare), and BLEU and chrF of the search the test at the end uses.
 
     The caller puts the model in eval mode and under inference mode (and autocast, if any).
+    ``hyp_file``: where to write the translations scored, one line per source line
+    (``write_lines``), so that a score can be read against what the model produced.
     """
     from mt.evaluate import score
     from mt.lines import translate_lines
@@ -61,10 +63,25 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
         tokens += int((tgt_out != PAD_ID).sum())
     opts = SearchOptions(beam=trainer.beam_size, lenpen=trainer.lenpen)
     hyps = [n[0][0] for n in translate_lines(model, tokenizer, src, opts)]
+    if hyp_file is not None:
+        write_lines(hyp_file, hyps)
     scores = score(hyps, tgt)
     loss = loss_sum / max(tokens, 1)
     return {"valid_loss": loss, "valid_ppl": perplexity(loss),
             "valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
+
+
+def write_lines(path: Path, lines: list[str]) -> None:
+    """Writes ``lines`` one per line, under a temporary name renamed over ``path`` at the end: a
+    file under the name is always whole (a kill mid-write leaves the old one, or none, and a
+    stray ``.tmp``). A line break inside a line (\\n or \\r, should the tokenizer decode a piece to
+    one) becomes a space, so that line N of the file stays line N of the input."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        f.writelines(line.replace("\r\n", " ").replace("\n", " ").replace("\r", " ") + "\n"
+                     for line in lines)
+    tmp.replace(path)
 
 
 class Metrics:

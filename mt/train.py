@@ -246,8 +246,9 @@ class Trainer:
         self.model.eval()
         c = self.corpus
         with torch.inference_mode(), self._autocast():
+            hyps = self.run_dir / "valid" / f"step_{self.step}.hyp"
             metrics = validate(self.model, c.tokenizer, c.valid_src, c.valid_tgt, self.cfg.trainer,
-                               self.device)
+                               self.device, hyps if self.cfg.trainer.save_valid_hyps else None)
         self.model.train()
         return metrics
 

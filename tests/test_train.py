@@ -498,7 +498,7 @@ def test_plateau_cuts_the_rate_and_a_killed_run_resumes_with_the_same_rates(
     """trainer.min_improvement=100 makes every validation after the first a bad one, so with
     plateau_patience 1 each cuts the rate in half from the next step on. A run killed between
     saves (a save_every checkpoint, or a validation's) resumes at the same rates: the cuts are
-    read from the history in last.pt."""
+    read from the history in last.pt. Each validation's translations are on disk."""
     steps = ["trainer.max_steps=12", "trainer.validate_every=3", "trainer.save_every=2",
              "trainer.test_at_end=false", "trainer.best_metric=loss",
              "trainer.min_improvement=100", "optim.plateau_factor=0.5",
@@ -540,6 +540,18 @@ def test_plateau_cuts_the_rate_and_a_killed_run_resumes_with_the_same_rates(
     a, b = weights(full), weights(killed)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+    # valid/step_N.hyp: one line per valid pair (data.max_valid_sentences=8), what was scored
+    from mt.evaluate import score
+
+    refs = (corpus_dir / "valid.zz").read_text().splitlines()[:8]
+    assert sorted(p.name for p in (full / "valid").iterdir()) == [
+        f"step_{n}.hyp" for n in (12, 3, 6, 9)]  # and no temporary file left
+    history = {r["step"]: r for r in records(full) if "valid_bleu" in r}
+    for step, record in history.items():
+        hyps = (full / "valid" / f"step_{step}.hyp").read_text(encoding="utf-8").split("\n")
+        assert len(hyps) == 9 and hyps[-1] == ""  # 8 lines, each ended
+        assert score(hyps[:-1], refs)["chrf"] == pytest.approx(record["valid_chrf"]), step
 
 
 def test_a_run_says_which_budget_ended_it(tmp_path, corpus_dir, tokenizer_dir):
