@@ -488,7 +488,8 @@ def _run(dcfg: DictConfig) -> float | None:
     trainer = Trainer(cfg, run_dir)
     best = trainer.fit()
     if trainer.rank == 0:
-        finish(trainer.cfg, trainer.run_dir, trainer.device)
+        finish(trainer.cfg, trainer.run_dir, trainer.device,
+               (trainer.corpus.valid_src, trainer.corpus.valid_tgt))
     if trainer.world > 1:
         dist.destroy_process_group()
     return best

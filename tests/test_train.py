@@ -554,6 +554,26 @@ def test_plateau_cuts_the_rate_and_a_killed_run_resumes_with_the_same_rates(
         assert score(hyps[:-1], refs)["chrf"] == pytest.approx(record["valid_chrf"]), step
 
 
+def test_averaged_pt_is_scored_on_the_valid_split_beside_best_pt(tmp_path, corpus_dir,
+                                                                 tokenizer_dir):
+    """Choosing between best.pt and averaged.pt needs their valid scores (test.json had test
+    scores only); best.pt's, decoded again in float32, is its score in the history."""
+    run_dir = tmp_path / "run"
+    result = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, "trainer.max_steps=6",
+                       "trainer.validate_every=2", "trainer.average_last=2",
+                       "trainer.save_valid_hyps=false")
+    report = json.loads((run_dir / "test.json").read_text())
+    history = torch.load(run_dir / "checkpoints" / "last.pt",
+                         weights_only=True)["trainer"]["history"]
+    assert report["valid"]["bleu"] == pytest.approx(max(r["valid_bleu"] for r in history))
+    assert report["valid"]["sentences"] == report["averaged"]["valid"]["sentences"] == 8
+    valid = report["averaged"]["valid"]
+    assert (f"averaged.pt {valid['bleu']:.2f} / {valid['chrf']:.2f}"
+            in result.stdout.splitlines()[0])  # the line to choose by comes first
+    assert result.stdout.splitlines()[0].startswith("valid BLEU / chrF (8 sentences")
+    assert not (run_dir / "valid").exists()  # trainer.save_valid_hyps=false
+
+
 def test_a_run_says_which_budget_ended_it(tmp_path, corpus_dir, tokenizer_dir):
     """A run that stops before the progress bar's total (patience, a time budget) said nothing:
     the quick start seemed to end at step 429 of 500 for no reason."""
