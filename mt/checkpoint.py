@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mt.config import REGULARIZATION_KEYS, model_config_from_dict
+from mt.config import BEST_METRICS, REGULARIZATION_KEYS, model_config_from_dict
 from mt.model import Transformer, build_model
 from mt.tokenizer import Tokenizer
 
@@ -139,11 +139,14 @@ def best_step_checkpoints(paths: list[Path], history: list[dict], best_metric: s
     Args:
         paths: step_N.pt files.
         history: the run's validation records (``trainer.history`` in last.pt).
-        best_metric: ``bleu`` (higher is better) or ``loss`` (lower is better).
+        best_metric: ``bleu`` or ``chrf`` (higher is better), or ``loss`` (lower is better).
     Returns:
         those of ``paths`` whose step has a score, best first.
     """
-    key, sign = ("valid_bleu", 1) if best_metric == "bleu" else ("valid_loss", -1)
+    if best_metric not in BEST_METRICS:  # a config this version does not know: never guess
+        raise ValueError(f"trainer.best_metric={best_metric!r}: not one of "
+                         f"{', '.join(BEST_METRICS)}")
+    key, sign = BEST_METRICS[best_metric]
     score = {r["step"]: sign * r[key] for r in history if key in r}
 
     def step(p: Path) -> int:

@@ -102,7 +102,9 @@ class DataConfig:
     test: str = "test"
     hub_name: str | None = None  # e.g. wmt14
     hub_config: str | None = None  # e.g. de-en
-    max_valid_sentences: int = 0  # 0 = all; BLEU during training on the first N valid pairs
+    # 0 = all; else validation uses only the first N valid pairs: its loss and perplexity as well
+    # as BLEU and chrF, so best.pt, patience and plateau cuts (by any best_metric) too
+    max_valid_sentences: int = 0
     num_proc: int = 0  # processes that encode the corpus; 0 = 1 below 200k pairs, else all cores
     # subword regularization (Kudo, 2018): each epoch, each side of each training pair takes one of
     # its subword_nbest best segmentations, with probability ~ P(segmentation)^subword_alpha.
@@ -135,6 +137,11 @@ class OptimConfig:
     schedule: str = "inverse_sqrt"  # inverse_sqrt | cosine | constant
     warmup_steps: int = 4000
     min_lr: float = 0.0  # floor for the cosine schedule
+    # reduce on plateau, on top of the schedule (fairseq's reduce_lr_on_plateau, Marian's
+    # --lr-decay-strategy stalled): the rate is multiplied by plateau_factor each time
+    # trainer.best_metric has not improved in plateau_patience validations; 0 or 1 = off
+    plateau_factor: float = 0.0
+    plateau_patience: int = 3
     clip_norm: float = 0.0  # 0 disables gradient clipping
     label_smoothing: float = 0.1
 
@@ -152,12 +159,17 @@ class TrainerConfig:
     save_every: int = 0  # also write last.pt every N steps between validations; 0 = only then
     log_every: int = 50
     patience: int = 0  # stop after this many validations without a better best_metric; 0 = never
-    best_metric: str = "bleu"  # bleu | loss
+    best_metric: str = "bleu"  # bleu | chrf | loss: picks best.pt, keep_best; drives patience
+    # a validation is better only when it beats the best by more than this (BLEU or chrF points,
+    # or loss per token), so that a gain within the valid set's noise neither replaces best.pt
+    # nor resets patience and plateau counts; 0 = any gain
+    min_improvement: float = 0.0
     keep_last: int = 2  # the last N step checkpoints are kept (besides last.pt and best.pt)
     keep_best: int = 0  # and the N best by best_metric (for `average_checkpoints.py --best`)
     average_last: int = 0  # average the last N step checkpoints at the end (0 = off)
     beam_size: int = 5  # for validation and test BLEU
     lenpen: float = 0.6
+    save_valid_hyps: bool = True  # each validation's translations in run_dir/valid/step_N.hyp
     precision: str = "auto"  # auto (bf16 on CUDA or AVX512-BF16/AMX CPUs) | bf16 | fp16 | fp32
     compile: bool = False
     seed: int = 1
@@ -260,12 +272,29 @@ def check_keys(node, schema: type | None = None, prefix: str = "") -> None:
             check_keys(node[key], hints[key], f"{name}.")
 
 
+# What trainer.best_metric names: the validation record's key, and +1 where higher is better.
+BEST_METRICS = {"bleu": ("valid_bleu", 1), "chrf": ("valid_chrf", 1), "loss": ("valid_loss", -1)}
+
+
+def improves(value: float, best: float | None, best_metric: str, min_improvement: float) -> bool:
+    """Whether a validation score ``value`` counts as better than ``best`` (None: the first one).
+
+    Better means by more than ``min_improvement`` (trainer.min_improvement), so that a gain within
+    the noise of a small valid set neither replaces best.pt nor resets patience; best.pt, patience
+    and the plateau schedule (mt.optim) all ask this one question.
+    """
+    if best is None:
+        return True
+    sign = BEST_METRICS[best_metric][1]
+    return sign * (value - best) > min_improvement
+
+
 def check_values(cfg: TrainConfig) -> None:
     """Raises ValueError naming the first key whose value is out of its range.
 
     The schema checks types only: ``trainer.log_every=0`` would pass it and stop the run with a
     ZeroDivisionError an hour later, ``optim.label_smoothing=1.5`` would train on a negative NLL
-    weight and ``trainer.best_metric=chrf`` would silently keep the checkpoint of the best loss.
+    weight and ``trainer.best_metric=ter`` would silently keep the checkpoint of the best loss.
     """
     t, o, d, m = cfg.trainer, cfg.optim, cfg.data, cfg.model
     at_least = {
@@ -273,6 +302,7 @@ def check_values(cfg: TrainConfig) -> None:
             "trainer.validate_every": t.validate_every, "trainer.log_every": t.log_every,
             "trainer.beam_size": t.beam_size, "trainer.max_bad_steps": t.max_bad_steps,
             "data.subword_nbest": d.subword_nbest, "data.filter.min_tokens": d.filter.min_tokens,
+            "optim.plateau_patience": o.plateau_patience,
             "model.encoder_layers": m.encoder_layers, "model.decoder_layers": m.decoder_layers,
             "model.d_model": m.d_model, "model.ffn_dim": m.ffn_dim, "model.heads": m.heads},
         0: {"trainer.max_steps": t.max_steps, "trainer.max_epochs": t.max_epochs,
@@ -280,6 +310,7 @@ def check_values(cfg: TrainConfig) -> None:
             "trainer.patience": t.patience, "trainer.keep_last": t.keep_last,
             "trainer.keep_best": t.keep_best, "trainer.average_last": t.average_last,
             "trainer.lenpen": t.lenpen, "trainer.seed": t.seed,
+            "trainer.min_improvement": t.min_improvement,
             "trainer.num_threads": t.num_threads, "optim.weight_decay": o.weight_decay,
             "optim.warmup_steps": o.warmup_steps, "optim.min_lr": o.min_lr,
             "optim.clip_norm": o.clip_norm, "optim.lr": o.lr,
@@ -301,6 +332,13 @@ def check_values(cfg: TrainConfig) -> None:
     for key, value in below_one.items():
         if not 0 <= value < 1:
             raise ValueError(f"{key} must be in [0, 1), got {value}")
+    if not 0 <= o.plateau_factor <= 1:
+        raise ValueError(f"optim.plateau_factor must be in [0, 1] (0 or 1: off), "
+                         f"got {o.plateau_factor}")
+    if 0 < o.plateau_factor < 1 and t.patience and o.plateau_patience >= t.patience:
+        raise ValueError(f"optim.plateau_patience={o.plateau_patience} must be below "
+                         f"trainer.patience={t.patience}: the run would stop before the learning "
+                         "rate is ever reduced")
     if not o.eps > 0:
         raise ValueError(f"optim.eps must be above 0, got {o.eps}")
     if d.filter.max_tokens < d.filter.min_tokens:
@@ -313,8 +351,9 @@ def check_values(cfg: TrainConfig) -> None:
                              f"({', '.join(parts)})")
         if not factor > 0:
             raise ValueError(f"data.upsample.{split} must be above 0, got {factor}")
-    if t.best_metric not in ("bleu", "loss"):
-        raise ValueError(f"trainer.best_metric must be bleu or loss, got {t.best_metric!r}")
+    if t.best_metric not in BEST_METRICS:
+        raise ValueError(f"trainer.best_metric must be one of {', '.join(BEST_METRICS)}, "
+                         f"got {t.best_metric!r}")
 
 
 def positive_int(text: str) -> int:

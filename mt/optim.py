@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from mt.config import OptimConfig
+from mt.config import BEST_METRICS, improves
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -39,13 +39,47 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return choices[precision]
 
 
-def lr_lambda(cfg, seconds: Callable[[], float] | None = None) -> Callable[[int], float]:
+def plateau_reductions(history: list[dict], cfg) -> int:
+    """How many times the learning rate has been cut on a plateau (``optim.plateau_factor``).
+
+    Replays the validation history that last.pt saves (``trainer.history``): each run of
+    ``optim.plateau_patience`` validations in a row that are not better (``mt.config.improves``:
+    ``trainer.best_metric``, ``trainer.min_improvement``) than the best so far is one cut, and
+    the count of bad validations starts again after it, as in torch's ReduceLROnPlateau. Derived
+    from the history, never kept beside it, so a resumed run knows the count without new state.
+    ``trainer.patience`` counts the same bad validations without restarting, so it ends a run
+    that keeps failing to improve after a cut.
+    """
+    o, t = cfg.optim, cfg.trainer
+    if not 0 < o.plateau_factor < 1:
+        return 0
+    key = BEST_METRICS[t.best_metric][0]
+    best, bad, cuts = None, 0, 0
+    for record in history:
+        value = record.get(key)
+        if value is None:  # a record of a checkpoint older than this metric
+            continue
+        if improves(value, best, t.best_metric, t.min_improvement):
+            best, bad = value, 0
+        else:
+            bad += 1
+            if bad == o.plateau_patience:
+                cuts, bad = cuts + 1, 0
+    return cuts
+
+
+def lr_lambda(cfg, seconds: Callable[[], float] | None = None,
+              history: Callable[[], list[dict]] | None = None) -> Callable[[int], float]:
     """Multiplier of optim.lr at a given step (1-based), for LambdaLR.
 
     `cosine` decays to optim.min_lr when the first of the run's budgets ends: trainer.max_steps,
     or trainer.max_minutes of training time read from `seconds()`. A time budget is turned into a
     step budget at every step from the pace so far (steps x budget / elapsed), so a recipe that
     trains "for 60 minutes" anneals fully on a fast machine and on a slow one alike.
+
+    With ``optim.plateau_factor`` the schedule's multiplier is also multiplied by
+    ``plateau_factor ** plateau_reductions(history())``, read at every step: the schedule's shape
+    goes on, at a lower level after each plateau.
     """
     warmup = max(1, cfg.optim.warmup_steps)
     budget = cfg.trainer.max_minutes * 60 if seconds is not None else 0.0
@@ -76,7 +110,28 @@ def lr_lambda(cfg, seconds: Callable[[], float] | None = None) -> Callable[[int]
     if cfg.optim.schedule == "cosine" and not (cfg.trainer.max_steps or cfg.trainer.max_minutes):
         raise ValueError("optim.schedule=cosine decays over a budget: set trainer.max_steps or "
                          "trainer.max_minutes")
-    return schedules[cfg.optim.schedule]
+    schedule = schedules[cfg.optim.schedule]
+    if history is None or not 0 < cfg.optim.plateau_factor < 1:
+        return schedule
+    factor = cfg.optim.plateau_factor
+
+    def on_plateau(step: int) -> float:
+        return schedule(step) * factor ** plateau_reductions(history(), cfg)
+
+    return on_plateau
+
+
+def refresh_lr(optimizer: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Sets the rate of the next step to what the schedule says now, as LambdaLR.step computes it.
+
+    LambdaLR computes the next step's rate when a step ends, before that step's validation; a
+    plateau cut found at the validation must reach the next step, not the one after it.
+    """
+    for group, base, multiplier in zip(optimizer.param_groups, scheduler.base_lrs,
+                                       scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * multiplier(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
@@ -91,26 +146,61 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.
 
 
 def take_optim_config(optimizer: torch.optim.Optimizer,
-                      scheduler: torch.optim.lr_scheduler.LambdaLR, o: OptimConfig) -> list[str]:
-    """Gives a resumed run's optimizer this run's ``optim.lr``, betas, eps and weight_decay.
+                      scheduler: torch.optim.lr_scheduler.LambdaLR, cfg) -> list[str]:
+    """Gives a resumed run's optimizer this run's ``optim.lr``, betas, eps and weight_decay, and
+    its next step the rate that this run's schedule gives it.
 
     Loading the saved state brings back the saver's (and the scheduler's base rate), so the
     advice after a divergence, "lower optim.lr and run again in the run directory", would
-    change nothing. Values equal to the saved ones leave the state untouched: a resumed run
-    with the same config continues exactly.
+    change nothing; and the saved rate of the next step was computed by the saver's schedule, so
+    a resume that changes it (``optim.plateau_factor``, ``warmup_steps``...) would run one step
+    at the old rate. Values equal to the saved ones leave the state untouched: the rate is
+    recomputed by LambdaLR's own expression from the same step and the same history (call this
+    after the history is loaded: the plateau cuts are part of the rate), the same float, so a
+    resumed run with the same config continues exactly. A cosine over ``trainer.max_minutes``
+    reads a clock that has moved on since the save: its rate is recomputed only when optim.lr
+    changed.
 
     Returns:
-        ``optim.KEY=NEW (was OLD)`` for each value changed.
+        ``optim.KEY=NEW (was OLD)`` for each value changed, and the next step's rate where the
+        schedule gives it another.
     """
+    o = cfg.optim
     now = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
     group = optimizer.param_groups[0]
     was = {"lr": scheduler.base_lrs[0], "betas": tuple(group["betas"]), "eps": group["eps"],
            "weight_decay": group["weight_decay"]}
     changed = [k for k in now if now[k] != was[k]]
+    notes = [f"optim.{k}={now[k]} (was {was[k]})" for k in changed]
     if changed:
         scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
-        lr = o.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
         for group in optimizer.param_groups:
-            group.update(initial_lr=o.lr, lr=lr, betas=now["betas"], eps=o.eps,
+            group.update(initial_lr=o.lr, betas=now["betas"], eps=o.eps,
                          weight_decay=o.weight_decay)
-    return [f"optim.{k}={now[k]} (was {was[k]})" for k in changed]
+    if changed or not (o.schedule == "cosine" and cfg.trainer.max_minutes):
+        before = optimizer.param_groups[0]["lr"]
+        refresh_lr(optimizer, scheduler)
+        after = optimizer.param_groups[0]["lr"]
+        if "lr" not in changed and after != before:
+            notes.append(f"a learning rate of {after:.4g} for step {scheduler.last_epoch + 1} "
+                         f"(was {before:.4g}): this run's schedule settings give it")
+    return notes
+
+
+def cut_on_plateau(optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LambdaLR, history: list[dict],
+                   cfg) -> str:
+    """After a validation is appended to ``history``: where it completes a plateau, gives the next
+    step the reduced rate (``refresh_lr``) and returns a line for the log; else "".
+
+    Every rank calls it with the same history, so that all keep the same rate under DDP.
+    """
+    cuts = plateau_reductions(history, cfg)
+    if cuts == plateau_reductions(history[:-1], cfg):
+        return ""
+    refresh_lr(optimizer, scheduler)
+    o, t = cfg.optim, cfg.trainer
+    return (f"valid {t.best_metric} not better in {o.plateau_patience} validations "
+            f"(optim.plateau_patience): learning rate x {o.plateau_factor:g} "
+            f"(cut {cuts}, x {o.plateau_factor ** cuts:.4g} in all), "
+            f"{optimizer.param_groups[0]['lr']:.3g} for step {scheduler.last_epoch + 1}")

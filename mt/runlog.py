@@ -29,11 +29,13 @@ def perplexity(nll: float) -> float:
 
 
 def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
-             trainer: TrainerConfig, device: torch.device) -> dict:
+             trainer: TrainerConfig, device: torch.device, hyp_file: Path | None = None) -> dict:
     """Loss and perplexity on the valid pairs (teacher forced, without label smoothing, so runs
     with different smoothing compare), and BLEU and chrF of the search the test at the end uses.
 
     The caller puts the model in eval mode and under inference mode (and autocast, if any).
+    ``hyp_file``: where to write the translations scored, one line per source line
+    (``write_lines``), so that a score can be read against what the model produced.
     """
     from mt.evaluate import score
     from mt.lines import translate_lines
@@ -61,10 +63,25 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
         tokens += int((tgt_out != PAD_ID).sum())
     opts = SearchOptions(beam=trainer.beam_size, lenpen=trainer.lenpen)
     hyps = [n[0][0] for n in translate_lines(model, tokenizer, src, opts)]
+    if hyp_file is not None:
+        write_lines(hyp_file, hyps)
     scores = score(hyps, tgt)
     loss = loss_sum / max(tokens, 1)
     return {"valid_loss": loss, "valid_ppl": perplexity(loss),
             "valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
+
+
+def write_lines(path: Path, lines: list[str]) -> None:
+    """Writes ``lines`` one per line, under a temporary name renamed over ``path`` at the end: a
+    file under the name is always whole (a kill mid-write leaves the old one, or none, and a
+    stray ``.tmp``). A line break inside a line (\\n or \\r, should the tokenizer decode a piece to
+    one) becomes a space, so that line N of the file stays line N of the input."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        f.writelines(line.replace("\r\n", " ").replace("\n", " ").replace("\r", " ") + "\n"
+                     for line in lines)
+    tmp.replace(path)
 
 
 class Metrics:
@@ -187,48 +204,74 @@ class Window:
         return out
 
 
-def finish(cfg: TrainConfig, run_dir: Path, device: torch.device) -> None:
-    """Averaging, test-set BLEU of best.pt (and averaged.pt), and what to run next (rank 0 only).
+def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
+           valid: tuple[list[str], list[str]] | None = None) -> None:
+    """Averaging, the valid and test scores of best.pt and averaged.pt, and what to run next (rank
+    0 only).
 
-    Which of the two to use is the user's call on the valid split; both test scores are printed so
-    that nothing is chosen on the test set here.
+    Which of the two to use is the user's call on the valid split: when averaged.pt is made, both
+    are scored on ``valid`` (the (sources, references) the run validated on, so
+    ``data.max_valid_sentences`` of them), decoded alike (float32, the validation's search;
+    best.pt's score in the history may come from bf16), printed on one line and kept in
+    test.json. Both test scores are printed too, so that nothing is chosen on the test set here.
     """
+    from mt.evaluate import score
+    from mt.lines import translate_lines
+    from mt.options import SearchOptions
+
     ckpt_dir = run_dir / "checkpoints"
+    averaged = False
     if cfg.trainer.average_last > 1:
         paths = checkpoint.step_checkpoints(ckpt_dir)[-cfg.trainer.average_last :]
         if len(paths) > 1:
             checkpoint.save_atomic(checkpoint.average(paths), ckpt_dir / "averaged.pt")
             log.info("averaged %d checkpoints -> %s", len(paths), ckpt_dir / "averaged.pt")
-    if cfg.trainer.test_at_end and cfg.data.test:
-        from mt.data import split_files
-        from mt.evaluate import score
-        from mt.lines import translate_lines
-        from mt.options import SearchOptions
-
+            averaged = True
+    on_valid = valid is not None and averaged and bool(valid[0])
+    on_test = cfg.trainer.test_at_end and bool(cfg.data.test)
+    opts = SearchOptions(beam=cfg.trainer.beam_size, lenpen=cfg.trainer.lenpen)
+    src, ref = [], []
+    if on_test:
         test = load_split(cfg.data, cfg.data.test)
         src, ref = list(test["src"]), list(test["tgt"])
-        opts = SearchOptions(beam=cfg.trainer.beam_size, lenpen=cfg.trainer.lenpen)
-        report = {}
-        for name in ("best", "averaged"):
-            path = ckpt_dir / f"{name}.pt"
-            if not path.exists():
-                continue
-            model, tok, _ = checkpoint.load_model(path, device)
-            start = time.perf_counter()
+    report, valid_scores, said = {}, {}, []
+    for name in ("best", "averaged") if on_valid or on_test else ():
+        path = ckpt_dir / f"{name}.pt"
+        if not path.exists():  # best.pt may be missing (a run resumed from a copied last.pt)
+            continue
+        model, tok, _ = checkpoint.load_model(path, device)
+        if on_valid:
             with torch.inference_mode():
-                hyps = [n[0][0] for n in translate_lines(model, tok, src, opts)]
-            seconds = time.perf_counter() - start
-            result = score(hyps, ref)
-            suffix = "" if name == "best" else ".averaged"
-            (run_dir / f"{cfg.data.test}{suffix}.hyp").write_text("".join(h + "\n" for h in hyps))
-            report[name] = {**result, "checkpoint": str(path), "seconds": seconds}
-            label = "test BLEU" if name == "best" else "test BLEU of averaged.pt"
-            print(f"{label} = {result['bleu']:.2f}  chrF = {result['chrf']:.2f}  "
-                  f"({result['sentences']} sentences, {result['bleu_signature']})")
+                hyps = [n[0][0] for n in translate_lines(model, tok, valid[0], opts)]
+            valid_scores[name] = {k: v for k, v in score(hyps, valid[1]).items()
+                                  if k in ("bleu", "chrf", "sentences")}
+        if not on_test:
+            continue
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hyps = [n[0][0] for n in translate_lines(model, tok, src, opts)]
+        seconds = time.perf_counter() - start
+        result = score(hyps, ref)
+        suffix = "" if name == "best" else ".averaged"
+        (run_dir / f"{cfg.data.test}{suffix}.hyp").write_text("".join(h + "\n" for h in hyps))
+        report[name] = {**result, "checkpoint": str(path), "seconds": seconds}
+        if name in valid_scores:
+            report[name]["valid"] = valid_scores[name]
+        label = "test BLEU" if name == "best" else "test BLEU of averaged.pt"
+        said.append(f"{label} = {result['bleu']:.2f}  chrF = {result['chrf']:.2f}  "
+                    f"({result['sentences']} sentences, {result['bleu_signature']})")
+    if valid_scores:  # first: the line to choose by
+        print(f"valid BLEU / chrF ({len(valid[0])} sentences; choose on these, not on test): "
+              + ", ".join(f"{name}.pt {v['bleu']:.2f} / {v['chrf']:.2f}"
+                          for name, v in valid_scores.items()))
+    for line in said:
+        print(line)
+    if on_test:
         with open(run_dir / "test.json", "w") as f:  # best.pt's scores at the top level
-            # best.pt may be missing (a run resumed from a copied last.pt alone)
             json.dump({**report.get("best", {}), "averaged": report.get("averaged")}, f, indent=2)
         if cfg.data.source != "hub" and cfg.data.format == "text":  # tsv/jsonl: no source file
+            from mt.data import split_files
+
             src_file = split_files(cfg.data, cfg.data.test.split("+")[0])[0]  # the first part
             print(f"try: translate -m {run_dir} -i {src_file.resolve()}")  # from anywhere
     print(f"run directory: {run_dir}")

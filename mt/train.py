@@ -31,12 +31,14 @@ from omegaconf import DictConfig, OmegaConf
 from mt import checkpoint
 from mt.batching import step_batches
 from mt.config import (
+    BEST_METRICS,
     TrainConfig,
     check_keys,
     check_values,
     conf_dir,
     config_changes,
     finetune_model_config,
+    improves,
     register_configs,
 )
 from mt.corpus import Corpus
@@ -45,7 +47,7 @@ from mt.distributed import barrier, rank_seed, setup_distributed, share_run
 from mt.inference import cap_kernel_caches
 from mt.loss import label_smoothed_nll
 from mt.model import build_model, count_parameters
-from mt.optim import autocast_dtype, build_optimizer, lr_lambda, take_optim_config
+from mt.optim import autocast_dtype, build_optimizer, cut_on_plateau, lr_lambda, take_optim_config
 from mt.runlog import Metrics, Window, finish, validate
 from mt.tokenizer import META_FILE, Tokenizer
 
@@ -116,7 +118,8 @@ class Trainer:
         self.seconds_before, self.fit_start, self.elapsed = 0.0, None, 0.0
         # LambdaLR counts the steps taken (0 before the first); lr_lambda counts from 1, so
         # step k runs at lr_lambda(k): the peak at step warmup_steps, min_lr at the last step.
-        multiplier = lr_lambda(cfg, seconds=lambda: self.elapsed)
+        self.history = []  # the validations so far: the plateau cuts are read from them
+        multiplier = lr_lambda(cfg, seconds=lambda: self.elapsed, history=lambda: self.history)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda taken: multiplier(taken + 1))
         self.step_lr = cfg.optim.lr * multiplier(1)  # the learning rate of the last step taken
@@ -131,7 +134,7 @@ class Trainer:
         if cfg.trainer.compile:
             self.net = torch.compile(self.net)
         self.step, self.epoch, self.step_in_epoch = 0, 0, 0
-        self.best, self.bad_validations, self.history = None, 0, []
+        self.best, self.bad_validations = None, 0
         self.skipped_steps, self.since_check = 0, 0
         # NaN/inf steps counted on the device, read by _check_bad_steps
         self.bad_run, self.worst_run, self.bad_since_check = (
@@ -176,7 +179,8 @@ class Trainer:
             saved["fused"], saved["foreach"] = group["fused"], group["foreach"]
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        changed = take_optim_config(self.optimizer, self.scheduler, self.cfg.optim)
+        self.history = state["history"]  # before take_optim_config: its rate has the cuts
+        changed = take_optim_config(self.optimizer, self.scheduler, self.cfg)
         if changed:
             log.warning("resuming with %s", ", ".join(changed))
         self.scaler.load_state_dict(state["scaler"])
@@ -196,7 +200,6 @@ class Trainer:
                         "from its batch %d%s", per_step, saved_per_step, seen - again,
                         f" ({again} of its batches trained again)" if again else "")
         self.best, self.bad_validations = state["best"], state["bad_validations"]
-        self.history = state["history"]
         self.skipped_steps = state.get("skipped_steps", 0)
         if "window" in state:
             self.window.load(state["window"])
@@ -243,8 +246,9 @@ class Trainer:
         self.model.eval()
         c = self.corpus
         with torch.inference_mode(), self._autocast():
+            hyps = self.run_dir / "valid" / f"step_{self.step}.hyp"
             metrics = validate(self.model, c.tokenizer, c.valid_src, c.valid_tgt, self.cfg.trainer,
-                               self.device)
+                               self.device, hyps if self.cfg.trainer.save_valid_hyps else None)
         self.model.train()
         return metrics
 
@@ -338,7 +342,9 @@ class Trainer:
         if t.max_epochs and self.epoch >= t.max_epochs:
             return f"trainer.max_epochs={t.max_epochs} reached"
         if t.patience and self.bad_validations >= t.patience:
-            return (f"trainer.patience={t.patience}: no better valid {t.best_metric} in "
+            by = (f" (by more than trainer.min_improvement={t.min_improvement:g})"
+                  if t.min_improvement else "")
+            return (f"trainer.patience={t.patience}: no better valid {t.best_metric}{by} in "
                     f"{self.bad_validations} validations")
         elapsed = self.seconds()
         if self.world > 1:  # every rank must see the same clock: same stop step, same lr
@@ -419,27 +425,29 @@ class Trainer:
 
     def _validate_and_save(self) -> None:
         self.validated_step = self.step
-        improved = False
+        improved, record = False, None
         if self.rank == 0:
             metrics = self.validate()
-            key = "valid_bleu" if self.cfg.trainer.best_metric == "bleu" else "valid_loss"
-            sign = 1 if key == "valid_bleu" else -1
-            value = metrics[key]
-            improved = self.best is None or sign * value > sign * self.best
+            t = self.cfg.trainer
+            value = metrics[BEST_METRICS[t.best_metric][0]]
+            improved = improves(value, self.best, t.best_metric, t.min_improvement)
             if improved:
                 self.best, self.bad_validations = value, 0
             else:
                 self.bad_validations += 1
             record = {"step": self.step, "epoch": self.epoch, **metrics, "best": self.best}
-            self.history.append(record)
             self.metrics.write(record)
             log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f%s", self.step,
                      metrics["valid_loss"], metrics["valid_ppl"], metrics["valid_bleu"],
                      metrics["valid_chrf"], " (best)" if improved else "")
-        if self.world > 1:  # early stopping must agree on every rank
-            state = [self.bad_validations, self.best]
+        if self.world > 1:  # early stopping and the plateau cuts must agree on every rank
+            state = [self.bad_validations, self.best, record]
             dist.broadcast_object_list(state, src=0)
-            self.bad_validations, self.best = state
+            self.bad_validations, self.best, record = state
+        self.history.append(record)
+        cut = cut_on_plateau(self.optimizer, self.scheduler, self.history, self.cfg)
+        if cut and self.rank == 0:
+            log.info("step %d: %s", self.step, cut)
         self.save(improved)
         barrier(self.world)
 
@@ -480,7 +488,8 @@ def _run(dcfg: DictConfig) -> float | None:
     trainer = Trainer(cfg, run_dir)
     best = trainer.fit()
     if trainer.rank == 0:
-        finish(trainer.cfg, trainer.run_dir, trainer.device)
+        finish(trainer.cfg, trainer.run_dir, trainer.device,
+               (trainer.corpus.valid_src, trainer.corpus.valid_tgt))
     if trainer.world > 1:
         dist.destroy_process_group()
     return best

@@ -5,8 +5,8 @@
     python scripts/average_checkpoints.py a.pt b.pt c.pt -o abc.pt
 
 `--best N` ranks the step checkpoints still on disk by the validation score recorded for their step
-in last.pt (the run's `trainer.best_metric`). The result is an ordinary model checkpoint:
-`translate -m averaged.pt`.
+in last.pt (the run's `trainer.best_metric`: bleu, chrf or loss), and says their scores. The result
+is an ordinary model checkpoint: `translate -m averaged.pt`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mt import checkpoint  # noqa: E402
-from mt.config import positive_int  # noqa: E402
+from mt.config import BEST_METRICS, positive_int  # noqa: E402
 
 
 def pick(folder: Path, last: int | None, best: int | None) -> list[Path]:
@@ -41,6 +41,11 @@ def pick(folder: Path, last: int | None, best: int | None) -> list[Path]:
         metric = (state.get("config") or {}).get("trainer", {}).get("best_metric", "bleu")
         picked = checkpoint.best_step_checkpoints(steps, history, metric)[:best]
         asked, option = best, "--best"
+        key = BEST_METRICS[metric][0]
+        score = {r["step"]: r[key] for r in history if key in r}
+        print(f"average_checkpoints: ranked by valid {metric} (trainer.best_metric): "
+              + ", ".join(f"{p.name} {score[int(p.stem.split('_')[1])]:.2f}" for p in picked),
+              file=sys.stderr)
     if len(picked) < asked:
         print(f"average_checkpoints: {option} {asked}: {folder} has only {len(picked)} step "
               f"checkpoints{' with a validation score' if option == '--best' else ''}; "

@@ -152,6 +152,13 @@ def test_best_step_checkpoints_ranks_by_the_recorded_metric():
     assert [p.name for p in checkpoint.best_step_checkpoints(paths, history, "bleu")] == [
         "step_20.pt", "step_30.pt", "step_10.pt"]
     assert checkpoint.best_step_checkpoints(paths, history, "loss")[0].name == "step_30.pt"
+    # chrF can disagree with BLEU: ranked by its own scores
+    for record, chrf in zip(history, (50.0, 48.0, 51.0), strict=True):
+        record["valid_chrf"] = chrf
+    assert [p.name for p in checkpoint.best_step_checkpoints(paths, history, "chrf")] == [
+        "step_30.pt", "step_10.pt", "step_20.pt"]
+    with pytest.raises(ValueError, match="trainer.best_metric='ter': not one of bleu, chrf, loss"):
+        checkpoint.best_step_checkpoints(paths, history, "ter")
 
 
 def test_average_script_writes_a_loadable_model(tmp_path, tokenizer):
@@ -165,6 +172,27 @@ def test_average_script_writes_a_loadable_model(tmp_path, tokenizer):
     assert result.returncode == 0, result.stderr
     model, _, ckpt = checkpoint.load_model(out)
     assert [Path(p).name for p in ckpt["averaged_from"]] == ["step_2.pt", "step_3.pt"]
+
+
+def test_average_script_best_ranks_by_the_runs_best_metric(tmp_path, tokenizer):
+    """--best reads trainer.best_metric from last.pt: chrf ranks by chrF, not by BLEU."""
+    for seed in range(3):
+        checkpoint.save_atomic(checkpoint.model_state(tiny_model(seed), tokenizer, None),
+                               tmp_path / f"step_{seed + 1}.pt")
+    history = [{"step": 1, "valid_bleu": 9.0, "valid_chrf": 40.0, "valid_loss": 3.0},
+               {"step": 2, "valid_bleu": 5.0, "valid_chrf": 45.0, "valid_loss": 2.9},
+               {"step": 3, "valid_bleu": 7.0, "valid_chrf": 44.0, "valid_loss": 2.8}]
+    checkpoint.save_atomic({"format": checkpoint.FORMAT, "config": {"trainer": {
+        "best_metric": "chrf"}}, "trainer": {"history": history}}, tmp_path / "last.pt")
+    out = tmp_path / "avg.pt"
+    result = subprocess.run([PYTHON, str(REPO / "scripts" / "average_checkpoints.py"),
+                             str(tmp_path), "--best", "2", "-o", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "ranked by valid chrf (trainer.best_metric): step_2.pt 45.00, step_3.pt 44.00" \
+        in result.stderr
+    assert [Path(p).name for p in checkpoint.load(out)["averaged_from"]] == ["step_2.pt",
+                                                                            "step_3.pt"]
 
 
 def test_average_script_errors_are_one_line_and_fewer_than_asked_is_said(tmp_path, tokenizer):

@@ -97,7 +97,12 @@ def test_a_misspelt_key_added_with_plus_fails_with_its_name(override, name):
     ("trainer.validate_every=0", "trainer.validate_every must be at least 1"),
     ("trainer.patience=-1", "trainer.patience must be at least 0"),
     ("trainer.seed=-5", "trainer.seed must be at least 0"),
-    ("trainer.best_metric=chrf", "trainer.best_metric must be bleu or loss, got 'chrf'"),
+    ("trainer.best_metric=ter", "trainer.best_metric must be one of bleu, chrf, loss, got 'ter'"),
+    ("trainer.min_improvement=-0.5", "trainer.min_improvement must be at least 0, got -0.5"),
+    ("optim.plateau_factor=1.5", r"optim.plateau_factor must be in \[0, 1\]"),
+    ("optim.plateau_patience=0", "optim.plateau_patience must be at least 1, got 0"),
+    ("optim.plateau_factor=0.5 optim.plateau_patience=4 trainer.patience=4",
+     "optim.plateau_patience=4 must be below trainer.patience=4: the run would stop before"),
     ("optim.label_smoothing=1.5", r"optim.label_smoothing must be in \[0, 1\), got 1.5"),
     ("optim.betas=[0.9,0.98,0.5]", "optim.betas must be two numbers"),
     ("optim.betas=[0.9,1.0]", r"optim.betas\[1\] must be in \[0, 1\)"),
@@ -112,7 +117,7 @@ def test_a_value_out_of_range_fails_with_the_key(override, message):
     """The schema checks types; a count of 0 or a smoothing of 1.5 must stop the run at start-up,
     not with a ZeroDivisionError mid-run or as a silently different run."""
     with pytest.raises(ValueError, match=message):
-        compose([override])
+        compose(override.split())
 
 
 def test_wrong_type_fails_with_the_key():
@@ -199,6 +204,154 @@ def test_cosine_schedule_needs_a_budget():
     with pytest.raises(ValueError, match="trainer.max_steps or trainer.max_minutes"):
         lr_lambda(compose(["optim.schedule=cosine", "trainer.max_steps=0",
                            "trainer.max_minutes=0"]))
+
+
+def history_of(metric: str, values: list[float]) -> list[dict]:
+    """Validation records as last.pt keeps them, every 10 steps; the other scores move against
+    ``metric``'s, so that reading the wrong key gives another answer."""
+    return [{"step": 10 * (i + 1), "valid_loss": 5.0 + v if metric != "loss" else v,
+             "valid_bleu": -v, "valid_chrf": -v, f"valid_{metric}": v}
+            for i, v in enumerate(values)]
+
+
+@pytest.mark.parametrize("metric, values, min_improvement, cuts", [
+    # 12 best; 11, 11.5 bad: a cut; 11 bad; 13 best; 12, 12 bad: a cut; 12 bad
+    ("bleu", [10, 12, 11, 11.5, 11, 13, 12, 12, 12], 0.0, [0, 0, 0, 1, 1, 1, 1, 2, 2]),
+    # 13 is only 1 above 12: bad with min_improvement 1.5, so the second cut comes early
+    ("bleu", [10, 12, 11, 11.5, 11, 13, 12, 12, 12], 1.5, [0, 0, 0, 1, 1, 2, 2, 3, 3]),
+    ("chrf", [40, 41, 41, 41, 45, 44, 46, 40, 40], 0.0, [0, 0, 0, 1, 1, 1, 1, 1, 2]),
+    ("loss", [3.0, 2.5, 2.6, 2.5, 2.4, 2.4, 2.45, 2.3, 2.31], 0.0, [0, 0, 0, 1, 1, 1, 2, 2, 2]),
+])
+def test_plateau_multiplier_is_the_factor_to_the_number_of_plateaus_in_the_history(
+        metric, values, min_improvement, cuts):
+    """The cuts are read from the validation history alone (what last.pt saves), so a resumed
+    run knows them; each plateau_patience bad validations in a row is one cut."""
+    from mt.optim import lr_lambda, plateau_reductions
+
+    cfg = compose(["optim.warmup_steps=10", "optim.plateau_factor=0.5", "optim.plateau_patience=2",
+                   f"trainer.best_metric={metric}", f"trainer.min_improvement={min_improvement}"])
+    plain = lr_lambda(compose(["optim.warmup_steps=10"]))
+    full = history_of(metric, values)
+    history: list[dict] = []
+    f = lr_lambda(cfg, history=lambda: history)
+    for n, expected in enumerate(cuts, 1):
+        history[:] = full[:n]
+        assert plateau_reductions(history, cfg) == expected, n
+        for step in (5, 10, 400):  # on top of the schedule, in warmup and after it
+            assert f(step) == pytest.approx(plain(step) * 0.5 ** expected), (n, step)
+    for factor in (0, 1):  # off
+        cfg.optim.plateau_factor = factor
+        assert plateau_reductions(full, cfg) == 0
+        assert lr_lambda(cfg, history=lambda: full)(400) == plain(400)
+
+
+def test_a_resume_gives_the_next_step_the_rate_of_this_runs_schedule():
+    """LambdaLR saved the next step's rate under the saver's settings; a resume with the same
+    settings leaves it bit for bit, one that turns the plateau cut on applies it at once."""
+    from mt.optim import build_optimizer, lr_lambda, take_optim_config
+
+    history = history_of("bleu", [10, 9, 9])  # one plateau at patience 2
+
+    def resumed(overrides: list[str]) -> tuple[list[str], float]:
+        cfg = compose(["optim.warmup_steps=10", "optim.lr=1e-3", *overrides])
+        model = torch.nn.Linear(2, 2)
+        opt = build_optimizer(model, cfg, torch.device("cpu"))
+        f = lr_lambda(cfg, history=lambda: history)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda taken: f(taken + 1))
+        opt.load_state_dict(saved_opt)
+        sched.load_state_dict(saved_sched)
+        return take_optim_config(opt, sched, cfg), opt.param_groups[0]["lr"]
+
+    saver = compose(["optim.warmup_steps=10", "optim.lr=1e-3"])
+    model = torch.nn.Linear(2, 2)
+    opt = build_optimizer(model, saver, torch.device("cpu"))
+    f = lr_lambda(saver, history=lambda: history)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda taken: f(taken + 1))
+    for _ in range(30):
+        opt.step()
+        sched.step()
+    saved_opt, saved_sched = copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
+    rate = saved_opt["param_groups"][0]["lr"]
+    assert resumed([]) == ([], rate)
+    notes, cut = resumed(["optim.plateau_factor=0.5", "optim.plateau_patience=2"])
+    assert cut == pytest.approx(rate / 2)
+    assert notes == [f"a learning rate of {cut:.4g} for step 31 (was {rate:.4g}): this run's "
+                     "schedule settings give it"]
+
+
+@pytest.fixture()
+def trainer_factory(tmp_path, corpus_dir, tokenizer_dir, monkeypatch):
+    """A tiny Trainer in this process (its datasets cache in tmp_path, torch's thread count put
+    back afterwards), to be given validation scores instead of decoding."""
+    import datasets
+
+    from mt.train import Trainer
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    threads = torch.get_num_threads()
+
+    def make(name: str, *overrides: str) -> Trainer:
+        (tmp_path / name).mkdir()  # as Hydra does
+        return Trainer(compose([*tiny_train_args(corpus_dir, tokenizer_dir), *overrides]),
+                       tmp_path / name)
+
+    yield make
+    torch.set_num_threads(threads)
+
+
+# (BLEU, chrF) of five validations: BLEU peaks at the 3rd, chrF at the 4th (by 0.5 only)
+SCORES = [(20.0, 40.0), (25.0, 45.0), (28.0, 44.0), (22.0, 45.5), (21.0, 43.0)]
+
+
+def validate_with(trainer, scores: list[tuple[float, float]]) -> list[str]:
+    """Validates at steps 1, 2, ... with the given scores, each step's weights stamped with its
+    number; returns the stop reason after each."""
+    stamp = next(trainer.model.parameters())  # also the first weight in the checkpoint
+    reasons = []
+    for step, (bleu, chrf) in enumerate(scores, 1):
+        trainer.step = step
+        with torch.no_grad():
+            stamp.fill_(step)
+        trainer.validate = lambda b=bleu, c=chrf: {"valid_loss": 2.0, "valid_ppl": math.exp(2),
+                                                   "valid_bleu": b, "valid_chrf": c}
+        trainer._validate_and_save()
+        reasons.append(trainer.stop_reason())
+    return reasons
+
+
+def stamp_of(path: Path) -> float:
+    """The step whose weights ``path`` holds (``validate_with``'s stamp)."""
+    weights = torch.load(path, weights_only=True)["model"]
+    return weights[next(iter(weights))].flatten()[0].item()
+
+
+def test_best_metric_chrf_picks_best_pt_and_keep_best_by_chrf(trainer_factory):
+    trainer = trainer_factory("chrf", "trainer.best_metric=chrf", "trainer.keep_last=0",
+                              "trainer.keep_best=2")
+    validate_with(trainer, SCORES)
+    ckpts = trainer.ckpt_dir
+    assert stamp_of(ckpts / "best.pt") == 4  # the best chrF, not the best BLEU (step 3)
+    assert trainer.best == 45.5 and trainer.bad_validations == 1
+    assert sorted(p.name for p in ckpts.glob("step_*.pt")) == ["step_2.pt", "step_4.pt"]
+    bleu = trainer_factory("bleu", "trainer.keep_last=0", "trainer.keep_best=2")
+    validate_with(bleu, SCORES)
+    assert stamp_of(bleu.ckpt_dir / "best.pt") == 3
+    assert sorted(p.name for p in bleu.ckpt_dir.glob("step_*.pt")) == ["step_2.pt", "step_3.pt"]
+
+
+def test_min_improvement_keeps_the_earlier_best_and_stops_sooner(trainer_factory):
+    """chrF 45.5 beats 45 by 0.5: not better with min_improvement 1, so best.pt stays step 2's
+    and the validations from step 3 on all count against patience."""
+    plain = trainer_factory("plain", "trainer.best_metric=chrf", "trainer.patience=3")
+    strict = trainer_factory("strict", "trainer.best_metric=chrf", "trainer.patience=3",
+                             "trainer.min_improvement=1")
+    assert validate_with(plain, SCORES)[-1] == ""  # step 4 reset the count: 1 bad so far
+    reasons = validate_with(strict, SCORES)
+    assert reasons[:4] == ["", "", "", ""]
+    assert reasons[4] == ("trainer.patience=3: no better valid chrf (by more than "
+                          "trainer.min_improvement=1) in 3 validations")
+    assert stamp_of(strict.ckpt_dir / "best.pt") == 2 and strict.best == 45.0
+    assert stamp_of(plain.ckpt_dir / "best.pt") == 4
 
 
 def test_label_smoothed_loss_matches_its_definition():
@@ -357,6 +510,87 @@ def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr
         peak = 1e-3 if step <= 6 else 5e-4
         assert rate == pytest.approx(peak * min(step / 5, math.sqrt(5 / step)), rel=1e-12), step
     assert lr[5] == pytest.approx(1e-3)  # the peak, at the last warmup step
+
+
+def test_plateau_cuts_the_rate_and_a_killed_run_resumes_with_the_same_rates(
+        tmp_path, corpus_dir, tokenizer_dir):
+    """trainer.min_improvement=100 makes every validation after the first a bad one, so with
+    plateau_patience 1 each cuts the rate in half from the next step on. A run killed between
+    saves (a save_every checkpoint, or a validation's) resumes at the same rates: the cuts are
+    read from the history in last.pt. Each validation's translations are on disk."""
+    steps = ["trainer.max_steps=12", "trainer.validate_every=3", "trainer.save_every=2",
+             "trainer.test_at_end=false", "trainer.best_metric=loss",
+             "trainer.min_improvement=100", "optim.plateau_factor=0.5",
+             "optim.plateau_patience=1"]
+    full = tmp_path / "full"
+    result = run_train(tmp_path, full, corpus_dir, tokenizer_dir, *steps)
+    assert "step 6: valid loss not better in 1 validations (optim.plateau_patience): learning " \
+           "rate x 0.5 (cut 1, x 0.5 in all)" in result.stderr
+    lines = (full / "metrics.jsonl").read_text().splitlines()
+    lr = {r["step"]: r["lr"] for r in map(json.loads, lines) if "lr" in r}
+    for step, rate in lr.items():  # cuts at the validations of steps 6 and 9 (and 12)
+        cuts = (step > 6) + (step > 9)
+        assert rate == pytest.approx(1e-3 * min(step / 5, math.sqrt(5 / step)) * 0.5 ** cuts,
+                                     rel=1e-12), step
+
+    killed = tmp_path / "killed"
+    cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={killed}", *steps]
+    proc = subprocess.Popen(cmd, env=cli_env(tmp_path), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics, deadline = killed / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(x)["step"] >= 8 for x in
+                                    metrics.read_text().splitlines() if x.endswith("}")):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = run_train(tmp_path, killed, corpus_dir, tokenizer_dir, *steps)
+    assert "resumed" in resumed.stderr and "learning rate of" not in resumed.stderr
+
+    def records(run_dir: Path) -> list[dict]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if not k.endswith("_per_s")}
+                for x in lines]
+
+    assert records(killed) == records(full)
+    a, b = weights(full), weights(killed)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+    # valid/step_N.hyp: one line per valid pair (data.max_valid_sentences=8), what was scored
+    from mt.evaluate import score
+
+    refs = (corpus_dir / "valid.zz").read_text().splitlines()[:8]
+    assert sorted(p.name for p in (full / "valid").iterdir()) == [
+        f"step_{n}.hyp" for n in (12, 3, 6, 9)]  # and no temporary file left
+    history = {r["step"]: r for r in records(full) if "valid_bleu" in r}
+    for step, record in history.items():
+        hyps = (full / "valid" / f"step_{step}.hyp").read_text(encoding="utf-8").split("\n")
+        assert len(hyps) == 9 and hyps[-1] == ""  # 8 lines, each ended
+        assert score(hyps[:-1], refs)["chrf"] == pytest.approx(record["valid_chrf"]), step
+
+
+def test_averaged_pt_is_scored_on_the_valid_split_beside_best_pt(tmp_path, corpus_dir,
+                                                                 tokenizer_dir):
+    """Choosing between best.pt and averaged.pt needs their valid scores (test.json had test
+    scores only); best.pt's, decoded again in float32, is its score in the history."""
+    run_dir = tmp_path / "run"
+    result = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, "trainer.max_steps=6",
+                       "trainer.validate_every=2", "trainer.average_last=2",
+                       "trainer.save_valid_hyps=false")
+    report = json.loads((run_dir / "test.json").read_text())
+    history = torch.load(run_dir / "checkpoints" / "last.pt",
+                         weights_only=True)["trainer"]["history"]
+    assert report["valid"]["bleu"] == pytest.approx(max(r["valid_bleu"] for r in history))
+    assert report["valid"]["sentences"] == report["averaged"]["valid"]["sentences"] == 8
+    valid = report["averaged"]["valid"]
+    assert (f"averaged.pt {valid['bleu']:.2f} / {valid['chrf']:.2f}"
+            in result.stdout.splitlines()[0])  # the line to choose by comes first
+    assert result.stdout.splitlines()[0].startswith("valid BLEU / chrF (8 sentences")
+    assert not (run_dir / "valid").exists()  # trainer.save_valid_hyps=false
 
 
 def test_a_run_says_which_budget_ended_it(tmp_path, corpus_dir, tokenizer_dir):
