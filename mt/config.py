@@ -165,7 +165,7 @@ class TrainerConfig:
     # nor resets patience and plateau counts; 0 = any gain
     min_improvement: float = 0.0
     keep_last: int = 2  # the last N step checkpoints are kept (besides last.pt and best.pt)
-    keep_best: int = 0  # and the N best by best_metric (for `average_checkpoints.py --best`)
+    keep_best: int = 0  # and the N best by best_metric (for `mt-average --best`)
     average_last: int = 0  # average the last N step checkpoints at the end (0 = off)
     beam_size: int = 5  # for validation and test BLEU
     lenpen: float = 0.6

@@ -1,90 +1,15 @@
-"""Average the weights of several checkpoints of one run (Vaswani et al. average the last 5 or 20).
+"""Average checkpoints: the ``mt-average`` command (``mt/average.py``), kept under this name for
+the commands written before it was installed (docs/benchmarks.md).
 
     python scripts/average_checkpoints.py runs/RUN/checkpoints --last 5 -o averaged.pt
-    python scripts/average_checkpoints.py runs/RUN/checkpoints --best 3 -o best3.pt
-    python scripts/average_checkpoints.py a.pt b.pt c.pt -o abc.pt
-
-`--best N` ranks the step checkpoints still on disk by the validation score recorded for their step
-in last.pt (the run's `trainer.best_metric`: bleu, chrf or loss), and says their scores. The result
-is an ordinary model checkpoint: `translate -m averaged.pt`.
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mt import checkpoint  # noqa: E402
-from mt.config import BEST_METRICS, positive_int  # noqa: E402
-
-
-def pick(folder: Path, last: int | None, best: int | None) -> list[Path]:
-    """The last ``last`` or the ``best`` best step checkpoints of a checkpoints folder.
-
-    Fewer than asked when fewer are on disk (or, for ``best``, have a recorded score): said on
-    stderr, since the average is then not the one the command line reads as.
-    """
-    steps = checkpoint.step_checkpoints(folder)
-    if not steps:
-        raise SystemExit(f"average_checkpoints: {folder}: no step_N.pt checkpoints")
-    if last:
-        picked, asked, option = steps[-last:], last, "--last"
-    else:
-        if not (folder / "last.pt").is_file():
-            raise SystemExit(f"average_checkpoints: {folder}: no last.pt, which holds the "
-                             "validation scores --best ranks by; use --last N or name the files")
-        state = checkpoint.load(folder / "last.pt")
-        history = state.get("trainer", {}).get("history", [])
-        metric = (state.get("config") or {}).get("trainer", {}).get("best_metric", "bleu")
-        picked = checkpoint.best_step_checkpoints(steps, history, metric)[:best]
-        asked, option = best, "--best"
-        key = BEST_METRICS[metric][0]
-        score = {r["step"]: r[key] for r in history if key in r}
-        print(f"average_checkpoints: ranked by valid {metric} (trainer.best_metric): "
-              + ", ".join(f"{p.name} {score[int(p.stem.split('_')[1])]:.2f}" for p in picked),
-              file=sys.stderr)
-    if len(picked) < asked:
-        print(f"average_checkpoints: {option} {asked}: {folder} has only {len(picked)} step "
-              f"checkpoints{' with a validation score' if option == '--best' else ''}; "
-              f"averaging {len(picked)}", file=sys.stderr)
-    return picked
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("inputs", nargs="+", help="checkpoint files, or one checkpoints/ folder")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--last", type=positive_int, default=None, metavar="N",
-                       help="the last N step checkpoints")
-    group.add_argument("--best", type=positive_int, default=None, metavar="N",
-                       help="the N best step checkpoints (ranked by the scores in last.pt)")
-    p.add_argument("-o", "--output", required=True)
-    args = p.parse_args(argv)
-    folder = Path(args.inputs[0]) if len(args.inputs) == 1 else None
-    if folder and folder.is_dir() and not (args.last or args.best):
-        raise SystemExit("average_checkpoints: with a folder, give --last N or --best N")
-    if not (folder and folder.is_dir()) and (args.last or args.best):
-        raise SystemExit("average_checkpoints: --last and --best pick from a checkpoints folder; "
-                         "named files are averaged as given")
-    try:
-        if folder and folder.is_dir():
-            paths = pick(folder, args.last, args.best)
-        else:
-            paths = [Path(x) for x in args.inputs]
-        averaged = checkpoint.average(paths)
-    except (FileNotFoundError, ValueError) as err:
-        raise SystemExit(f"average_checkpoints: {err}") from None
-    try:
-        checkpoint.save_atomic(averaged, args.output)
-    except OSError as err:  # -o a directory, a folder that cannot be written, a full disk
-        raise SystemExit(f"average_checkpoints: cannot write {args.output}: {err}") from None
-    print(f"averaged {len(paths)} checkpoints -> {args.output}", file=sys.stderr)
-    for path in paths:
-        print(f"  {path}", file=sys.stderr)
-
+from mt.average import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

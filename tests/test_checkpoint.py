@@ -166,12 +166,15 @@ def test_average_script_writes_a_loadable_model(tmp_path, tokenizer):
         checkpoint.save_atomic(checkpoint.model_state(tiny_model(seed), tokenizer, None),
                                tmp_path / f"step_{seed + 1}.pt")
     out = tmp_path / "avg.pt"
-    script = str(REPO / "scripts" / "average_checkpoints.py")
-    result = subprocess.run([PYTHON, script, str(tmp_path), "--last", "2", "-o", str(out)],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    model, _, ckpt = checkpoint.load_model(out)
-    assert [Path(p).name for p in ckpt["averaged_from"]] == ["step_2.pt", "step_3.pt"]
+    # mt-average, and the script of the same name older commands use
+    for command in ([PYTHON, "-m", "mt.average"],
+                    [PYTHON, str(REPO / "scripts" / "average_checkpoints.py")]):
+        out.unlink(missing_ok=True)
+        result = subprocess.run([*command, str(tmp_path), "--last", "2", "-o", str(out)],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        model, _, ckpt = checkpoint.load_model(out)
+        assert [Path(p).name for p in ckpt["averaged_from"]] == ["step_2.pt", "step_3.pt"]
 
 
 def test_average_script_best_ranks_by_the_runs_best_metric(tmp_path, tokenizer):
@@ -185,8 +188,8 @@ def test_average_script_best_ranks_by_the_runs_best_metric(tmp_path, tokenizer):
     checkpoint.save_atomic({"format": checkpoint.FORMAT, "config": {"trainer": {
         "best_metric": "chrf"}}, "trainer": {"history": history}}, tmp_path / "last.pt")
     out = tmp_path / "avg.pt"
-    result = subprocess.run([PYTHON, str(REPO / "scripts" / "average_checkpoints.py"),
-                             str(tmp_path), "--best", "2", "-o", str(out)],
+    result = subprocess.run([PYTHON, "-m", "mt.average", str(tmp_path), "--best", "2", "-o",
+                             str(out)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "ranked by valid chrf (trainer.best_metric): step_2.pt 45.00, step_3.pt 44.00" \
@@ -199,10 +202,10 @@ def test_average_script_errors_are_one_line_and_fewer_than_asked_is_said(tmp_pat
     for seed in range(3):
         checkpoint.save_atomic(checkpoint.model_state(tiny_model(seed), tokenizer, None),
                                tmp_path / f"step_{seed + 1}.pt")
-    script = str(REPO / "scripts" / "average_checkpoints.py")
+    script = "-m", "mt.average"
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([PYTHON, script, str(tmp_path), *args, "-o",
+        return subprocess.run([PYTHON, *script, str(tmp_path), *args, "-o",
                                str(tmp_path / "avg.pt")], capture_output=True, text=True,
                               timeout=120)
 
@@ -220,10 +223,10 @@ def test_average_script_errors_are_one_line_and_fewer_than_asked_is_said(tmp_pat
     assert len(checkpoint.load(tmp_path / "avg.pt")["averaged_from"]) == 3
     # named files are averaged as given: --last would read as a choice among them
     files = [str(tmp_path / "step_1.pt"), str(tmp_path / "step_2.pt")]
-    result = subprocess.run([PYTHON, script, *files, "--last", "1", "-o", str(tmp_path / "two.pt")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run([PYTHON, *script, *files, "--last", "1", "-o",
+                             str(tmp_path / "two.pt")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "pick from a checkpoints folder" in result.stderr
     assert not (tmp_path / "two.pt").exists()
-    result = subprocess.run([PYTHON, script, *files, "-o", str(tmp_path)], capture_output=True,
+    result = subprocess.run([PYTHON, *script, *files, "-o", str(tmp_path)], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 1 and "is a directory" in result.stderr.strip().splitlines()[-1]
