@@ -110,6 +110,13 @@ def load_model(path: str | os.PathLike,
     return model, Tokenizer.from_state(ckpt["tokenizer"]), ckpt
 
 
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the model's state dict on the CPU (DDP and torch.compile unwrapped)."""
+    model = getattr(model, "module", model)  # unwrap DDP
+    model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
+    return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+
+
 def model_state(model: torch.nn.Module, tokenizer: Tokenizer, config: dict | None) -> dict:
     """The self-contained inference part of a checkpoint."""
     model = getattr(model, "module", model)  # unwrap DDP
@@ -117,7 +124,7 @@ def model_state(model: torch.nn.Module, tokenizer: Tokenizer, config: dict | Non
     return {
         "format": FORMAT,
         "model_config": dict(vars(model.cfg)),
-        "model": {k: v.detach().clone().cpu() for k, v in model.state_dict().items()},
+        "model": weights(model),
         "tokenizer": tokenizer.to_state(),
         "config": config,
     }

@@ -167,6 +167,9 @@ class TrainerConfig:
     keep_last: int = 2  # the last N step checkpoints are kept (besides last.pt and best.pt)
     keep_best: int = 0  # and the N best by best_metric (for `mt-average --best`)
     average_last: int = 0  # average the last N step checkpoints at the end (0 = off)
+    # exponential moving average of the weights (e.g. 0.9999): what validation, best.pt and the
+    # step checkpoints hold (mt.optim.EMA); 0 = off
+    ema_decay: float = 0.0
     beam_size: int = 5  # for validation and test BLEU
     lenpen: float = 0.6
     save_valid_hyps: bool = True  # each validation's translations in run_dir/valid/step_N.hyp
@@ -324,7 +327,8 @@ def check_values(cfg: TrainConfig) -> None:
                 raise ValueError(f"{key} must be at least {least}, got {value}")
     below_one = {"optim.label_smoothing": o.label_smoothing, "model.dropout": m.dropout,
                  "model.attention_dropout": m.attention_dropout,
-                 "model.activation_dropout": m.activation_dropout}
+                 "model.activation_dropout": m.activation_dropout,
+                 "trainer.ema_decay": t.ema_decay}
     if len(o.betas) == 2:
         below_one.update({"optim.betas[0]": o.betas[0], "optim.betas[1]": o.betas[1]})
     else:

@@ -6,7 +6,8 @@ precision the step computes in (``trainer.precision``). Configured by the ``opti
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -204,3 +205,49 @@ def cut_on_plateau(optimizer: torch.optim.Optimizer,
             f"(optim.plateau_patience): learning rate x {o.plateau_factor:g} "
             f"(cut {cuts}, x {o.plateau_factor ** cuts:.4g} in all), "
             f"{optimizer.param_groups[0]['lr']:.3g} for step {scheduler.last_epoch + 1}")
+
+
+class EMA:
+    """An exponential moving average of the weights (Polyak averaging; Marian's
+    ``--exponential-smoothing``, fairseq's ``--ema-decay``): ``trainer.ema_decay``.
+
+    Late in training the weights wander around a minimum with the noise of each batch; their
+    moving average sits nearer to it, and translates better than any single step's weights, at
+    the cost of one float32 copy of the parameters. The decay starts low and rises to ``decay``
+    (``min(decay, (1 + t) / (10 + t))`` after t updates, as TensorFlow's
+    ExponentialMovingAverage), so the random initial weights do not linger in the average.
+
+    Validation, best.pt, step_N.pt and the inference part of last.pt hold the average; last.pt
+    keeps the trained weights beside it for the run to go on from.
+    """
+
+    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+        self.decay, self.updates = decay, 0
+        self.names, self.params = zip(*model.named_parameters(), strict=True)
+        self.shadow = [p.detach().float().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """After each optimizer step: no host sync (one fused lerp over all parameters)."""
+        self.updates += 1
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        torch._foreach_lerp_(self.shadow, [p.float() for p in self.params], 1.0 - decay)
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """The model holds the average inside the block, its trained weights again after."""
+        trained = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            torch._foreach_copy_(list(self.params), self.shadow)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(list(self.params), trained)
+
+    def load(self, average: dict[str, torch.Tensor], updates: int) -> None:
+        """Takes the average from a checkpoint's model state (``applied`` wrote it there)."""
+        self.updates = updates
+        with torch.no_grad():
+            for name, s in zip(self.names, self.shadow, strict=True):
+                s.copy_(average[name])

@@ -47,7 +47,14 @@ from mt.distributed import barrier, rank_seed, setup_distributed, share_run
 from mt.inference import cap_kernel_caches
 from mt.loss import label_smoothed_nll
 from mt.model import build_model, count_parameters
-from mt.optim import autocast_dtype, build_optimizer, cut_on_plateau, lr_lambda, take_optim_config
+from mt.optim import (
+    EMA,
+    autocast_dtype,
+    build_optimizer,
+    cut_on_plateau,
+    lr_lambda,
+    take_optim_config,
+)
 from mt.runlog import Metrics, Window, finish, validate
 from mt.tokenizer import META_FILE, Tokenizer
 
@@ -113,6 +120,7 @@ class Trainer:
         log.info("model %s: %s parameters\n%s", cfg.model.name, f"{count_parameters(self.model):,}",
                  OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
         self.optimizer = build_optimizer(self.model, cfg, self.device)
+        self.ema = EMA(self.model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
         # Training seconds of earlier runs (resumed) and this one's start; `elapsed` is the clock
         # every rank agrees on, read by the time-budgeted schedule.
         self.seconds_before, self.fit_start, self.elapsed = 0.0, None, 0.0
@@ -152,7 +160,11 @@ class Trainer:
     # -- checkpoints
 
     def _trainer_state(self, rng: list[dict]) -> dict:
+        # With an EMA, the checkpoint's "model" is the average; the trained weights go on here.
+        ema = ({"weights": checkpoint.weights(self.model), "ema_updates": self.ema.updates}
+               if self.ema is not None else {})
         return {
+            **ema,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -172,8 +184,13 @@ class Trainer:
             changed = config_changes(saved_config, self.config_dict)
             if changed:
                 log.info("resuming with settings changed since %s: %s", path, ", ".join(changed))
-        self.model.load_state_dict(ckpt["model"])
         state = ckpt["trainer"]
+        # "model" is what translates: with an EMA, the average; the trained weights are beside it
+        self.model.load_state_dict(state.get("weights") or ckpt["model"])
+        if self.ema is not None and "weights" in state:
+            self.ema.load(ckpt["model"], state["ema_updates"])
+        elif self.ema is not None:  # trained without one so far: the average starts here
+            self.ema = EMA(self.model, self.cfg.trainer.ema_decay)
         for saved, group in zip(state["optimizer"]["param_groups"], self.optimizer.param_groups,
                                 strict=True):  # the kernel is this run's choice, not the saver's
             saved["fused"], saved["foreach"] = group["fused"], group["foreach"]
@@ -228,7 +245,9 @@ class Trainer:
             dist.all_gather_object(rng, mine)
         if self.rank != 0:
             return
-        inference = checkpoint.model_state(self.model, self.corpus.tokenizer, self.config_dict)
+        with self._averaged():
+            inference = checkpoint.model_state(self.model, self.corpus.tokenizer,
+                                               self.config_dict)
         checkpoint.save_atomic({**inference, "trainer": self._trainer_state(rng)},
                                self.ckpt_dir / "last.pt")
         t = self.cfg.trainer
@@ -242,10 +261,14 @@ class Trainer:
 
     # -- validation
 
+    def _averaged(self):
+        """The EMA's weights in the model (trainer.ema_decay), or the model as it is."""
+        return self.ema.applied() if self.ema is not None else nullcontext()
+
     def validate(self) -> dict:
         self.model.eval()
         c = self.corpus
-        with torch.inference_mode(), self._autocast():
+        with self._averaged(), torch.inference_mode(), self._autocast():
             hyps = self.run_dir / "valid" / f"step_{self.step}.hyp"
             metrics = validate(self.model, c.tokenizer, c.valid_src, c.valid_tgt, self.cfg.trainer,
                                self.device, hyps if self.cfg.trainer.save_valid_hyps else None)
@@ -294,6 +317,8 @@ class Trainer:
         self.optimizer.found_inf = 1.0 - finite
         self.scaler.step(self.optimizer)
         self.optimizer.__dict__.pop("found_inf", None)  # no stale flag for any other caller
+        if self.ema is not None:
+            self.ema.update()
         self.scaler.update()
         self.step_lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()  # the schedule follows the step counter, skipped steps included

@@ -214,6 +214,32 @@ def history_of(metric: str, values: list[float]) -> list[dict]:
             for i, v in enumerate(values)]
 
 
+def test_ema_is_the_moving_average_of_the_weights_and_applied_only_inside_its_block():
+    from mt.optim import EMA
+
+    net = torch.nn.Linear(3, 2)
+    ema = EMA(net, decay=0.9)
+    expected = [p.detach().clone() for p in net.parameters()]
+    for t in range(1, 30):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update()
+        decay = min(0.9, (1 + t) / (10 + t))  # low at first: the initial weights fade fast
+        expected = [decay * e + (1 - decay) * p.detach() for e, p in zip(
+            expected, net.parameters(), strict=True)]
+    trained = [p.detach().clone() for p in net.parameters()]
+    with ema.applied():
+        for p, e in zip(net.parameters(), expected, strict=True):
+            assert torch.allclose(p, e, atol=1e-6)
+    for p, w in zip(net.parameters(), trained, strict=True):
+        assert torch.equal(p, w)  # the trained weights are back, bit for bit
+    again = EMA(net, decay=0.9)
+    again.load(dict(zip(ema.names, ema.shadow, strict=True)), ema.updates)
+    assert again.updates == 29 and all(
+        torch.equal(a, b) for a, b in zip(again.shadow, ema.shadow, strict=True))
+
+
 @pytest.mark.parametrize("metric, values, min_improvement, cuts", [
     # 12 best; 11, 11.5 bad: a cut; 11 bad; 13 best; 12, 12 bad: a cut; 12 bad
     ("bleu", [10, 12, 11, 11.5, 11, 13, 12, 12, 12], 0.0, [0, 0, 0, 1, 1, 1, 1, 2, 2]),
@@ -410,8 +436,8 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("data", [[], ["data.subword_alpha=0.5", "data.subword_nbest=8"],
-                                  ["+data.upsample.train=0.5"]],
-                         ids=["one-segmentation", "subword-sampling", "upsample"])
+                                  ["+data.upsample.train=0.5"], ["trainer.ema_decay=0.9"]],
+                         ids=["one-segmentation", "subword-sampling", "upsample", "ema"])
 def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_dir, tokenizer_dir,
                                                              data):
     # Log lines every 3 steps and saves every 2: the kill lands inside a log window, after lines
@@ -453,6 +479,11 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
     full_state = torch.load(full / "checkpoints" / "last.pt", weights_only=True)["trainer"]
     killed_state = torch.load(killed / "checkpoints" / "last.pt", weights_only=True)["trainer"]
     assert full_state["step"] == killed_state["step"] == 14
+    if "ema" in " ".join(data):  # "model" is the average; the trained weights are beside it
+        assert killed_state["ema_updates"] == 14
+        for name, w in full_state["weights"].items():
+            assert torch.equal(w, killed_state["weights"][name]), name
+        assert not all(torch.equal(w, a[n]) for n, w in full_state["weights"].items())
 
     # The curves too: each step once, every loss and learning rate as in the run never killed.
     def records(run_dir: Path) -> list[dict]:
