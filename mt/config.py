@@ -348,6 +348,10 @@ def check_values(cfg: TrainConfig) -> None:
     if d.filter.max_tokens < d.filter.min_tokens:
         raise ValueError(f"data.filter.max_tokens={d.filter.max_tokens} is below "
                          f"data.filter.min_tokens={d.filter.min_tokens}")
+    if d.subword_alpha > 0 and d.tokenizer.model_type != "unigram":
+        raise ValueError("data.subword_alpha samples among a unigram model's segmentations: "
+                         "set data.tokenizer.model_type=unigram, or data.subword_alpha=0 for "
+                         f"{d.tokenizer.model_type}")
     parts = d.train.split("+")
     for split, factor in d.upsample.items():
         if split not in parts:

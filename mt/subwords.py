@@ -79,9 +79,10 @@ class Segmentations:
             raise ValueError(f"data.subword_nbest must be at least 1, got {nbest}")
         try:
             sp.nbest_encode("a", nbest_size=2)
-        except RuntimeError as err:
+        except RuntimeError:  # a BPE model reused from data.tokenizer.path: no n-best lists
             raise ValueError("data.subword_alpha needs a unigram SentencePiece model "
-                             f"(data.tokenizer.model_type=unigram): {err}") from None
+                             "(data.tokenizer.model_type=unigram); the tokenizer in use is "
+                             "another kind") from None
         pieces, counts = [], np.zeros(len(texts), np.int64)
         for start in range(0, len(texts), 4096):
             chunk = sp.nbest_encode(texts[start : start + 4096], nbest_size=nbest, add_eos=add_eos,

@@ -110,6 +110,10 @@ def test_a_misspelt_key_added_with_plus_fails_with_its_name(override, name):
     ("optim.lr=nan", "optim.lr must be at least 0"),
     ("optim.eps=0", "optim.eps must be above 0"),
     ("data.subword_alpha=-1", "data.subword_alpha must be at least 0"),
+    ("data.subword_alpha=0.5 data.tokenizer.model_type=bpe",
+     "data.subword_alpha samples among a unigram model's segmentations: set "
+     "data.tokenizer.model_type=unigram"),
+    ("trainer.ema_decay=1.0", r"trainer.ema_decay must be in \[0, 1\)"),
     ("data.filter.max_tokens=0", "data.filter.max_tokens=0 is below data.filter.min_tokens=1"),
     ("model.dropout=1.0", r"model.dropout must be in \[0, 1\)"),
 ])
