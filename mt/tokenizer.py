@@ -27,13 +27,23 @@ import json
 import logging
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
 
-from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TokenizerConfig, is_user_symbol
+from mt.config import (
+    BOS_ID,
+    BYTE_PIECES,
+    EOS_ID,
+    NORMALIZATIONS,
+    PAD_ID,
+    UNK_ID,
+    TokenizerConfig,
+    is_user_symbol,
+)
 
 log = logging.getLogger(__name__)
 
@@ -194,21 +204,34 @@ def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
     symbols = {"user_defined_symbols": ["\u2581" + u for u in user_symbols]} if user_symbols else {}
     model = io.BytesIO()
     spm.set_random_generator_seed(seed)  # SentencePiece's own sampling, for reproducible models
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences),
-        model_writer=model,
-        model_type=cfg.model_type,
-        vocab_size=cfg.vocab_size,
-        character_coverage=cfg.character_coverage,
-        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-        # A vocabulary on a small corpus may be larger than the text supports; shrink instead of
-        # failing (SentencePiece picks the largest size it can; valid for unigram and bpe).
-        hard_vocab_limit=False,
-        input_sentence_size=0,  # all of them: we sampled already
-        num_threads=os.cpu_count() or 1,
-        minloglevel=2,
-        **symbols,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            model_type=cfg.model_type,
+            vocab_size=cfg.vocab_size,
+            character_coverage=cfg.character_coverage,
+            byte_fallback=cfg.byte_fallback,  # 256 pieces <0x00>..<0xFF> in the vocabulary
+            normalization_rule_name=cfg.normalization,
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            # A vocabulary on a small corpus may be larger than the text supports; shrink instead
+            # of failing (SentencePiece picks the largest size it can; valid for unigram and bpe).
+            hard_vocab_limit=False,
+            input_sentence_size=0,  # all of them: we sampled already
+            num_threads=os.cpu_count() or 1,
+            minloglevel=2,
+            **symbols,
+        )
+    except RuntimeError as err:  # "Vocabulary size is smaller than required_chars. 300 vs 304."
+        need = re.search(r"required_chars\. \d+ vs (\d+)", str(err))
+        if not need:
+            raise
+        parts = "its characters, 4 special ids" + (", user symbols" if user_symbols else "")
+        if cfg.byte_fallback:
+            parts += f", {BYTE_PIECES} byte pieces: or set data.tokenizer.byte_fallback=false"
+        raise ValueError(f"data.tokenizer.vocab_size={cfg.vocab_size}: the text needs at least "
+                         f"{need[1]} pieces; raise it or lower data.tokenizer.character_coverage "
+                         f"({parts})") from None
     return model.getvalue()
 
 
@@ -226,6 +249,9 @@ def train_tokenizer(
     if cfg.model_type not in ("unigram", "bpe"):
         raise ValueError("data.tokenizer.model_type must be unigram or bpe, "
                          f"got {cfg.model_type!r}")
+    if cfg.normalization not in NORMALIZATIONS:
+        raise ValueError(f"data.tokenizer.normalization must be one of {', '.join(NORMALIZATIONS)}"
+                         f", got {cfg.normalization!r}")
     if cfg.input_sentence_size < 1:
         raise ValueError("data.tokenizer.input_sentence_size must be positive, "
                          f"got {cfg.input_sentence_size}")
@@ -233,6 +259,10 @@ def train_tokenizer(
         if not is_user_symbol(symbol):
             raise ValueError("data.tokenizer.user_symbols: each must be non-empty, without "
                              f"whitespace, ',' or '\u2581', unchanged by NFKC, got {symbol!r}")
+        if cfg.normalization.endswith("_cf") and symbol != symbol.casefold():  # else folded
+            raise ValueError(f"data.tokenizer.normalization={cfg.normalization} folds the case of "
+                             f"{symbol!r} (data.tag or data.tokenizer.user_symbols): write it in "
+                             "lower case")
     if cfg.joint:
         def both() -> Iterator[str]:
             yield from src_texts
