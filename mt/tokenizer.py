@@ -44,6 +44,7 @@ from mt.config import (
     TokenizerConfig,
     is_user_symbol,
 )
+from mt.spm_proto import trained_with
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +335,29 @@ def place(directory: str | os.PathLike, tokenizer: Tokenizer, origin: str) -> To
     return tokenizer
 
 
+def check_spelling(tok: Tokenizer, cfg: TokenizerConfig, directory: str | os.PathLike) -> None:
+    """Refuses a reused tokenizer that spells text otherwise than ``cfg`` asks.
+
+    A vocabulary size that differs only warns (the text is still spelled, in other pieces), but
+    a tokenizer without the byte fallback a run asked for turns €, emoji and rare CJK into <unk>,
+    and another normalization rewrites text the run means to keep: the run would train a model
+    that cannot write what its config promises.
+    """
+    asked = {"byte_fallback": cfg.byte_fallback, "normalization": cfg.normalization}
+    for proto in (tok.src_proto,) if tok.joint else (tok.src_proto, tok.tgt_proto):
+        made = trained_with(proto)
+        differ = [k for k in asked if made[k] != asked[k]]
+        if differ:
+            def show(v: bool | str) -> str:
+                return str(v).lower() if isinstance(v, bool) else v
+
+            said = ", ".join(f"data.tokenizer.{k}={show(made[k])} (this run: {show(asked[k])})"
+                             for k in differ)
+            raise ValueError(f"{directory}: its tokenizer was trained with {said}; set "
+                             f"{'that key' if len(differ) == 1 else 'those keys'} to use it, or "
+                             "point data.tokenizer.path at a new directory to train one")
+
+
 def load_or_train(
     directory: str | os.PathLike,
     texts: Callable[[], tuple[Iterable[str], Iterable[str]]],
@@ -346,12 +370,15 @@ def load_or_train(
         directory: where the model(s) and ``tokenizer.json`` live.
         texts: called only when training is needed; returns (source, target) sentences.
         cfg: training settings; if a reused directory was made with others, a warning says which.
-            A reused tokenizer without one of ``cfg.user_symbols`` as a piece is an error.
+            A reused tokenizer without one of ``cfg.user_symbols`` as a piece, or trained with
+            another ``byte_fallback`` or ``normalization`` (``check_spelling``), is an error.
         seed: for the sentence sample and SentencePiece.
     """
     directory = Path(directory)
     wanted = {"config": dataclasses.asdict(cfg), "seed": seed}
     if (directory / META_FILE).exists():
+        tok = Tokenizer.load(directory)
+        check_spelling(tok, cfg, directory)
         meta = json.loads((directory / META_FILE).read_text())
         made = meta.get("config", {})
         # path says where the tokenizer lives, not how it was made: pointing at it is no change;
@@ -363,7 +390,6 @@ def load_or_train(
             changes = ", ".join(f"{k}={made[k]!r} (now {wanted['config'][k]!r})" for k in differ)
             log.warning("reusing the tokenizer in %s, trained with different settings: %s",
                         directory, changes)
-        tok = Tokenizer.load(directory)
         require_symbols(tok, cfg.user_symbols,
                         f"the tokenizer in {directory} (data.tokenizer.path, or the run's own)",
                         "retrain it: set data.tokenizer.path to a new directory")
