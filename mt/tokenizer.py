@@ -63,12 +63,15 @@ class Boundaries:
     ends: the piece ends a sentence: ., !, ?, an ellipsis or 。 (then closing quotes or brackets).
     closes: the piece is closing quotes or brackets alone (a sentence may end before it).
     unspaced: the piece ends with 。, after which a sentence starts without a space.
+    inside: the piece is a UTF-8 continuation byte (<0x80>..<0xBF>, byte fallback): a cut before
+        it would split a character.
     """
 
     starts: list[bool]
     ends: list[bool]
     closes: list[bool]
     unspaced: list[bool]
+    inside: list[bool]
 
 
 class Tokenizer:
@@ -111,10 +114,11 @@ class Tokenizer:
     def src_boundaries(self) -> Boundaries:
         """Where ``translate`` may cut a source line longer than the model (``Boundaries``)."""
         sp = self.src
-        marks = Boundaries([], [], [], [])
+        marks = Boundaries([], [], [], [], [])
         for i in range(sp.get_piece_size()):
             control = sp.is_control(i)
             piece = "" if control else sp.id_to_piece(i)
+            marks.inside.append(sp.is_byte(i) and 0x80 <= int(piece[1:-1], 16) < 0xC0)
             marks.starts.append(piece.startswith("\u2581"))  # not <unk>: it may be mid-word
             text = piece.rstrip(_CLOSERS)
             marks.ends.append(text[-1:] in (".", "!", "?", "\u2026", "\u3002"))
