@@ -355,11 +355,11 @@ def check_spelling(tok: Tokenizer, cfg: TokenizerConfig, directory: str | os.Pat
             def show(v: bool | str) -> str:
                 return str(v).lower() if isinstance(v, bool) else v
 
-            said = ", ".join(f"data.tokenizer.{k}={show(made[k])} (this run: {show(asked[k])})"
-                             for k in differ)
-            raise ValueError(f"{directory}: its tokenizer was trained with {said}; set "
-                             f"{'that key' if len(differ) == 1 else 'those keys'} to use it, or "
-                             "point data.tokenizer.path at a new directory to train one")
+            was = " ".join(f"data.tokenizer.{k}={show(made[k])}" for k in differ)
+            now = " ".join(show(asked[k]) for k in differ)
+            raise ValueError(f"{directory}: its tokenizer was trained with {was}, this run asks "
+                             f"for {now}: set {was} to use it, or point data.tokenizer.path at a "
+                             "new directory to train one")
 
 
 def load_or_train(

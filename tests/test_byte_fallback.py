@@ -118,8 +118,9 @@ def test_a_tokenizer_trained_otherwise_is_not_reused(tmp_path, change, recorded)
     key, value = next(iter(change.items()))
     was = {"byte_fallback": "false", "normalization": "nmt_nfkc"}[key]
     with pytest.raises(ValueError, match=f"tok: its tokenizer was trained with data.tokenizer."
-                                         f"{key}={was} \\(this run: {str(value).lower()}\\); "
-                                         "set that key to use it, or point data.tokenizer.path"):
+                                         f"{key}={was}, this run asks for {str(value).lower()}: "
+                                         f"set data.tokenizer.{key}={was} to use it, or point "
+                                         "data.tokenizer.path at a new directory"):
         load_or_train(tmp_path / "tok", lambda: pytest.fail("trained again"), now)
     again = load_or_train(tmp_path / "tok", lambda: pytest.fail("trained again"), before)
     assert again.fingerprint == made.fingerprint
