@@ -85,8 +85,11 @@ class TokenizerConfig:
     user_symbols: list[str] = field(default_factory=list)
     # a character without a piece becomes its UTF-8 bytes (pieces <0x00>..<0xFF>), not <unk>: €,
     # emoji and rare CJK survive encoding and come back on decoding (SentencePiece byte_fallback).
-    # The 256 byte pieces come out of vocab_size, so it needs well over 260 (the demo turns it off)
-    byte_fallback: bool = True
+    # Off by default: at character_coverage=1.0 every character of the sample has a piece, so the
+    # model never trains on a byte piece and an unseen character would meet untrained embeddings,
+    # for 256 pieces of vocab_size. Worth it with a coverage below 1 (0.9995 for CJK-sized
+    # character sets), where the sample's rarest characters are spelled, and learned, in bytes
+    byte_fallback: bool = False
     # SentencePiece normalization_rule_name, applied before encoding and kept in the model:
     # nmt_nfkc (NFKC, e.g. ½ -> 1⁄2, ﬁ -> fi, ２ -> 2, and whitespace cleanup), nfkc, nmt_nfkc_cf
     # and nfkc_cf (the same, case-folded) or identity (the text as written)

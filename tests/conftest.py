@@ -36,7 +36,7 @@ def tokenizer_dir(corpus_dir, tmp_path_factory) -> Path:
     from mt.tokenizer import train_tokenizer
 
     tok = train_tokenizer(read_lines(corpus_dir / "train.en"), read_lines(corpus_dir / "train.zz"),
-                          TokenizerConfig(vocab_size=200, byte_fallback=False), seed=1)
+                          TokenizerConfig(vocab_size=200), seed=1)
     out = tmp_path_factory.mktemp("tokenizer")
     tok.save(out)
     return out

@@ -38,7 +38,7 @@ def _train(**kw) -> Tokenizer:
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     """Byte fallback, no normalization: the text as written, whatever its characters."""
-    return _train(normalization="identity")
+    return _train(byte_fallback=True, normalization="identity")
 
 
 def test_byte_fallback_round_trips_what_the_vocabulary_lacks(tok):
@@ -63,7 +63,7 @@ def test_without_byte_fallback_rare_characters_are_unk_as_before():
 
 @pytest.mark.parametrize("rule", ["nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity"])
 def test_normalization_is_the_rule_asked_for(rule):
-    tok = _train(normalization=rule)
+    tok = _train(byte_fallback=True, normalization=rule)  # bytes for what NFKC does not rewrite
     assert trained_with(tok.src_proto)["normalization"] == rule
     text = f"House {TYPOGRAPHY} \u00bd"
     back = tok.decode_tgt(tok.encode_tgt([text]))[0]
@@ -86,16 +86,16 @@ def test_bad_values_are_one_line_errors_naming_the_key():
     cfg.data.tokenizer = TokenizerConfig(normalization="nfc")
     with pytest.raises(ValueError, match="^data.tokenizer.normalization must be one of nmt_nfkc"):
         check_values(cfg)
-    cfg.data.tokenizer = TokenizerConfig(vocab_size=200)
+    cfg.data.tokenizer = TokenizerConfig(vocab_size=200, byte_fallback=True)
     with pytest.raises(ValueError, match="^data.tokenizer.vocab_size=200 leaves no room for the "
                                          "256 byte pieces"):
         check_values(cfg)
-    cfg.data.tokenizer = TokenizerConfig(vocab_size=200, byte_fallback=False)
+    cfg.data.tokenizer = TokenizerConfig(vocab_size=200)  # byte fallback is off by default
     check_values(cfg)
     # room for the bytes but not for the text's characters too: SentencePiece's count, our key
     with pytest.raises(ValueError, match=r"^data.tokenizer.vocab_size=270: the text needs at "
                                          r"least \d+ pieces.*byte_fallback=false\)$"):
-        _train(vocab_size=270)
+        _train(vocab_size=270, byte_fallback=True)
     with pytest.raises(ValueError, match="data.tokenizer.normalization"):
         _train(normalization="nfc")
     # case folding would fold the back-translation tag out of its own piece: said before training

@@ -117,7 +117,7 @@ def test_average_refuses_other_shapes_and_tokenizers_but_not_other_dropouts(
     # the same shape, but the rows are pieces of another vocabulary of the same size
     other_tok = train_tokenizer(read_lines(corpus_dir / "train.en")[:200],
                                 read_lines(corpus_dir / "train.zz")[:200],
-                                TokenizerConfig(vocab_size=200, byte_fallback=False), seed=2)
+                                TokenizerConfig(vocab_size=200), seed=2)
     assert other_tok.src_vocab_size == tokenizer.src_vocab_size
     assert other_tok.to_state() != tokenizer.to_state()
     checkpoint.save_atomic(checkpoint.model_state(tiny_model(1), other_tok, None),

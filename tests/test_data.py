@@ -272,7 +272,7 @@ def encoded(tmp_path_factory):
     _write_split(tmp / "d", "text", "train", pairs)
     ds = load_split(_cfg(tmp / "d"), "train", cache_dir=str(tmp / "cache"))
     src, tgt = sample_texts(ds, 10_000, 0, joint=True)
-    tok = train_tokenizer(src, tgt, TokenizerConfig(vocab_size=100, byte_fallback=False))
+    tok = train_tokenizer(src, tgt, TokenizerConfig(vocab_size=100))
     return pairs, ds, tok, encode_split(ds, tok, num_proc=1)
 
 
@@ -374,7 +374,7 @@ def test_subword_sampling_draws_with_probability_p_to_the_alpha(encoded):
 def test_subword_sampling_needs_a_unigram_model(encoded):
     pairs = encoded[0]
     bpe = train_tokenizer([s for s, _ in pairs], [t for _, t in pairs],
-                          TokenizerConfig(vocab_size=90, byte_fallback=False, model_type="bpe"))
+                          TokenizerConfig(vocab_size=90, model_type="bpe"))
     with pytest.raises(ValueError, match="data.subword_alpha needs a unigram"):
         Segmentations(bpe.src, ["w1 w2"], nbest=4, max_tokens=10, add_eos=False)
 
@@ -386,7 +386,7 @@ def test_encoding_cache_is_reused_and_keyed_by_tokenizer(encoded):
     two = encode_split(ds, tok, num_proc=2)  # several processes give the same columns
     assert two["src_ids"][:] == enc["src_ids"][:] and two["pair_hash"][:] == enc["pair_hash"][:]
     other = train_tokenizer([s for s, _ in pairs], [t for _, t in pairs],
-                            TokenizerConfig(vocab_size=90, byte_fallback=False, model_type="bpe"))
+                            TokenizerConfig(vocab_size=90, model_type="bpe"))
     assert encode_split(ds, other, num_proc=1).cache_files != enc.cache_files
 
 
@@ -461,8 +461,7 @@ def test_corpus_interface_and_reuse(tmp_path, monkeypatch):
     _write_split(tmp_path / "d", "tsv", "train", pairs, gz=True)
     _write_split(tmp_path / "d", "tsv", "valid", pairs[:7])
     cfg = TrainConfig()
-    cfg.data = _cfg(tmp_path / "d", "tsv",
-                    tokenizer=TokenizerConfig(vocab_size=100, byte_fallback=False),
+    cfg.data = _cfg(tmp_path / "d", "tsv", tokenizer=TokenizerConfig(vocab_size=100),
                     filter=FilterConfig(max_tokens=1000, max_ratio=0, dedup=False))
     cfg.model.max_positions = 30  # longer pairs could not be embedded: filtered, not a crash
     corpus = Corpus(cfg, tmp_path / "run", rank=0, world=1)

@@ -353,7 +353,7 @@ def _tiny_model_and_test_set(tmp_path: Path) -> tuple[str, str]:
     rng = random.Random(3)
     src = [_sentence(rng) for _ in range(300)]
     tok = train_tokenizer(src, [s.upper() for s in src],
-                          TokenizerConfig(vocab_size=100, byte_fallback=False, model_type="bpe"))
+                          TokenizerConfig(vocab_size=100, model_type="bpe"))
     torch.manual_seed(0)
     cfg = ModelConfig(encoder_layers=1, decoder_layers=1, d_model=32, ffn_dim=64, heads=2,
                       max_positions=64, src_vocab_size=tok.src_vocab_size,

@@ -46,8 +46,7 @@ def test_place_writes_a_models_tokenizer_and_refuses_another(tmp_path, corpus_di
     assert Tokenizer.load(tmp_path / "tok").fingerprint == mine.fingerprint == placed.fingerprint
     assert place(tmp_path / "tok", mine, "init_from=x").fingerprint == mine.fingerprint  # again
     other = train_tokenizer(read_lines(corpus_dir / "train.en"),
-                            read_lines(corpus_dir / "train.zz"),
-                            TokenizerConfig(vocab_size=150, byte_fallback=False))
+                            read_lines(corpus_dir / "train.zz"), TokenizerConfig(vocab_size=150))
     with pytest.raises(ValueError, match=r"init_from=x: the model's tokenizer is not the one in"):
         place(tmp_path / "tok", other, "init_from=x")
 

@@ -51,8 +51,7 @@ def separate_tokenizer(corpus_dir) -> Tokenizer:
     from mt.tokenizer import train_tokenizer
 
     return train_tokenizer(read_lines(corpus_dir / "train.en"), read_lines(corpus_dir / "train.zz"),
-                           TokenizerConfig(vocab_size=150, byte_fallback=False, joint=False),
-                           seed=1)
+                           TokenizerConfig(vocab_size=150, joint=False), seed=1)
 
 
 def _texts(corpus_dir, n: int = 6) -> list[str]:

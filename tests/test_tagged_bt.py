@@ -68,8 +68,7 @@ def _tokenizer(ds, cfg: DataConfig) -> Tokenizer:
 @pytest.mark.parametrize("model_type", ["unigram", "bpe"])
 def test_tagged_sources_start_with_the_tag_id_and_untagged_ones_never_hold_it(
         data_dir, tmp_path, model_type):
-    cfg = _cfg(data_dir, tokenizer=TokenizerConfig(vocab_size=80, byte_fallback=False,
-                                                   model_type=model_type))
+    cfg = _cfg(data_dir, tokenizer=TokenizerConfig(vocab_size=80, model_type=model_type))
     ds = load_train(cfg, cache_dir=str(tmp_path / "cache"))
     tok = _tokenizer(ds, cfg)
     tag = tok.symbol_id("<BT>")
@@ -92,7 +91,7 @@ def test_tagged_sources_start_with_the_tag_id_and_untagged_ones_never_hold_it(
 @pytest.mark.parametrize("joint", [True, False])
 def test_the_tag_is_one_piece_whatever_the_source_starts_with(model_type, joint):
     src, tgt = _sentences(300, 5), _sentences(300, 6, "en")
-    cfg = TokenizerConfig(vocab_size=80, byte_fallback=False, model_type=model_type, joint=joint,
+    cfg = TokenizerConfig(vocab_size=80, model_type=model_type, joint=joint,
                           user_symbols=["<BT>"])
     tok = train_tokenizer(["<BT> " + s for s in src[:100]] + src, tgt, cfg, seed=0)
     tag = tok.symbol_id("<BT>")
@@ -112,8 +111,8 @@ def test_the_tag_is_one_piece_whatever_the_source_starts_with(model_type, joint)
     assert not any(set(p) & set("<>") for p in pieces)  # the tagged sample taught no other
     if not joint:  # only sources are tagged
         assert tok.tgt.piece_to_id("\u2581<BT>") == UNK_ID
-    plain = train_tokenizer(src, tgt, TokenizerConfig(vocab_size=80, byte_fallback=False,
-                                                      model_type=model_type, joint=joint), seed=0)
+    plain = train_tokenizer(src, tgt, TokenizerConfig(vocab_size=80, model_type=model_type,
+                                                      joint=joint), seed=0)
     assert plain.symbol_id("<BT>") is None
 
 
@@ -130,8 +129,7 @@ def test_a_change_of_tag_or_tagged_splits_is_not_served_a_stale_cache(data_dir, 
     assert list(other_tag["src"][n:n + 2]) == ["<SYN> " + s for s in BT[0][:2]]
     assert list(untagged["src"]) == TRAIN[0] + BT[0]
     assert count_tagged(both, "<BT>") == sum(1 for s in TRAIN[0] + BT[0] if s.strip())
-    tok = train_tokenizer(TRAIN[0], TRAIN[1], TokenizerConfig(vocab_size=60, byte_fallback=False,
-                                                              user_symbols=["<BT>"]))
+    tok = train_tokenizer(TRAIN[0], TRAIN[1], TokenizerConfig(vocab_size=60, user_symbols=["<BT>"]))
     encoded = [encode_split(d, tok, num_proc=1) for d in (tagged, other_tag, untagged)]
     assert len({e._fingerprint for e in encoded}) == 3
     assert encoded[0]["src_ids"][n][0] == tok.symbol_id("<BT>")
@@ -157,10 +155,10 @@ def test_a_reused_tokenizer_without_the_tag_fails_at_start_up(data_dir, tmp_path
     from mt.corpus import Corpus
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
-    plain = train_tokenizer(TRAIN[0], TRAIN[1], TokenizerConfig(vocab_size=60, byte_fallback=False))
+    plain = train_tokenizer(TRAIN[0], TRAIN[1], TokenizerConfig(vocab_size=60))
     plain.save(tmp_path / "plain")
     cfg = TrainConfig()
-    cfg.data = _cfg(data_dir, tokenizer=TokenizerConfig(vocab_size=60, byte_fallback=False,
+    cfg.data = _cfg(data_dir, tokenizer=TokenizerConfig(vocab_size=60,
                                                         path=str(tmp_path / "plain")))
     with pytest.raises(ValueError, match=r"^data\.tagged / data\.tokenizer\.user_symbols: .*plain"
                                          r".*data\.tokenizer\.path.*'<BT>'; retrain it"):
@@ -179,8 +177,7 @@ def test_a_reused_tokenizer_without_the_tag_fails_at_start_up(data_dir, tmp_path
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mt.tokenizer"):
         again = load_or_train(tmp_path / "tagged", lambda: pytest.fail("trained again"),
-                              TokenizerConfig(vocab_size=60, byte_fallback=False),
-                              seed=cfg.trainer.seed)
+                              TokenizerConfig(vocab_size=60), seed=cfg.trainer.seed)
     assert again.fingerprint == corpus.tokenizer.fingerprint
     assert "different settings" not in caplog.text  # an unused extra symbol is no change
 
@@ -190,7 +187,7 @@ def test_fine_tuning_a_model_without_the_tag_on_tagged_data_fails_at_start_up(da
     from mt.corpus import Corpus
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
-    plain = train_tokenizer(TRAIN[0], TRAIN[1], TokenizerConfig(vocab_size=60, byte_fallback=False))
+    plain = train_tokenizer(TRAIN[0], TRAIN[1], TokenizerConfig(vocab_size=60))
     cfg = TrainConfig(init_from="base.pt")
     cfg.data = _cfg(data_dir)
     with pytest.raises(ValueError, match=r"^data\.tagged / data\.tokenizer\.user_symbols: the "

@@ -26,7 +26,7 @@ TGT = _sentences(400, 2, suffix="en")
 @pytest.mark.parametrize("model_type", ["unigram", "bpe"])
 @pytest.mark.parametrize("joint", [True, False])
 def test_train_special_ids_round_trip(model_type, joint):
-    cfg = TokenizerConfig(model_type=model_type, vocab_size=120, joint=joint, byte_fallback=False)
+    cfg = TokenizerConfig(model_type=model_type, vocab_size=120, joint=joint)
     tok = train_tokenizer(SRC, TGT, cfg, seed=0)
     assert tok.joint == joint
     for sp in (tok.src, tok.tgt):
@@ -56,7 +56,7 @@ def test_vocabulary_larger_than_the_text_supports_shrinks(model_type, caplog):
 
 
 def test_same_seed_same_model_and_bad_type():
-    cfg = TokenizerConfig(vocab_size=100, byte_fallback=False)
+    cfg = TokenizerConfig(vocab_size=100)
     assert train_tokenizer(SRC, TGT, cfg, 3).fingerprint == train_tokenizer(SRC, TGT, cfg,
                                                                             3).fingerprint
     with pytest.raises(ValueError, match="data.tokenizer.model_type"):
@@ -65,10 +65,8 @@ def test_same_seed_same_model_and_bad_type():
 
 def test_character_coverage_maps_rare_characters_to_unk():
     text = SRC + ["house ж"]  # one rare character among thousands
-    full = train_tokenizer(text, TGT, TokenizerConfig(vocab_size=100, byte_fallback=False,
-                                                      character_coverage=1.0))
-    partial = train_tokenizer(text, TGT, TokenizerConfig(vocab_size=100, byte_fallback=False,
-                                                         character_coverage=0.99))
+    full = train_tokenizer(text, TGT, TokenizerConfig(vocab_size=100, character_coverage=1.0))
+    partial = train_tokenizer(text, TGT, TokenizerConfig(vocab_size=100, character_coverage=0.99))
     assert UNK_ID not in full.encode_tgt(["ж"])[0]
     assert UNK_ID in partial.encode_tgt(["ж"])[0]
 
@@ -82,15 +80,13 @@ def test_sample_is_bounded_deterministic_and_skips_empty_lines():
     assert sample != _sample(iter(lines), 50, seed=5)
     assert _sample(lines[:30], 50, seed=4) == [s for s in lines[:30] if s.strip()]
     # a small sample still trains a usable model
-    tok = train_tokenizer(SRC, TGT, TokenizerConfig(vocab_size=60, byte_fallback=False,
-                                                    input_sentence_size=100))
+    tok = train_tokenizer(SRC, TGT, TokenizerConfig(vocab_size=60, input_sentence_size=100))
     assert tok.decode_tgt(tok.encode_tgt(TGT[:5])) == TGT[:5]
 
 
 @pytest.mark.parametrize("joint", [True, False])
 def test_save_load_and_state_round_trip(tmp_path, joint):
-    tok = train_tokenizer(SRC, TGT, TokenizerConfig(vocab_size=100, byte_fallback=False,
-                                                    joint=joint))
+    tok = train_tokenizer(SRC, TGT, TokenizerConfig(vocab_size=100, joint=joint))
     tok.save(tmp_path / "tok", {"note": "x"})
     names = {p.name for p in (tmp_path / "tok").iterdir()}
     assert names == ({"spm.model", META_FILE} if joint else {"src.model", "tgt.model", META_FILE})
@@ -105,7 +101,7 @@ def test_save_load_and_state_round_trip(tmp_path, joint):
 
 
 def test_load_or_train_reuses_a_complete_directory(tmp_path, caplog):
-    cfg = TokenizerConfig(vocab_size=100, byte_fallback=False)
+    cfg = TokenizerConfig(vocab_size=100)
     calls = []
 
     def texts():
@@ -122,14 +118,13 @@ def test_load_or_train_reuses_a_complete_directory(tmp_path, caplog):
         in caplog.text  # which one a run reuses is said
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mt.tokenizer"):
-        other = load_or_train(tmp_path / "tok", texts,
-                              TokenizerConfig(vocab_size=200, byte_fallback=False), seed=1)
+        other = load_or_train(tmp_path / "tok", texts, TokenizerConfig(vocab_size=200), seed=1)
     assert calls == [1] and other.fingerprint == first.fingerprint
     assert "vocab_size=100 (now 200)" in caplog.text
     # naming the directory in data.tokenizer.path is not a different setting
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mt.tokenizer"):
-        load_or_train(tmp_path / "tok", texts, TokenizerConfig(vocab_size=100, byte_fallback=False,
+        load_or_train(tmp_path / "tok", texts, TokenizerConfig(vocab_size=100,
                                                                path=str(tmp_path / "tok")), seed=1)
     assert "different settings" not in caplog.text
     # a directory without tokenizer.json is incomplete (interrupted): trained again
@@ -153,7 +148,7 @@ def test_special_ids_are_checked():
 def test_source_boundaries_mark_word_starts_and_sentence_ends():
     ends = [".", "!", "?", '."', "", ",", ' "Yes."']
     text = [s + e for s, e in zip(SRC, ends * 60, strict=False)]
-    tok = train_tokenizer(text, text, TokenizerConfig(vocab_size=150, byte_fallback=False), seed=0)
+    tok = train_tokenizer(text, text, TokenizerConfig(vocab_size=150), seed=0)
     marks = tok.src_boundaries
     assert len(marks.starts) == len(marks.ends) == len(marks.closes) == tok.src_vocab_size
     assert marks.closes[tok.src.piece_to_id('"')] and marks.ends[tok.src.piece_to_id(".")]

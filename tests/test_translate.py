@@ -56,10 +56,8 @@ def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("models")
     rng = random.Random(0)
     text = [_sentence(rng) for _ in range(400)]
-    tok = train_tokenizer(text[:200], text[200:],
-                          TokenizerConfig(vocab_size=100, byte_fallback=False))
-    other = train_tokenizer(text[:200], text[200:],
-                            TokenizerConfig(vocab_size=80, byte_fallback=False))
+    tok = train_tokenizer(text[:200], text[200:], TokenizerConfig(vocab_size=100))
+    other = train_tokenizer(text[:200], text[200:], TokenizerConfig(vocab_size=80))
     return {"a": _save_model(tmp / "a.pt", tok, 0), "b": _save_model(tmp / "b.pt", tok, 1),
             "other_vocab": _save_model(tmp / "c.pt", other, 2)}
 
@@ -1031,8 +1029,7 @@ def test_stdout_is_utf8_whatever_the_locale(tmp_path, encoding):
     rng = random.Random(3)
     text = [_sentence(rng) for _ in range(400)]
     umlauts = [line.translate(str.maketrans("aou", "\u00e4\u00f6\u00fc")) for line in text]
-    tok = train_tokenizer(text[:200], umlauts[200:],
-                          TokenizerConfig(vocab_size=100, byte_fallback=False))
+    tok = train_tokenizer(text[:200], umlauts[200:], TokenizerConfig(vocab_size=100))
     model = _save_model(tmp_path / "de.pt", tok, 0)
     src = _write(tmp_path / "in.txt", text[:20])
     script = Path(sys.executable).with_name("translate")
