@@ -44,7 +44,6 @@ from mt.config import (
     TokenizerConfig,
     is_user_symbol,
 )
-from mt.spm_proto import trained_with
 
 log = logging.getLogger(__name__)
 
@@ -339,27 +338,35 @@ def place(directory: str | os.PathLike, tokenizer: Tokenizer, origin: str) -> To
     return tokenizer
 
 
-def check_spelling(tok: Tokenizer, cfg: TokenizerConfig, directory: str | os.PathLike) -> None:
+# How mt trained tokenizers before these keys existed: a tokenizer.json without one means this.
+SPELLING_BEFORE = {"byte_fallback": False, "normalization": "nmt_nfkc"}
+
+
+def check_spelling(made: dict | None, cfg: TokenizerConfig, directory: str | os.PathLike) -> None:
     """Refuses a reused tokenizer that spells text otherwise than ``cfg`` asks.
 
     A vocabulary size that differs only warns (the text is still spelled, in other pieces), but
     a tokenizer without the byte fallback a run asked for turns €, emoji and rare CJK into <unk>,
     and another normalization rewrites text the run means to keep: the run would train a model
-    that cannot write what its config promises.
+    that cannot write what its config promises. ``made`` is the ``config`` in ``tokenizer.json``
+    (the TokenizerConfig ``load_or_train`` trained with); None, as for a model's tokenizer that
+    ``place`` wrote or one put together by hand, records nothing, and the tokenizer is taken as
+    it is.
     """
+    if made is None:
+        return
     asked = {"byte_fallback": cfg.byte_fallback, "normalization": cfg.normalization}
-    for proto in (tok.src_proto,) if tok.joint else (tok.src_proto, tok.tgt_proto):
-        made = trained_with(proto)
-        differ = [k for k in asked if made[k] != asked[k]]
-        if differ:
-            def show(v: bool | str) -> str:
-                return str(v).lower() if isinstance(v, bool) else v
+    trained = {k: made.get(k, before) for k, before in SPELLING_BEFORE.items()}
+    differ = [k for k in asked if trained[k] != asked[k]]
+    if differ:
+        def show(v: bool | str) -> str:
+            return str(v).lower() if isinstance(v, bool) else v
 
-            was = " ".join(f"data.tokenizer.{k}={show(made[k])}" for k in differ)
-            now = " ".join(show(asked[k]) for k in differ)
-            raise ValueError(f"{directory}: its tokenizer was trained with {was}, this run asks "
-                             f"for {now}: set {was} to use it, or point data.tokenizer.path at a "
-                             "new directory to train one")
+        was = " ".join(f"data.tokenizer.{k}={show(trained[k])}" for k in differ)
+        now = " ".join(show(asked[k]) for k in differ)
+        raise ValueError(f"{directory}: its tokenizer was trained with {was}, this run asks for "
+                         f"{now}: set {was} to use it, or point data.tokenizer.path at a new "
+                         "directory to train one")
 
 
 def load_or_train(
@@ -381,10 +388,9 @@ def load_or_train(
     directory = Path(directory)
     wanted = {"config": dataclasses.asdict(cfg), "seed": seed}
     if (directory / META_FILE).exists():
-        tok = Tokenizer.load(directory)
-        check_spelling(tok, cfg, directory)
-        meta = json.loads((directory / META_FILE).read_text())
-        made = meta.get("config", {})
+        made = json.loads((directory / META_FILE).read_text()).get("config")
+        check_spelling(made, cfg, directory)
+        made = made or {}
         # path says where the tokenizer lives, not how it was made: pointing at it is no change;
         # nor are user symbols the tokenizer has and this run does not use
         differ = sorted(k for k, v in wanted["config"].items()
@@ -394,6 +400,7 @@ def load_or_train(
             changes = ", ".join(f"{k}={made[k]!r} (now {wanted['config'][k]!r})" for k in differ)
             log.warning("reusing the tokenizer in %s, trained with different settings: %s",
                         directory, changes)
+        tok = Tokenizer.load(directory)
         require_symbols(tok, cfg.user_symbols,
                         f"the tokenizer in {directory} (data.tokenizer.path, or the run's own)",
                         "retrain it: set data.tokenizer.path to a new directory")

@@ -6,6 +6,8 @@ with a character spelled in several byte pieces."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import random
 import unicodedata
 
@@ -13,8 +15,7 @@ import pytest
 import torch
 
 from mt.config import UNK_ID, ModelConfig, TokenizerConfig, TrainConfig, check_values
-from mt.spm_proto import trained_with
-from mt.tokenizer import Tokenizer, load_or_train, train_tokenizer
+from mt.tokenizer import META_FILE, Tokenizer, load_or_train, train_tokenizer
 
 WORDS = ["house", "garden", "green", "small", "river", "stone", "light", "water", "tree", "bird",
          "walks", "sees", "the", "a", "of", "in", "and", "runs", "old", "new", "12", "2024", "."]
@@ -49,7 +50,6 @@ def test_byte_fallback_round_trips_what_the_vocabulary_lacks(tok):
     assert [tok.src.decode(ids[:-1]) for ids in tok.encode_src(lines)] == lines
     pieces = tok.src.encode(RARE, out_type=str)
     assert "<0xE2>" in pieces and "<0xF0>" in pieces  # € and 😀 in bytes
-    assert trained_with(tok.src_proto) == {"byte_fallback": True, "normalization": "identity"}
 
 
 def test_without_byte_fallback_rare_characters_are_unk_as_before():
@@ -58,27 +58,25 @@ def test_without_byte_fallback_rare_characters_are_unk_as_before():
     assert ids.count(UNK_ID) == 4  # ⁄ (NFKC made ½ 1⁄2), €, 😀 and 北京 (one run of unknowns)
     assert "\u2047" in off.decode_tgt([ids])[0] and "\u20ac" not in off.decode_tgt([ids])[0]
     assert not any(off.src.is_byte(i) for i in range(off.src_vocab_size))
-    assert trained_with(off.src_proto) == {"byte_fallback": False, "normalization": "nmt_nfkc"}
 
 
 @pytest.mark.parametrize("rule", ["nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity"])
 def test_normalization_is_the_rule_asked_for(rule):
     tok = _train(byte_fallback=True, normalization=rule)  # bytes for what NFKC does not rewrite
-    assert trained_with(tok.src_proto)["normalization"] == rule
     text = f"House {TYPOGRAPHY} \u00bd"
     back = tok.decode_tgt(tok.encode_tgt([text]))[0]
     want = text if rule == "identity" else unicodedata.normalize("NFKC", text)
     assert back == (want.casefold() if rule.endswith("_cf") else want)
 
 
-def test_trained_with_reads_what_protobuf_reads(tok):
+def test_the_model_holds_the_settings_asked_for(tok):
     pb = pytest.importorskip("sentencepiece.sentencepiece_model_pb2")
-    for proto in (tok.src_proto, _train(vocab_size=100, byte_fallback=False).src_proto,
-                  _train(normalization="nfkc_cf").src_proto):
+    for proto, fallback, rule in [(tok.src_proto, True, "identity"),
+                                  (_train(vocab_size=100).src_proto, False, "nmt_nfkc"),
+                                  (_train(normalization="nfkc_cf").src_proto, False, "nfkc_cf")]:
         model = pb.ModelProto()
         model.ParseFromString(proto)
-        assert trained_with(proto) == {"byte_fallback": model.trainer_spec.byte_fallback,
-                                       "normalization": model.normalizer_spec.name}
+        assert (model.trainer_spec.byte_fallback, model.normalizer_spec.name) == (fallback, rule)
 
 
 def test_bad_values_are_one_line_errors_naming_the_key():
@@ -104,16 +102,24 @@ def test_bad_values_are_one_line_errors_naming_the_key():
     assert _train(normalization="nmt_nfkc_cf", user_symbols=["<bt>"]).symbol_id("<bt>") is not None
 
 
+def _forget_settings(directory) -> None:
+    """Makes ``directory``'s tokenizer.json as mt wrote it before these keys existed."""
+    meta = json.loads((directory / META_FILE).read_text())
+    del meta["config"]["byte_fallback"], meta["config"]["normalization"]
+    (directory / META_FILE).write_text(json.dumps(meta))
+
+
 @pytest.mark.parametrize("change", [{"byte_fallback": True}, {"normalization": "identity"}])
 @pytest.mark.parametrize("recorded", [True, False])
 def test_a_tokenizer_trained_otherwise_is_not_reused(tmp_path, change, recorded):
     """Another vocabulary size only warns; a tokenizer that spells text otherwise than the run
-    asks (unk for what it lacks, or rewritten typography) stops the run, also when its
-    tokenizer.json predates these keys (``recorded=False``): the model itself is read."""
+    asks (unk for what it lacks, or rewritten typography) stops the run, as tokenizer.json
+    records it; one that predates these keys (``recorded=False``) was trained without byte
+    fallback and with nmt_nfkc."""
     before = TokenizerConfig(vocab_size=300, byte_fallback=False)
     made = load_or_train(tmp_path / "tok", lambda: (TEXT, TEXT), before, seed=0)
     if not recorded:
-        made.save(tmp_path / "tok")  # tokenizer.json without the settings
+        _forget_settings(tmp_path / "tok")
     now = dataclasses.replace(before, **change)
     key, value = next(iter(change.items()))
     was = {"byte_fallback": "false", "normalization": "nmt_nfkc"}[key]
@@ -126,6 +132,22 @@ def test_a_tokenizer_trained_otherwise_is_not_reused(tmp_path, change, recorded)
     assert again.fingerprint == made.fingerprint
     # encoded data is cached by the tokenizer's fingerprint: another setting, another cache
     assert train_tokenizer(TEXT, TEXT, now).fingerprint != made.fingerprint
+
+
+def test_a_tokenizer_from_before_the_keys_is_reused_with_the_defaults(tmp_path, caplog):
+    """The defaults are what mt did before the keys existed: such a tokenizer is reused without
+    an error or a warning. A model's tokenizer that ``place`` wrote records no settings and is
+    taken as it is."""
+    cfg = TokenizerConfig(vocab_size=300)
+    made = load_or_train(tmp_path / "old", lambda: (TEXT, TEXT), cfg, seed=0)
+    _forget_settings(tmp_path / "old")
+    with caplog.at_level(logging.WARNING, logger="mt.tokenizer"):
+        again = load_or_train(tmp_path / "old", lambda: pytest.fail("trained again"), cfg)
+    assert again.fingerprint == made.fingerprint and "different settings" not in caplog.text
+    made.save(tmp_path / "placed", {"from": "init_from=x"})
+    asks = dataclasses.replace(cfg, byte_fallback=True, normalization="identity")
+    placed = load_or_train(tmp_path / "placed", lambda: pytest.fail("trained again"), asks)
+    assert placed.fingerprint == made.fingerprint
 
 
 def test_prefixes_and_constraints_take_what_the_vocabulary_lacks(tok):
