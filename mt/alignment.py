@@ -27,7 +27,9 @@ def _word_index(sp, ids: list[int], first: int = 0, source: bool = False) -> lis
     them: a piece starting with '▁' starts a word, a piece of whitespace alone belongs to no word
     (-1). The unknown piece is a word of its own in a translation (it decodes to ' ⁇ '); in a
     ``source`` it stands for the input's own characters, glued to the word they are in ("man🙂",
-    "🐕dog"), so it starts a word only after whitespace."""
+    "🐕dog"), so it starts a word only after whitespace. Byte pieces (byte fallback: 🙂 is
+    ▁ <0xF0> <0x9F> <0x99> <0x82>) never start with '▁', so they join the word they are in, as
+    the character they spell does."""
     out, word, open_word = [], first - 1, False
     for t in ids:
         if sp.is_unknown(t):

@@ -29,6 +29,10 @@ def conf_dir() -> Path:
 
 # Special token ids, fixed for every SentencePiece model that `mt` trains (see mt.tokenizer).
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+# SentencePiece's predefined normalization rules (data.tokenizer.normalization).
+NORMALIZATIONS = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")
+# Pieces that byte fallback adds to the vocabulary: one per byte value.
+BYTE_PIECES = 256
 
 
 @dataclass
@@ -80,6 +84,17 @@ class TokenizerConfig:
     # '▁' + symbol so that "<BT> Hello" is <BT> ▁Hello, not ▁ <BT> ▁Hello); mt-train adds data.tag
     # here when data.tagged is set
     user_symbols: list[str] = field(default_factory=list)
+    # a character without a piece becomes its UTF-8 bytes (pieces <0x00>..<0xFF>), not <unk>: €,
+    # emoji and rare CJK survive encoding and come back on decoding (SentencePiece byte_fallback).
+    # Off by default: at character_coverage=1.0 every character of the sample has a piece, so the
+    # model never trains on a byte piece and an unseen character would meet untrained embeddings,
+    # for 256 pieces of vocab_size. Worth it with a coverage below 1 (0.9995 for CJK-sized
+    # character sets), where the sample's rarest characters are spelled, and learned, in bytes
+    byte_fallback: bool = False
+    # SentencePiece normalization_rule_name, applied before encoding and kept in the model:
+    # nmt_nfkc (NFKC, e.g. ½ -> 1⁄2, ﬁ -> fi, ２ -> 2, and whitespace cleanup), nfkc, nmt_nfkc_cf
+    # and nfkc_cf (the same, case-folded) or identity (the text as written)
+    normalization: str = "nmt_nfkc"
 
 
 @dataclass
@@ -362,6 +377,14 @@ def check_values(cfg: TrainConfig) -> None:
     if t.best_metric not in BEST_METRICS:
         raise ValueError(f"trainer.best_metric must be one of {', '.join(BEST_METRICS)}, "
                          f"got {t.best_metric!r}")
+    tok = d.tokenizer
+    if tok.normalization not in NORMALIZATIONS:
+        raise ValueError("data.tokenizer.normalization must be one of "
+                         f"{', '.join(NORMALIZATIONS)}, got {tok.normalization!r}")
+    if tok.byte_fallback and tok.vocab_size <= BYTE_PIECES + 4:  # SentencePiece names no key
+        raise ValueError(f"data.tokenizer.vocab_size={tok.vocab_size} leaves no room for the "
+                         f"{BYTE_PIECES} byte pieces of data.tokenizer.byte_fallback=true and 4 "
+                         "special ids: raise it well above 260, or set byte_fallback=false")
 
 
 def positive_int(text: str) -> int:

@@ -52,8 +52,8 @@ def split_phrases(line: str) -> list[str]:
 def encode_phrases(tokenizer, constraints: list[list[str]], name: str = "constraints",
                    first_line: int = 1) -> list[list[list[int]]]:
     """Per line, its phrases as target ids. A phrase the target vocabulary cannot spell (it would
-    hold <unk>, which the translation would print as "⁇") is refused, naming ``name`` and the
-    line (``first_line`` is the number of the first)."""
+    hold <unk>, which the translation would print as "⁇"; never with byte fallback) is refused,
+    naming ``name`` and the line (``first_line`` is the number of the first)."""
     flat = [p for phrases in constraints for p in phrases]
     ids = iter(tokenizer.encode_tgt(flat) if flat else [])
     out = []

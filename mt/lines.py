@@ -42,8 +42,9 @@ def _pieces(ids: list[int], limit: int, marks: Boundaries | None = None) -> list
     Each cut goes after the last sentence end that fits (Tokenizer.src_boundaries; closing quotes
     after it included, at least a quarter of the limit into the piece, so that "Dr." alone does
     not become a piece), else before the last word start that fits, else where the limit falls
-    (without ``marks``, always there). A piece is translated on its own, so a cut inside a
-    sentence, or a word, costs the translation its context there.
+    (without ``marks``, always there), moved back to a character's first byte piece (byte
+    fallback spells one character in up to four). A piece is translated on its own, so a cut
+    inside a sentence, or a word, costs the translation its context there.
     """
     if len(ids) <= limit:
         return [ids]
@@ -70,7 +71,12 @@ def _cut(body: list[int], i: int, step: int, marks: Boundaries) -> int:
         if (marks.ends[body[j]] and (spaced or marks.unspaced[body[j]])
                 and k - i >= max(step // 4, 1)):
             return k
-    return word or i + step
+    if word:
+        return word
+    cut = i + step  # inside a word: not between the byte pieces of one character, if it can
+    while cut > i + 1 and marks.inside[body[cut]]:
+        cut -= 1
+    return cut
 
 
 def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
@@ -163,7 +169,7 @@ def encode_prefixes(tokenizer, prefixes: list[str], name: str = "prefixes",
     """Per line, its target prefix as ids. A prefix the target vocabulary cannot spell is refused
     (as ``mt.constraints.encode_phrases`` refuses a phrase), naming ``name``, the line
     (``first_line`` is the number of the first) and the character: forced, it would be <unk>,
-    which the translation prints as "⁇"."""
+    which the translation prints as "⁇". With byte fallback every prefix can be spelled."""
     out = tokenizer.encode_tgt(prefixes)
     for i, (text, ids) in enumerate(zip(prefixes, out, strict=True)):
         if UNK_ID in ids:

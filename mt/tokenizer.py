@@ -27,13 +27,23 @@ import json
 import logging
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
 
-from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TokenizerConfig, is_user_symbol
+from mt.config import (
+    BOS_ID,
+    BYTE_PIECES,
+    EOS_ID,
+    NORMALIZATIONS,
+    PAD_ID,
+    UNK_ID,
+    TokenizerConfig,
+    is_user_symbol,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +62,15 @@ class Boundaries:
     ends: the piece ends a sentence: ., !, ?, an ellipsis or 。 (then closing quotes or brackets).
     closes: the piece is closing quotes or brackets alone (a sentence may end before it).
     unspaced: the piece ends with 。, after which a sentence starts without a space.
+    inside: the piece is a UTF-8 continuation byte (<0x80>..<0xBF>, byte fallback): a cut before
+        it would split a character.
     """
 
     starts: list[bool]
     ends: list[bool]
     closes: list[bool]
     unspaced: list[bool]
+    inside: list[bool]
 
 
 class Tokenizer:
@@ -100,10 +113,11 @@ class Tokenizer:
     def src_boundaries(self) -> Boundaries:
         """Where ``translate`` may cut a source line longer than the model (``Boundaries``)."""
         sp = self.src
-        marks = Boundaries([], [], [], [])
+        marks = Boundaries([], [], [], [], [])
         for i in range(sp.get_piece_size()):
             control = sp.is_control(i)
             piece = "" if control else sp.id_to_piece(i)
+            marks.inside.append(sp.is_byte(i) and 0x80 <= int(piece[1:-1], 16) < 0xC0)
             marks.starts.append(piece.startswith("\u2581"))  # not <unk>: it may be mid-word
             text = piece.rstrip(_CLOSERS)
             marks.ends.append(text[-1:] in (".", "!", "?", "\u2026", "\u3002"))
@@ -194,21 +208,34 @@ def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
     symbols = {"user_defined_symbols": ["\u2581" + u for u in user_symbols]} if user_symbols else {}
     model = io.BytesIO()
     spm.set_random_generator_seed(seed)  # SentencePiece's own sampling, for reproducible models
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences),
-        model_writer=model,
-        model_type=cfg.model_type,
-        vocab_size=cfg.vocab_size,
-        character_coverage=cfg.character_coverage,
-        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-        # A vocabulary on a small corpus may be larger than the text supports; shrink instead of
-        # failing (SentencePiece picks the largest size it can; valid for unigram and bpe).
-        hard_vocab_limit=False,
-        input_sentence_size=0,  # all of them: we sampled already
-        num_threads=os.cpu_count() or 1,
-        minloglevel=2,
-        **symbols,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            model_type=cfg.model_type,
+            vocab_size=cfg.vocab_size,
+            character_coverage=cfg.character_coverage,
+            byte_fallback=cfg.byte_fallback,  # 256 pieces <0x00>..<0xFF> in the vocabulary
+            normalization_rule_name=cfg.normalization,
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            # A vocabulary on a small corpus may be larger than the text supports; shrink instead
+            # of failing (SentencePiece picks the largest size it can; valid for unigram and bpe).
+            hard_vocab_limit=False,
+            input_sentence_size=0,  # all of them: we sampled already
+            num_threads=os.cpu_count() or 1,
+            minloglevel=2,
+            **symbols,
+        )
+    except RuntimeError as err:  # "Vocabulary size is smaller than required_chars. 300 vs 304."
+        need = re.search(r"required_chars\. \d+ vs (\d+)", str(err))
+        if not need:
+            raise
+        parts = "its characters, 4 special ids" + (", user symbols" if user_symbols else "")
+        if cfg.byte_fallback:
+            parts += f", {BYTE_PIECES} byte pieces: or set data.tokenizer.byte_fallback=false"
+        raise ValueError(f"data.tokenizer.vocab_size={cfg.vocab_size}: the text needs at least "
+                         f"{need[1]} pieces; raise it or lower data.tokenizer.character_coverage "
+                         f"({parts})") from None
     return model.getvalue()
 
 
@@ -226,6 +253,9 @@ def train_tokenizer(
     if cfg.model_type not in ("unigram", "bpe"):
         raise ValueError("data.tokenizer.model_type must be unigram or bpe, "
                          f"got {cfg.model_type!r}")
+    if cfg.normalization not in NORMALIZATIONS:
+        raise ValueError(f"data.tokenizer.normalization must be one of {', '.join(NORMALIZATIONS)}"
+                         f", got {cfg.normalization!r}")
     if cfg.input_sentence_size < 1:
         raise ValueError("data.tokenizer.input_sentence_size must be positive, "
                          f"got {cfg.input_sentence_size}")
@@ -233,6 +263,10 @@ def train_tokenizer(
         if not is_user_symbol(symbol):
             raise ValueError("data.tokenizer.user_symbols: each must be non-empty, without "
                              f"whitespace, ',' or '\u2581', unchanged by NFKC, got {symbol!r}")
+        if cfg.normalization.endswith("_cf") and symbol != symbol.casefold():  # else folded
+            raise ValueError(f"data.tokenizer.normalization={cfg.normalization} folds the case of "
+                             f"{symbol!r} (data.tag or data.tokenizer.user_symbols): write it in "
+                             "lower case")
     if cfg.joint:
         def both() -> Iterator[str]:
             yield from src_texts
@@ -304,6 +338,37 @@ def place(directory: str | os.PathLike, tokenizer: Tokenizer, origin: str) -> To
     return tokenizer
 
 
+# How mt trained tokenizers before these keys existed: a tokenizer.json without one means this.
+SPELLING_BEFORE = {"byte_fallback": False, "normalization": "nmt_nfkc"}
+
+
+def check_spelling(made: dict | None, cfg: TokenizerConfig, directory: str | os.PathLike) -> None:
+    """Refuses a reused tokenizer that spells text otherwise than ``cfg`` asks.
+
+    A vocabulary size that differs only warns (the text is still spelled, in other pieces), but
+    a tokenizer without the byte fallback a run asked for turns €, emoji and rare CJK into <unk>,
+    and another normalization rewrites text the run means to keep: the run would train a model
+    that cannot write what its config promises. ``made`` is the ``config`` in ``tokenizer.json``
+    (the TokenizerConfig ``load_or_train`` trained with); None, as for a model's tokenizer that
+    ``place`` wrote or one put together by hand, records nothing, and the tokenizer is taken as
+    it is.
+    """
+    if made is None:
+        return
+    asked = {"byte_fallback": cfg.byte_fallback, "normalization": cfg.normalization}
+    trained = {k: made.get(k, before) for k, before in SPELLING_BEFORE.items()}
+    differ = [k for k in asked if trained[k] != asked[k]]
+    if differ:
+        def show(v: bool | str) -> str:
+            return str(v).lower() if isinstance(v, bool) else v
+
+        was = " ".join(f"data.tokenizer.{k}={show(trained[k])}" for k in differ)
+        now = " ".join(show(asked[k]) for k in differ)
+        raise ValueError(f"{directory}: its tokenizer was trained with {was}, this run asks for "
+                         f"{now}: set {was} to use it, or point data.tokenizer.path at a new "
+                         "directory to train one")
+
+
 def load_or_train(
     directory: str | os.PathLike,
     texts: Callable[[], tuple[Iterable[str], Iterable[str]]],
@@ -316,14 +381,16 @@ def load_or_train(
         directory: where the model(s) and ``tokenizer.json`` live.
         texts: called only when training is needed; returns (source, target) sentences.
         cfg: training settings; if a reused directory was made with others, a warning says which.
-            A reused tokenizer without one of ``cfg.user_symbols`` as a piece is an error.
+            A reused tokenizer without one of ``cfg.user_symbols`` as a piece, or trained with
+            another ``byte_fallback`` or ``normalization`` (``check_spelling``), is an error.
         seed: for the sentence sample and SentencePiece.
     """
     directory = Path(directory)
     wanted = {"config": dataclasses.asdict(cfg), "seed": seed}
     if (directory / META_FILE).exists():
-        meta = json.loads((directory / META_FILE).read_text())
-        made = meta.get("config", {})
+        made = json.loads((directory / META_FILE).read_text()).get("config")
+        check_spelling(made, cfg, directory)
+        made = made or {}
         # path says where the tokenizer lives, not how it was made: pointing at it is no change;
         # nor are user symbols the tokenizer has and this run does not use
         differ = sorted(k for k, v in wanted["config"].items()

@@ -121,13 +121,14 @@ def test_lines_of_nothing_the_tokenizer_keeps_are_empty_lines(models, tmp_path, 
 def test_long_lines_are_cut_after_sentences_else_between_words():
     """Known cuts with a made-up vocabulary: 4 starts a word, 5 continues one, 6 starts a word
     and ends a sentence ('▁.'), 7 is a closing quote alone, 8 ends a sentence with 。 (no space
-    after it), 3 is EOS."""
+    after it), 9 is a UTF-8 continuation byte (byte fallback), 3 is EOS."""
     from mt.lines import _pieces
     from mt.tokenizer import Boundaries
 
-    marks = Boundaries(starts=[False] * 4 + [True, False, True, False, False],
-                       ends=[False] * 6 + [True, False, True],
-                       closes=[False] * 7 + [True, False], unspaced=[False] * 8 + [True])
+    marks = Boundaries(starts=[False] * 4 + [True, False, True, False, False, False],
+                       ends=[False] * 6 + [True, False, True, False],
+                       closes=[False] * 7 + [True, False, False],
+                       unspaced=[False] * 8 + [True, False], inside=[False] * 9 + [True])
     line = [4, 5, 6, 4, 5, 5, 4, 5, 4, 4, 6, 4, 3]  # limit 6: 5 body tokens + EOS per piece
     pieces = _pieces(line, 6, marks)
     assert pieces == [[4, 5, 6, 3], [4, 5, 5, 4, 5, 3], [4, 4, 6, 4, 3]]
@@ -135,6 +136,11 @@ def test_long_lines_are_cut_after_sentences_else_between_words():
     assert _pieces(line, 6) == [line[:5] + [3], line[5:10] + [3], line[10:]]  # no marks
     one_word = [4] + [5] * 11 + [3]  # no word start to cut at: where the limit falls
     assert _pieces(one_word, 6, marks) == _pieces(one_word, 6)
+    # ... but not between the bytes of one character (5 9 9: a character in three byte pieces)
+    in_bytes = [4] + [5, 9, 9] * 4 + [3]
+    pieces = _pieces(in_bytes, 6, marks)
+    assert [t for p in pieces for t in p[:-1]] == in_bytes[:-1]
+    assert pieces[0] == [4, 5, 9, 9, 3] and all(p[0] == 5 for p in pieces[1:])
     # after closing quotes that follow the sentence's end; after 。 with no word start next
     assert _pieces([4, 5, 6, 7, 4, 5, 5, 5, 3], 6, marks)[0] == [4, 5, 6, 7, 3]
     assert _pieces([5, 5, 8, 5, 5, 5, 5, 5, 3], 6, marks)[0] == [5, 5, 8, 3]
