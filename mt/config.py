@@ -185,6 +185,9 @@ class TrainerConfig:
     # exponential moving average of the weights (e.g. 0.9999): what validation, best.pt and the
     # step checkpoints hold (mt.optim.EMA); 0 = off
     ema_decay: float = 0.0
+    # parameters not trained (shell patterns of their names, e.g. [encoder_layers.*]: a fine-tuning
+    # run that keeps the encoder)
+    freeze: list[str] = field(default_factory=list)
     beam_size: int = 5  # for validation and test BLEU
     lenpen: float = 0.6
     save_valid_hyps: bool = True  # each validation's translations in run_dir/valid/step_N.hyp

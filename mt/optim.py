@@ -5,6 +5,7 @@ precision the step computes in (``trainer.precision``). Configured by the ``opti
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -142,8 +143,31 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.
     kinds = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
     if cfg.optim.name not in kinds:
         raise ValueError(f"optim.name must be adam or adamw, got {cfg.optim.name!r}")
-    return kinds[cfg.optim.name](model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+    trained = [p for p in model.parameters() if p.requires_grad]  # trainer.freeze leaves out
+    return kinds[cfg.optim.name](trained, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                  eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay, fused=True)
+
+
+def freeze(model: torch.nn.Module, patterns: list[str]) -> list[str]:
+    """Stops training the parameters whose names match one of ``patterns`` (``trainer.freeze``,
+    shell-style: ``encoder_layers.*``), as Sockeye's ``--fixed-param-names``: fine-tuning to a
+    domain may keep the encoder, or the embeddings, as they are.
+
+    Returns:
+        the names frozen. A pattern that matches no parameter is a typo: ValueError naming it.
+    """
+    names = [n for n, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            groups = sorted({n.split(".")[0] for n in names})
+            raise ValueError(f"trainer.freeze: {pattern!r} matches no parameter (they start with "
+                             f"{', '.join(groups)}; e.g. encoder_layers.* or src_embed.weight)")
+    frozen = []
+    for name, param in model.named_parameters():
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            param.requires_grad_(False)
+            frozen.append(name)
+    return frozen
 
 
 def take_optim_config(optimizer: torch.optim.Optimizer,

@@ -52,6 +52,7 @@ from mt.optim import (
     autocast_dtype,
     build_optimizer,
     cut_on_plateau,
+    freeze,
     lr_lambda,
     take_optim_config,
 )
@@ -119,6 +120,9 @@ class Trainer:
         del start
         log.info("model %s: %s parameters\n%s", cfg.model.name, f"{count_parameters(self.model):,}",
                  OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
+        if cfg.trainer.freeze:
+            log.info("trainer.freeze: %d parameter tensors kept as they are",
+                     len(freeze(self.model, cfg.trainer.freeze)))
         self.optimizer = build_optimizer(self.model, cfg, self.device)
         self.ema = EMA(self.model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
         # Training seconds of earlier runs (resumed) and this one's start; `elapsed` is the clock
@@ -194,6 +198,11 @@ class Trainer:
         for saved, group in zip(state["optimizer"]["param_groups"], self.optimizer.param_groups,
                                 strict=True):  # the kernel is this run's choice, not the saver's
             saved["fused"], saved["foreach"] = group["fused"], group["foreach"]
+        saved_sizes = [len(g["params"]) for g in state["optimizer"]["param_groups"]]
+        if saved_sizes != [len(g["params"]) for g in self.optimizer.param_groups]:
+            raise ValueError(f"{path}: the run trained another set of parameters (trainer.freeze "
+                             f"now {self.cfg.trainer.freeze}; see the saved config); resume with "
+                             "its trainer.freeze, or start a new run with init_from")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.history = state["history"]  # before take_optim_config: its rate has the cuts

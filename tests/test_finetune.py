@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -84,3 +85,27 @@ def test_init_from_trains_on_from_the_saved_model(tmp_path, corpus_dir, tokenize
     again = train("trainer.max_steps=3")
     assert "resumed" in again.stderr
     assert "last.pt: the model's shape replaces model.encoder_layers=3 (model: 1)" in again.stderr
+
+
+def test_frozen_parameters_keep_their_values_and_a_resume_keeps_the_set(tmp_path, corpus_dir,
+                                                                        tokenizer_dir):
+    base = tmp_path / "base"
+    run_train(tmp_path, base, corpus_dir, tokenizer_dir, "trainer.max_steps=2",
+              "trainer.test_at_end=false")
+    tuned = tmp_path / "tuned"
+    run_train(tmp_path, tuned, corpus_dir, tokenizer_dir, f"init_from={base}",
+              "trainer.max_steps=3", "trainer.test_at_end=false",
+              "trainer.freeze=[encoder_layers.*]", "optim.weight_decay=0.1", "optim.name=adamw")
+    a, b = weights(base), weights(tuned)
+    kept = [n for n in a if n.startswith("encoder_layers.")]
+    assert kept and all(torch.equal(a[n], b[n]) for n in kept)  # decay would have moved them
+    fc1 = "decoder_layers.0.ffn.fc1.weight"
+    assert not torch.equal(a[fc1], b[fc1])
+    args = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+            f"hydra.run.dir={tuned}", "trainer.max_steps=4", "trainer.test_at_end=false"]
+    for freeze, message in [("[]", "the run trained another set of parameters"),
+                            ("[encoder.*]", r"trainer.freeze: 'encoder.\*' matches no parameter")]:
+        result = subprocess.run([*args, f"trainer.freeze={freeze}"], env=cli_env(tmp_path),
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert re.search(message, result.stderr.strip().splitlines()[-1]), result.stderr[-2000:]
