@@ -271,10 +271,13 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
                 progress: bool | Any = False, *, warn: bool = True) -> list[LineResult]:
     """Scores given translations (``translate --score``) instead of searching for them.
 
-    Every pair is scored by the model, empty lines included (an empty source is EOS alone, an
-    empty target EOS alone), in batches of at most ``batch_tokens`` tokens of the longer side.
-    A pair with a side longer than the model's maximum cannot be scored: it gets no hypothesis
-    (one warning for all of them), as no piece of it can be scored on its own.
+    Every pair is scored by the model, in batches of at most ``batch_tokens`` tokens of the longer
+    side, but for an empty line with an empty translation: ``translate_lines`` gives an empty line
+    ("", 0.0) without a search, and its score here is that one (a LineResult without sources or
+    hypotheses). An empty source with a translation, or a translation of an empty line, is
+    scored (an empty side is EOS alone). A pair with a side longer than the model's maximum
+    cannot be scored: it keeps its source and gets no hypothesis (one warning for all of them),
+    as no piece of it can be scored on its own.
 
     Returns:
         per line a LineResult whose one hypothesis carries the score (``forced_scores``); the
@@ -286,12 +289,14 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
     limit = max_positions(model)
     pairs = [(s, t + [EOS_ID]) for s, t in zip(tokenizer.encode_src(lines),
                                                   tokenizer.encode_tgt(targets), strict=True)]
-    fits = [i for i, (s, t) in enumerate(pairs) if len(s) <= limit and len(t) <= limit]
-    if len(fits) < len(pairs):
-        if warn:
-            log.warning(NOT_SCORED, len(pairs) - len(fits), limit)
-        if not isinstance(progress, bool):
-            progress.update(len(pairs) - len(fits))
+    empty = {i for i, (s, t) in enumerate(pairs) if s == t == [EOS_ID]}
+    fits = [i for i, (s, t) in enumerate(pairs)
+            if len(s) <= limit and len(t) <= limit and i not in empty]
+    unfit = len(pairs) - len(fits) - len(empty)
+    if unfit and warn:
+        log.warning(NOT_SCORED, unfit, limit)
+    if not isinstance(progress, bool):
+        progress.update(len(pairs) - len(fits))
     device = next(first_member(model).parameters()).device
 
     def score(batch: list[int]) -> list[Hypothesis]:
@@ -301,7 +306,8 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
 
     lengths = [max(len(s), len(t)) for s, t in (pairs[i] for i in fits)]
     hyps = map_batches(score, lengths, batch_tokens, workers, device, progress)
-    out = [LineResult([], []) for _ in lines]
+    out = [LineResult([], []) if i in empty else LineResult([s], [])  # unfit: no hypothesis
+           for i, (s, _) in enumerate(pairs)]
     for i, h in zip(fits, hyps, strict=True):
         out[i] = LineResult([pairs[i][0]], [[h]])
     return out

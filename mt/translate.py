@@ -164,7 +164,9 @@ def _format(i: int, nbest: list[tuple[str, float]], fields: list[list[str]],
 
 def _format_score(result: LineResult, fields: list[list[str]]) -> str:
     """The output line of one scored pair (``--score``)."""
-    line = f"{result.hyps[0][0].score:.4f}" if result.hyps else "nan"
+    # no hypothesis: an empty line, scored as translate gives it (0), or a pair too long ("nan")
+    line = (f"{result.hyps[0][0].score:.4f}" if result.hyps
+            else "nan" if result.sources else f"{0.0:.4f}")
     return " ||| ".join([line, *fields[0]]) if fields else line
 
 

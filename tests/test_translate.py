@@ -709,7 +709,9 @@ def test_score_gives_the_nbest_scores_one_line_per_pair(models, tmp_path, capsys
     lenpen0 = _run(["-m", models["a"], "-i", pairs, "--score", given, "--lenpen", "0",
                     "--quiet"], capsys)
     assert all(float(a) < float(b) for a, b in zip(lenpen0, scored, strict=True))
-    # Empty lines are scored; a pair longer than the model's maximum is 'nan'; aligned output.
+    # An empty line with an empty translation scores what --nbest prints for it (0: never
+    # searched); an empty line with a translation is scored; a pair longer than the model's
+    # maximum is 'nan'; aligned output.
     lines = [lines[i] for i, _, _ in entries[:10]] + ["", "", " ".join(["big red dog"] * 40)]
     targets = [text for _, text, _ in entries[:10]] + ["", "the dog", "a"]
     out = _run(["-m", models["a"], "-i", _write(tmp_path / "in2.txt", lines), "--score",
@@ -717,7 +719,10 @@ def test_score_gives_the_nbest_scores_one_line_per_pair(models, tmp_path, capsys
     assert len(out) == len(lines)
     scores = [line.split(" ||| ")[0] for line in out]
     assert scores[:10] == scored[:10]  # the same pairs, alone or with others
-    assert float(scores[10]) < 0 and float(scores[11]) < float(scores[10])
+    nbest = _run(["-m", models["a"], "-i", _write(tmp_path / "empty.txt", [""]), "--beam", "3",
+                  "--nbest", "3", "--quiet"], capsys)
+    assert nbest == ["0\t\t0.0000"] and scores[10] == "0.0000"
+    assert float(scores[11]) < 0
     assert scores[12] == "nan"
 
 
