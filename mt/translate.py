@@ -236,6 +236,12 @@ def main(argv: list[str] | None = None) -> None:
                 if path}
     if interactive and parallel:
         raise SystemExit(f"translate: {next(iter(parallel))} needs -i (or piped input)")
+    if args.output and os.path.exists(args.output):  # the output would replace what it reads
+        for option, path in (("-i", args.input), *parallel.items()):
+            if path not in (None, "-") and os.path.exists(path) and os.path.samefile(path,
+                                                                                     args.output):
+                raise SystemExit(f"translate: -o {args.output} is the {option} file; the "
+                                 "translations would replace it: write them elsewhere")
     try:  # a regular file's mistakes stop translate before any work
         total = None if interactive else count_lines(args.input, args.errors)
         for path in parallel.values():

@@ -467,6 +467,20 @@ def test_chunks_and_pipes_give_the_files_output(models, tmp_path, capsys, monkey
                                                             abs=2e-4)
 
 
+def test_an_output_that_is_one_of_the_inputs_is_refused_and_left_alone(models, tmp_path):
+    src = _write(tmp_path / "in.txt", ["the dog", "a cat"])
+    given = _write(tmp_path / "given.txt", ["der Hund", "eine Katze"])
+    (tmp_path / "link.txt").symlink_to("in.txt")
+    for args, option in [(["-i", src, "-o", src], "-i"),
+                         (["-i", src, "-o", str(tmp_path / "link.txt")], "-i"),
+                         (["-i", src, "--score", given, "-o", given], "--score")]:
+        with pytest.raises(SystemExit, match=f"^translate: -o .* is the {option} file; the "
+                                             "translations would replace it"):
+            main(["-m", models["a"], *args, *FAST])
+    assert Path(src).read_text() == "the dog\na cat\n"
+    assert Path(given).read_text() == "der Hund\neine Katze\n"
+
+
 def test_output_file_appears_only_whole(models, tmp_path, monkeypatch):
     """A run that fails half-way (stdin's mistakes are found only when read) leaves no output
     file, not even its .partial; a line-parallel file that ends early is named."""
