@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mt.config import positive_int
-from mt.options import add_search_arguments, search_mistake, search_options
+from mt.options import add_search_arguments, search_mistake, search_options, unused_options
 from mt.report import METRICS, compare, make_metric, render, score_system, sentence_scores
 from mt.testsets import (
     EvalError,
@@ -340,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     # -M bleu bleu: one score per metric (sacrebleu's paired test keys its table by name, and
     # the table and JSON have one column per metric), in the order first given.
     args.metrics = list(dict.fromkeys(args.metrics))
@@ -351,6 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     mistake = search_mistake(args)
     if mistake:
         raise SystemExit(f"mt-eval: {mistake}")
+    for warning in unused_options(args, parser):
+        log.warning(warning)
     if any(kind == "model" for kind, _ in args.systems or []):
         from mt.inference import cap_kernel_caches, device_mistake, keep_freed_memory
 

@@ -109,12 +109,31 @@ def search_mistake(args: argparse.Namespace) -> str | None:
         return f"--top-k must be 0 (off) or positive, got {args.top_k}"
     if not 0 <= args.epsilon < 1:
         return f"--epsilon must be in [0, 1), got {args.epsilon}"
+    if args.max_len_a < 0 or args.max_len_b < 0:
+        return (f"--max-len-a and --max-len-b must be at least 0, got {args.max_len_a:g} and "
+                f"{args.max_len_b}")
+    if args.max_len_a == 0 and args.max_len_b < 2:  # the budget counts EOS
+        return (f"--max-len-a 0 --max-len-b {args.max_len_b} leaves no room for a token before "
+                "EOS: every translation would be empty")
     if args.mbr and nbest != 1:
         return "--mbr gives one translation per line; it does not combine with --nbest"
     if args.mbr and not args.sampling and args.beam < args.mbr_candidates:
         return (f"--mbr-candidates {args.mbr_candidates} from beam search needs --beam "
                 f"{args.mbr_candidates} or more (or --sampling)")
     return None
+
+
+def unused_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """Search flags set away from their defaults that do nothing in this combination, for a
+    warning each (a flag the user set and the output ignores reads as a setting that worked)."""
+    def given(dest: str) -> bool:
+        return getattr(args, dest) != parser.get_default(dest)
+
+    unused = [("--seed", "without --sampling", given("seed") and not args.sampling),
+              ("--mbr-candidates", "without --mbr", given("mbr_candidates") and not args.mbr),
+              ("--beam", "with --sampling (--nbest sets the samples per line)",
+               given("beam") and args.sampling)]
+    return [f"{flag} has no effect {why}" for flag, why, on in unused if on]
 
 
 def search_options(args: argparse.Namespace, workers: int) -> SearchOptions:

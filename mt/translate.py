@@ -53,7 +53,13 @@ from mt.lines import (
     translate_lines,
     unmet,
 )
-from mt.options import SearchOptions, add_search_arguments, search_mistake, search_options
+from mt.options import (
+    SearchOptions,
+    add_search_arguments,
+    search_mistake,
+    search_options,
+    unused_options,
+)
 from mt.textio import (
     STDOUT_NAMES,
     InputError,
@@ -199,7 +205,8 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     keep_freed_memory()
@@ -207,6 +214,16 @@ def main(argv: list[str] | None = None) -> None:
     mistake = search_mistake(args) or device_mistake(args.device)
     if mistake:
         raise SystemExit(f"translate: {mistake}")
+    unused = unused_options(args, parser)
+    if args.alignment_layer is not None and not args.alignment:
+        unused.append("--alignment-layer has no effect without --alignment")
+    if args.score is not None:  # a given translation is scored, not searched for
+        unused += [f"{flag} has no effect with --score" for flag, dest in (
+            ("--beam", "beam"), ("--min-len", "min_len"), ("--max-len-a", "max_len_a"),
+            ("--max-len-b", "max_len_b"), ("--no-repeat-ngram-size", "no_repeat_ngram_size"))
+            if getattr(args, dest) != parser.get_default(dest)]
+    for warning in unused:
+        log.warning(warning)
     if args.weights is not None and len(args.weights) != len(args.model):
         raise SystemExit(f"translate: --weights: {len(args.weights)} weights for "
                          f"{len(args.model)} models (-m); one per model, in their order")

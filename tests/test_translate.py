@@ -5,6 +5,7 @@ here."""
 import contextlib
 import gzip
 import io
+import logging
 import os
 import random
 import signal
@@ -866,11 +867,35 @@ def test_mbr_prints_the_choice_among_the_searchs_candidates(models, tmp_path, ca
                                                    "--temperature"),
     (["--sampling", "--epsilon", "1"], "--epsilon"), (["--beam", "2", "--nbest", "3"], "--nbest"),
     (["--epsilon", "0.02"], "--epsilon shapes the sampling"),  # ignored without --sampling
-    (["--beam", "16", "--mbr", "chrf", "--top-p", "0.9"], "--top-p shapes the sampling")])
+    (["--beam", "16", "--mbr", "chrf", "--top-p", "0.9"], "--top-p shapes the sampling"),
+    (["--max-len-a", "0", "--max-len-b", "1"], "--max-len-a 0 --max-len-b 1 leaves no room"),
+    (["--max-len-b", "-3"], "--max-len-a and --max-len-b must be at least 0")])
 def test_search_options_out_of_range_are_one_line_errors(models, tmp_path, bad, message):
     path = _write(tmp_path / "in.txt", ["a dog"])
     with pytest.raises(SystemExit, match=f"^translate: {message}"):
         main(["-m", models["a"], "-i", path, *bad])
+
+
+@pytest.mark.parametrize("flags, warned", [
+    (["--seed", "3"], ["--seed has no effect without --sampling"]),
+    (["--mbr-candidates", "8"], ["--mbr-candidates has no effect without --mbr"]),
+    (["--sampling", "--beam", "7"],
+     ["--beam has no effect with --sampling (--nbest sets the samples per line)"]),
+    (["--alignment-layer", "0"], ["--alignment-layer has no effect without --alignment"]),
+    (["--score", "GIVEN", "--beam", "3", "--min-len", "2"],
+     ["--beam has no effect with --score", "--min-len has no effect with --score"]),
+    (["--sampling", "--seed", "3", "--mbr", "chrf", "--mbr-candidates", "4"], []),
+])
+def test_flags_that_do_nothing_in_a_combination_are_warned_about(models, tmp_path, capsys,
+                                                                 caplog, flags, warned):
+    path = _write(tmp_path / "in.txt", ["a dog"])
+    given = _write(tmp_path / "given.txt", ["a dog"])
+    flags = [given if f == "GIVEN" else f for f in flags]
+    short = [] if "--score" in flags else FAST[:-1]  # --score takes no length flags
+    with caplog.at_level(logging.WARNING, logger="mt.translate"):
+        main(["-m", models["a"], "-i", path, *short, *flags])
+    said = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert said == warned
 
 
 def test_dtype_prefix_and_seeded_sampling(models, tmp_path, capsys):
