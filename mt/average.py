@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     folder = Path(args.inputs[0]) if len(args.inputs) == 1 else None
     if folder and folder.is_dir() and not (args.last or args.best):
         raise SystemExit("mt-average: with a folder, give --last N or --best N")
+    if folder and not folder.exists():
+        raise SystemExit(f"mt-average: {folder}: no such file or folder")
     if not (folder and folder.is_dir()) and (args.last or args.best):
         raise SystemExit("mt-average: --last and --best pick from a checkpoints folder; "
                          "named files are averaged as given")

@@ -310,6 +310,23 @@ def improves(value: float, best: float | None, best_metric: str, min_improvement
     return sign * (value - best) > min_improvement
 
 
+def best_so_far(history: list[dict], best_metric: str,
+                min_improvement: float) -> tuple[float | None, int]:
+    """(best score, validations since it) replayed from a run's validation records, as the
+    trainer keeps them: a resumed run that now asks for another metric or threshold compares
+    like with like, and agrees with the plateau cuts, which are replayed the same way."""
+    key = BEST_METRICS[best_metric][0]
+    best, bad = None, 0
+    for record in history:
+        if key not in record:  # a record older than this metric
+            continue
+        if improves(record[key], best, best_metric, min_improvement):
+            best, bad = record[key], 0
+        else:
+            bad += 1
+    return best, bad
+
+
 def check_values(cfg: TrainConfig) -> None:
     """Raises ValueError naming the first key whose value is out of its range.
 

@@ -162,7 +162,10 @@ class Mix:
         for group, factor in zip(self.groups, self.factors, strict=True):
             whole = int(factor)
             parts += [group] * whole
-            share = round((factor - whole) * len(group))
+            # the share's size rounded up or down at random, so that over epochs its mean is
+            # exactly (f - int(f)) x the split, even when that is below one pair
+            exact = (factor - whole) * len(group)
+            share = int(exact) + int(rng.random() < exact - int(exact))
             if share:
                 parts.append(np.sort(rng.choice(group, size=share, replace=False)))
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)

@@ -23,8 +23,10 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -122,16 +124,7 @@ def run(args: argparse.Namespace) -> dict:
     for s in systems:  # unique display names, in the order given
         seen[s.path] = seen.get(s.path, 0) + 1
         s.name = s.path if seen[s.path] == 1 else f"{s.path}#{seen[s.path]}"
-    if args.output:
-        outs = [_expand(args.output, t, i) for i, s in enumerate(systems, 1)
-                if s.kind == "model" for t in tests]
-        if not outs:
-            log.warning("--output is for translations made with -m; ignored")
-        _one_file_each("--output", args.output, outs, "translations")
-    if args.sentence_scores:
-        _one_file_each("--sentence-scores", args.sentence_scores,
-                       [_expand(args.sentence_scores, t, i) for i in range(1, len(systems) + 1)
-                        for t in tests], "systems' scores")
+    _check_outputs(args, systems, tests)
     metric_args = {"tokenize": args.tokenize, "lowercase": args.lowercase}
     for test in tests:  # a BLEU tokenizer that cannot load fails now, not after translating
         make_metric("bleu", trg_lang=_target_lang(test), **metric_args)
@@ -184,22 +177,66 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _one_file_each(flag: str, pattern: str, paths: list[str], what: str) -> None:
-    if len(set(paths)) != len(paths):
-        raise EvalError(f"{flag} {pattern}: several {what} would go to one file; put {{test}} "
-                        "and/or {n} (the system's number) in it")
+def _check_outputs(args: argparse.Namespace, systems: list[System], tests: list[TestSet]) -> None:
+    """Before any work: every file mt-eval will write is one file of its own, can be written,
+    and is none of the files it reads (a --sentence-scores equal to --ref would overwrite the
+    references)."""
+    writes = [("--output", _expand(args.output, t, i)) for i, s in enumerate(systems, 1)
+              if args.output and s.kind == "model" for t in tests]
+    if args.sentence_scores == "-":
+        raise EvalError("--sentence-scores -: it writes a file per system and test set; give a "
+                        "path (with {test} and {n} where there are several)")
+    writes += [("--sentence-scores", _expand(args.sentence_scores, t, i))
+               for i in range(1, len(systems) + 1) if args.sentence_scores for t in tests]
+    writes += [("--json-out", args.json_out)] if args.json_out else []
+    reads = [("--hyp", _expand(s.path, t, i)) for i, s in enumerate(systems, 1)
+             if s.kind == "hyp" for t in tests]
+    reads += [(flag, f) for t in tests for flag, f in [("--src", t.src)] + [("--ref", r)
+                                                                          for r in t.refs] if f]
+    seen: dict[str, str] = {}
+    for flag, path in writes:
+        key = os.path.realpath(path)
+        if key in seen:
+            pattern, what = ((args.output, "translations") if flag == "--output" else
+                             (args.sentence_scores, "systems' or test sets' scores"))
+            raise EvalError(f"{flag} {pattern}: several {what} would go to one file; put "
+                            "{test} and/or {n} (the system's number) in it"
+                            if seen[key] == flag else f"{flag} {path} is also the {seen[key]} file")
+        seen[key] = flag
+        out = Path(path)
+        if out.is_dir():
+            raise EvalError(f"{flag} {path}: is a directory")
+        for what, read in reads:
+            if out.exists() and os.path.exists(read) and os.path.samefile(out, read):
+                raise EvalError(f"{flag} {path} is the {what} file; writing would overwrite it")
+        place = out.parent.resolve()
+        while not place.exists():  # made when written
+            place = place.parent
+        if not os.access(out if out.exists() else place, os.W_OK):
+            raise EvalError(f"{flag} {path}: cannot write there (permission denied)")
+
+
+def _write(flag: str, path: str, lines: Iterable[str]) -> str:
+    """Writes lines to ``path`` (its folder made); a failure is one line naming ``flag``."""
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+    except BrokenPipeError:  # a pipe or /dev/stdout whose reader left
+        raise reader_left() from None
+    except OSError as err:
+        raise EvalError(f"{flag} {path}: cannot write ({err.strerror or err})") from None
+    return str(out)
 
 
 def _write_sentence_scores(path: str, hyps: list[str], refs: list[list[str]], metrics: list[str],
                            **metric_args) -> str:
     """JSON lines: the signatures, then a record per sentence (``report.sentence_scores``)."""
     rows, signatures = sentence_scores(hyps, refs, metrics, **metric_args)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"signatures": signatures}, ensure_ascii=False) + "\n")
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    return str(out)
+    return _write("--sentence-scores", path,
+                  (json.dumps(r, ensure_ascii=False) + "\n" for r in [{"signatures": signatures},
+                                                                      *rows]))
 
 
 def _check_direction(paths: list[str], test: TestSet) -> None:
@@ -249,10 +286,8 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
     log.info("%s: %.1f s, %.0f tokens/s", system.name, speed["decode_seconds"],
              speed["tokens_per_second"])
     if args.output:
-        out = Path(_expand(args.output, test, n))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-        speed["hypotheses"] = str(out)
+        speed["hypotheses"] = _write("--output", _expand(args.output, test, n),
+                                     (h + "\n" for h in hyps))
     return hyps, speed
 
 
@@ -325,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode in this precision, as translate --dtype (default: float32)")
     g.add_argument("--output", help="write translations here; {test} and {n} (system number) "
                    "are replaced")
+    p.translation_actions = list(g._group_actions)  # said to do nothing without -m
     g = p.add_argument_group("output")
     g.add_argument("--format", "-f", choices=("text", "markdown", "latex", "json"),
                    default="text", help="tables on stdout, or one JSON object (default: text)")
@@ -352,8 +388,14 @@ def main(argv: list[str] | None = None) -> None:
     mistake = search_mistake(args)
     if mistake:
         raise SystemExit(f"mt-eval: {mistake}")
-    for warning in unused_options(args, parser):
-        log.warning(warning)
+    if any(kind == "model" for kind, _ in args.systems or []):
+        for warning in unused_options(args, parser):
+            log.warning(warning)
+    else:  # hypothesis files only: nothing is translated
+        for action in parser.translation_actions:
+            if getattr(args, action.dest) != action.default:
+                log.warning("%s has no effect without -m (nothing is translated)",
+                            action.option_strings[0])
     if any(kind == "model" for kind, _ in args.systems or []):
         from mt.inference import cap_kernel_caches, device_mistake, keep_freed_memory
 
@@ -371,8 +413,11 @@ def main(argv: list[str] | None = None) -> None:
     result = {"sacrebleu_version": sacrebleu.__version__, "argv": sys.argv[1:] if argv is None
               else list(argv), **result}
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n",
-                                       encoding="utf-8")
+        try:
+            _write("--json-out", args.json_out,
+                   [json.dumps(result, indent=2, ensure_ascii=False) + "\n"])
+        except EvalError as err:
+            raise SystemExit(f"mt-eval: {err}") from None
     # UTF-8 whatever the locale, as --json-out: names and paths may hold any character
     try:
         print(render(result, "json" if args.json else args.format, args.width),

@@ -7,6 +7,7 @@ forced passes (``mt.scoring``) and the loaders (``mt.inference``) use ``Ensemble
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -35,10 +36,11 @@ class Ensemble:
         weights = [1.0] * len(models) if weights is None else list(weights)
         if len(weights) != len(models):
             raise ValueError(f"{len(weights)} ensemble weights for {len(models)} models")
-        if not all(w > 0 for w in weights):  # NaN fails too
-            raise ValueError(f"ensemble weights must be above 0, got {weights}")
+        if not all(0 < w < math.inf for w in weights):  # NaN fails too
+            raise ValueError(f"ensemble weights must be above 0 and finite, got {weights}")
         self.models = list(models)
-        self.weights = [w / sum(weights) for w in weights]
+        top = max(weights)  # scaled first: a sum of huge weights would overflow to inf
+        self.weights = [(w / top) / sum(v / top for v in weights) for w in weights]
 
 
 def mix_log_probs(log_probs: Iterable[Tensor], weights: list[float]) -> Tensor:

@@ -112,9 +112,10 @@ def search_mistake(args: argparse.Namespace) -> str | None:
     if args.max_len_a < 0 or args.max_len_b < 0:
         return (f"--max-len-a and --max-len-b must be at least 0, got {args.max_len_a:g} and "
                 f"{args.max_len_b}")
-    if args.max_len_a == 0 and args.max_len_b < 2:  # the budget counts EOS
-        return (f"--max-len-a 0 --max-len-b {args.max_len_b} leaves no room for a token before "
-                "EOS: every translation would be empty")
+    # The budget counts EOS; the shortest line that is not empty is one piece and EOS.
+    if 2 * args.max_len_a + args.max_len_b < 2 and getattr(args, "score", None) is None:
+        return (f"--max-len-a {args.max_len_a:g} --max-len-b {args.max_len_b} leaves a short line "
+                "no room for a token before EOS: its translation would be empty")
     if args.mbr and nbest != 1:
         return "--mbr gives one translation per line; it does not combine with --nbest"
     if args.mbr and not args.sampling and args.beam < args.mbr_candidates:

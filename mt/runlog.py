@@ -227,6 +227,9 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
             checkpoint.save_atomic(checkpoint.average(paths), ckpt_dir / "averaged.pt")
             log.info("averaged %d checkpoints -> %s", len(paths), ckpt_dir / "averaged.pt")
             averaged = True
+        else:
+            log.warning("trainer.average_last=%d: %d step checkpoint(s) on disk, nothing to "
+                        "average", cfg.trainer.average_last, len(paths))
     on_valid = valid is not None and averaged and bool(valid[0])
     on_test = cfg.trainer.test_at_end and bool(cfg.data.test)
     opts = SearchOptions(beam=cfg.trainer.beam_size, lenpen=cfg.trainer.lenpen)
@@ -235,7 +238,9 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
         test = load_split(cfg.data, cfg.data.test)
         src, ref = list(test["src"]), list(test["tgt"])
     report, valid_scores, said = {}, {}, []
-    for name in ("best", "averaged") if on_valid or on_test else ():
+    # an averaged.pt this run did not write (an earlier run's, in a directory run again) is not
+    # its own: not scored as if it were
+    for name in ("best", "averaged")[: 1 + averaged] if on_valid or on_test else ():
         path = ckpt_dir / f"{name}.pt"
         if not path.exists():  # best.pt may be missing (a run resumed from a copied last.pt)
             continue

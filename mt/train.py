@@ -33,6 +33,7 @@ from mt.batching import step_batches
 from mt.config import (
     BEST_METRICS,
     TrainConfig,
+    best_so_far,
     check_keys,
     check_values,
     conf_dir,
@@ -169,6 +170,7 @@ class Trainer:
                if self.ema is not None else {})
         return {
             **ema,
+            "trained": self._trained(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -180,6 +182,10 @@ class Trainer:
             "world_size": self.world,
             "window": self.window.state(),
         }
+
+    def _trained(self) -> list[str]:
+        """The parameters this run trains (all but trainer.freeze's), by name."""
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
 
     def _resume(self, path: Path) -> None:
         ckpt = checkpoint.load(path)
@@ -198,11 +204,14 @@ class Trainer:
         for saved, group in zip(state["optimizer"]["param_groups"], self.optimizer.param_groups,
                                 strict=True):  # the kernel is this run's choice, not the saver's
             saved["fused"], saved["foreach"] = group["fused"], group["foreach"]
-        saved_sizes = [len(g["params"]) for g in state["optimizer"]["param_groups"]]
-        if saved_sizes != [len(g["params"]) for g in self.optimizer.param_groups]:
-            raise ValueError(f"{path}: the run trained another set of parameters (trainer.freeze "
-                             f"now {self.cfg.trainer.freeze}; see the saved config); resume with "
-                             "its trainer.freeze, or start a new run with init_from")
+        # The optimizer's state is matched to parameters by position: the same ones must train.
+        saved_freeze = (saved_config.get("trainer") or {}).get("freeze", [])
+        if state.get("trained", self._trained()) != self._trained() or (
+                "trained" not in state and list(saved_freeze) != list(self.cfg.trainer.freeze)):
+            raise ValueError(f"{path}: the run trained another set of parameters (its "
+                             f"trainer.freeze={list(saved_freeze)}, now "
+                             f"{list(self.cfg.trainer.freeze)}); resume with its trainer.freeze, "
+                             "or start a new run with init_from")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.history = state["history"]  # before take_optim_config: its rate has the cuts
@@ -225,7 +234,13 @@ class Trainer:
                         "where the run took %d: each update changes size, and the epoch goes on "
                         "from its batch %d%s", per_step, saved_per_step, seen - again,
                         f" ({again} of its batches trained again)" if again else "")
-        self.best, self.bad_validations = state["best"], state["bad_validations"]
+        t = self.cfg.trainer  # replayed: the metric or threshold may differ from the saver's
+        self.best, self.bad_validations = best_so_far(self.history, t.best_metric,
+                                                      t.min_improvement)
+        if (self.best, self.bad_validations) != (state["best"], state["bad_validations"]):
+            log.info("resuming with trainer.best_metric=%s: best valid %s %s so far, %d "
+                     "validations without a better one", t.best_metric, t.best_metric,
+                     self.best, self.bad_validations)
         self.skipped_steps = state.get("skipped_steps", 0)
         if "window" in state:
             self.window.load(state["window"])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import math
 import os
 import signal
 import sys
@@ -215,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     if mistake:
         raise SystemExit(f"translate: {mistake}")
     unused = unused_options(args, parser)
+    if args.weights is not None and len(args.model) == 1:
+        unused.append("--weights has no effect with one model")
     if args.alignment_layer is not None and not args.alignment:
         unused.append("--alignment-layer has no effect without --alignment")
     if args.score is not None:  # a given translation is scored, not searched for
@@ -224,11 +227,11 @@ def main(argv: list[str] | None = None) -> None:
             if getattr(args, dest) != parser.get_default(dest)]
     for warning in unused:
         log.warning(warning)
-    if args.weights is not None and len(args.weights) != len(args.model):
+    if args.weights is not None and len(args.weights) != len(args.model) > 1:
         raise SystemExit(f"translate: --weights: {len(args.weights)} weights for "
                          f"{len(args.model)} models (-m); one per model, in their order")
-    if args.weights is not None and not all(w > 0 for w in args.weights):
-        raise SystemExit(f"translate: --weights must be above 0, got {args.weights}")
+    if args.weights is not None and not all(0 < w < math.inf for w in args.weights):
+        raise SystemExit(f"translate: --weights must be above 0 and finite, got {args.weights}")
     if args.mbr and args.score:
         raise SystemExit("translate: --mbr chooses among translations it searches; it does not "
                          "combine with --score")
@@ -254,9 +257,14 @@ def main(argv: list[str] | None = None) -> None:
     if interactive and parallel:
         raise SystemExit(f"translate: {next(iter(parallel))} needs -i (or piped input)")
     if args.output and os.path.exists(args.output):  # the output would replace what it reads
-        for option, path in (("-i", args.input), *parallel.items()):
-            if path not in (None, "-") and os.path.exists(path) and os.path.samefile(path,
-                                                                                     args.output):
+        out = os.stat(args.output)
+        stdin = args.input in (None, "-")
+        for option, path in (("input (stdin)" if stdin else "-i", args.input), *parallel.items()):
+            try:  # stdin (no -i, or -i -) may be the file itself: translate -o f < f
+                read = os.fstat(sys.stdin.fileno()) if path in (None, "-") else os.stat(path)
+            except (OSError, ValueError):  # no such file (said later), or no stdin at all
+                continue
+            if (read.st_dev, read.st_ino) == (out.st_dev, out.st_ino):
                 raise SystemExit(f"translate: -o {args.output} is the {option} file; the "
                                  "translations would replace it: write them elsewhere")
     try:  # a regular file's mistakes stop translate before any work
@@ -322,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
                 if args.score:
                     results = score_lines(model, tokenizer, lines, side["--score"], args.lenpen,
                                           args.batch_tokens, opts.workers, progress, warn=False)
-                    unfit += sum(not r.hyps for r in results)
+                    unfit += sum(bool(r.sources) and not r.hyps for r in results)  # not empty
                 else:
                     phrases = None
                     if args.prefix_file:

@@ -8,6 +8,7 @@ sanity checks against the mistakes they exist for.
 import hashlib
 import io
 import json
+import logging
 import os
 import random
 import subprocess
@@ -358,6 +359,26 @@ def test_sentence_scores_equal_the_sacrebleu_cli_line_by_line(files, capsys, two
         assert {sig.split("|", 1)[1] for sig, _ in theirs} == {signatures[name]}
         assert [r[name] for r in rows] == pytest.approx(
             [float(rest.split()[0]) for _, rest in theirs], abs=1e-5), name
+
+
+def test_files_it_writes_never_overwrite_what_it_reads_or_each_other(files, caplog):
+    hyp, ref, tmp = files["good"], files["ref"], files["tmp"]
+    before = Path(hyp).read_text(), Path(ref).read_text()
+    for extra, message in [
+        (["--sentence-scores", hyp], "--sentence-scores .*good.hyp is the --hyp file"),
+        (["--sentence-scores", ref], "--sentence-scores .*ref.de is the --ref file"),
+        (["--json-out", str(tmp / "x.json"), "--sentence-scores", str(tmp / "x.json")],
+         "--json-out .*x.json is also the --sentence-scores file"),
+        (["--sentence-scores", "-"], "--sentence-scores -: it writes a file per system"),
+        (["--sentence-scores", str(tmp)], "--sentence-scores .*: is a directory"),
+    ]:
+        with pytest.raises(SystemExit, match=f"^mt-eval: {message}"):
+            main(["--hyp", hyp, "--ref", ref, "-q", *extra])
+    assert (Path(hyp).read_text(), Path(ref).read_text()) == before
+    with caplog.at_level(logging.WARNING, logger="mt.evaluate"):
+        main(["--hyp", hyp, "--ref", ref, "--beam", "3", "--json-out", str(tmp / "r.json")])
+    assert [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()] == [
+        "--beam has no effect without -m (nothing is translated)"]
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback(files):

@@ -104,6 +104,10 @@ def test_frozen_parameters_keep_their_values_and_a_resume_keeps_the_set(tmp_path
     args = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
             f"hydra.run.dir={tuned}", "trainer.max_steps=4", "trainer.test_at_end=false"]
     for freeze, message in [("[]", "the run trained another set of parameters"),
+                            # as many tensors as the encoder's: another set all the same
+                            ("[decoder_layers.0.self_attn.*,decoder_layers.0.ffn.*,"
+                             "decoder_layers.0.self_sub.*,decoder_layers.0.ffn_sub.*]",
+                             "another set of parameters"),
                             ("[encoder.*]", r"trainer.freeze: 'encoder.\*' matches no parameter")]:
         result = subprocess.run([*args, f"trainer.freeze={freeze}"], env=cli_env(tmp_path),
                                 capture_output=True, text=True, timeout=300)

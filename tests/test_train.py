@@ -218,6 +218,22 @@ def history_of(metric: str, values: list[float]) -> list[dict]:
             for i, v in enumerate(values)]
 
 
+def test_the_best_score_is_replayed_from_the_history_for_the_metric_asked():
+    """A resumed run that asks for another best_metric (or min_improvement) compares like with
+    like: its best and patience count come from the records, not from the saver's metric."""
+    from mt.config import best_so_far
+
+    history = [{"step": 1, "valid_bleu": 10.0, "valid_loss": 5.0},
+               {"step": 2, "valid_bleu": 9.0, "valid_loss": 4.0},
+               {"step": 3, "valid_bleu": 10.5, "valid_loss": 3.9},
+               {"step": 4, "valid_bleu": 10.2, "valid_loss": 3.95}]
+    assert best_so_far(history, "bleu", 0.0) == (10.5, 1)
+    assert best_so_far(history, "loss", 0.0) == (3.9, 1)
+    assert best_so_far(history, "bleu", 1.0) == (10.0, 3)  # +0.5 is within the threshold
+    assert best_so_far(history, "loss", 0.5) == (4.0, 2)
+    assert best_so_far(history, "chrf", 0.0) == (None, 0)  # records without chrF
+
+
 def test_ema_is_the_moving_average_of_the_weights_and_applied_only_inside_its_block():
     from mt.optim import EMA
 

@@ -478,6 +478,10 @@ def test_an_output_that_is_one_of_the_inputs_is_refused_and_left_alone(models, t
         with pytest.raises(SystemExit, match=f"^translate: -o .* is the {option} file; the "
                                              "translations would replace it"):
             main(["-m", models["a"], *args, *FAST])
+    with open(src) as stdin:  # translate -o in.txt < in.txt
+        result = subprocess.run([sys.executable, "-m", "mt.translate", "-m", models["a"], "-o",
+                                 src, *FAST], stdin=stdin, capture_output=True, text=True)
+    assert result.returncode == 1 and "is the input (stdin) file" in result.stderr
     assert Path(src).read_text() == "the dog\na cat\n"
     assert Path(given).read_text() == "der Hund\neine Katze\n"
 
@@ -741,6 +745,16 @@ def test_score_gives_the_nbest_scores_one_line_per_pair(models, tmp_path, capsys
     assert scores[12] == "nan"
 
 
+def test_score_counts_only_pairs_too_long_as_not_scored(models, tmp_path, caplog):
+    src = _write(tmp_path / "in.txt", ["the dog", "", " ".join(["big red dog"] * 400), "  "])
+    given = _write(tmp_path / "given.txt", ["a", "", "b", ""])
+    with caplog.at_level(logging.WARNING, logger="mt.translate"):
+        main(["-m", models["a"], "-i", src, "--score", given, "-o", str(tmp_path / "out.txt")])
+    assert (tmp_path / "out.txt").read_text().splitlines()[1:] == ["0.0000", "nan", "0.0000"]
+    assert [r.getMessage().split()[0] for r in caplog.records
+            if "not scored" in r.getMessage()] == ["1"]
+
+
 def test_score_refuses_a_translation_file_that_does_not_match(models, tmp_path):
     src = _write(tmp_path / "in.txt", ["the dog", "a cat"])
     short = _write(tmp_path / "short.txt", ["der Hund"])
@@ -868,10 +882,13 @@ def test_mbr_prints_the_choice_among_the_searchs_candidates(models, tmp_path, ca
     (["--sampling", "--epsilon", "1"], "--epsilon"), (["--beam", "2", "--nbest", "3"], "--nbest"),
     (["--epsilon", "0.02"], "--epsilon shapes the sampling"),  # ignored without --sampling
     (["--beam", "16", "--mbr", "chrf", "--top-p", "0.9"], "--top-p shapes the sampling"),
-    (["--max-len-a", "0", "--max-len-b", "1"], "--max-len-a 0 --max-len-b 1 leaves no room"),
+    (["--max-len-a", "0", "--max-len-b", "1"], "--max-len-a 0 --max-len-b 1 leaves a short line"),
+    (["--max-len-a", "0.1", "--max-len-b", "1"], "--max-len-a 0.1 --max-len-b 1 leaves a short"),
+    (["-m", "SAME", "--weights", "1", "inf"], "--weights must be above 0 and finite"),
     (["--max-len-b", "-3"], "--max-len-a and --max-len-b must be at least 0")])
 def test_search_options_out_of_range_are_one_line_errors(models, tmp_path, bad, message):
     path = _write(tmp_path / "in.txt", ["a dog"])
+    bad = [models["a"] if b == "SAME" else b for b in bad]
     with pytest.raises(SystemExit, match=f"^translate: {message}"):
         main(["-m", models["a"], "-i", path, *bad])
 
@@ -882,6 +899,7 @@ def test_search_options_out_of_range_are_one_line_errors(models, tmp_path, bad, 
     (["--sampling", "--beam", "7"],
      ["--beam has no effect with --sampling (--nbest sets the samples per line)"]),
     (["--alignment-layer", "0"], ["--alignment-layer has no effect without --alignment"]),
+    (["--weights", "2"], ["--weights has no effect with one model"]),
     (["--score", "GIVEN", "--beam", "3", "--min-len", "2"],
      ["--beam has no effect with --score", "--min-len has no effect with --score"]),
     (["--sampling", "--seed", "3", "--mbr", "chrf", "--mbr-candidates", "4"], []),
