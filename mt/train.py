@@ -45,6 +45,7 @@ from mt.config import (
 from mt.corpus import Corpus
 from mt.data import split_files, tokenizer_config
 from mt.distributed import barrier, rank_seed, setup_distributed, share_run
+from mt.divergence import BadSteps, Diverged, check_weights
 from mt.inference import cap_kernel_caches
 from mt.loss import label_smoothed_nll
 from mt.model import build_model, count_parameters
@@ -148,10 +149,7 @@ class Trainer:
             self.net = torch.compile(self.net)
         self.step, self.epoch, self.step_in_epoch = 0, 0, 0
         self.best, self.bad_validations = None, 0
-        self.skipped_steps, self.since_check = 0, 0
-        # NaN/inf steps counted on the device, read by _check_bad_steps
-        self.bad_run, self.worst_run, self.bad_since_check = (
-            torch.zeros((), dtype=torch.long, device=self.device) for _ in range(3))
+        self.bad_steps = BadSteps(self.device, cfg.trainer.max_bad_steps)
         self.validated_step = -1
         self.window = Window(self.device)  # the loss and speed since the last log line
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
@@ -176,7 +174,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
             "best": self.best, "bad_validations": self.bad_validations, "history": self.history,
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": self.bad_steps.skipped,
             "seconds": self.seconds(),
             "rng": rng[0], "rng_ranks": rng,  # "rng": rank 0's, as checkpoints before rng_ranks
             "world_size": self.world,
@@ -241,7 +239,7 @@ class Trainer:
             log.info("resuming with trainer.best_metric=%s: best valid %s %s so far, %d "
                      "validations without a better one", t.best_metric, t.best_metric,
                      self.best, self.bad_validations)
-        self.skipped_steps = state.get("skipped_steps", 0)
+        self.bad_steps.skipped = state.get("skipped_steps", 0)
         if "window" in state:
             self.window.load(state["window"])
         self.seconds_before = self.elapsed = state.get("seconds", 0.0)
@@ -255,14 +253,7 @@ class Trainer:
 
     def save(self, improved: bool, step_checkpoint: bool = True) -> None:
         """last.pt always; step_N.pt (for averaging) and best.pt at validations."""
-        # Checked on every rank (DDP keeps the weights identical), so that all stop together: under
-        # torchrun the launcher ends the others anyway, under a plain launcher (srun, mpirun)
-        # they would wait at the next barrier for a rank 0 that had raised.
-        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
-        if bad:
-            raise Diverged(f"training diverged: non-finite weights ({', '.join(bad[:3])}); "
-                               f"not overwriting {self.ckpt_dir / 'last.pt'}. Lower optim.lr, "
-                               "raise optim.warmup_steps or set optim.clip_norm")
+        check_weights(self.model, self.ckpt_dir / "last.pt")  # on every rank
         mine = checkpoint.rng_state(self.device)
         rng = [mine] * self.world
         if self.world > 1:  # every rank's stream, so that each draws on after a resume as before
@@ -314,7 +305,7 @@ class Trainer:
         loss measures, so the two curves compare) and whether they are finite, device tensors:
         nothing here waits for the device. When the loss is NaN/inf the fused optimizer skips
         the update on the device (weights and optimizer state unchanged; the schedule moves on),
-        and fit() reads the count every few steps (_check_bad_steps).
+        and fit() reads the count every few steps (mt.divergence.BadSteps).
         """
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = torch.zeros(2, device=self.device)
@@ -347,34 +338,6 @@ class Trainer:
         self.step_lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()  # the schedule follows the step counter, skipped steps included
         return loss_total, finite.bool()
-
-    def _count_bad_step(self, finite: torch.Tensor) -> None:
-        """Counts a skipped step on the device: no host sync."""
-        self.bad_run = (self.bad_run + 1) * ~finite
-        self.worst_run = torch.maximum(self.worst_run, self.bad_run)
-        self.bad_since_check += ~finite
-
-    def _check_bad_steps(self) -> None:
-        """Reads the device's count of skipped steps (every max_bad_steps steps, at each log line
-        and before any save): warns, and stops a run whose loss stayed NaN/inf too long."""
-        steps, self.since_check = self.since_check, 0
-        bad, worst = int(self.bad_since_check), int(self.worst_run)
-        self.bad_since_check.zero_()
-        self.worst_run.copy_(self.bad_run)
-        if not bad:
-            return
-        self.skipped_steps += bad
-        log.warning("steps %d-%d: NaN/inf loss in %d of them, update skipped (%d skipped so far)",
-                    self.step - steps + 1, self.step, bad, self.skipped_steps)
-        if worst >= self.cfg.trainer.max_bad_steps:
-            last = self.ckpt_dir / "last.pt"
-            saved = (f"last good weights are in {last}" if last.exists()
-                     else "no checkpoint was saved yet")
-            raise Diverged(
-                f"training diverged: {worst} steps in a row with a NaN/inf loss "
-                f"(trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); {saved}. Lower "
-                "optim.lr, raise optim.warmup_steps or set optim.clip_norm"
-            )
 
     def seconds(self) -> float:
         """Wall-clock seconds spent in fit(), over every run that resumed this one: the budget of
@@ -437,13 +400,13 @@ class Trainer:
                 loss, finite = self.train_step(shares[self.rank], step_tokens)
                 self.step += 1
                 self.step_in_epoch += 1
-                self._count_bad_step(finite)
-                self.since_check += 1
+                self.bad_steps.count(finite)
                 window.add(loss * self.world, step_tokens, finite)  # rank 0's estimate of the sum
-                if (self.step % t.log_every == 0 or self.since_check >= t.max_bad_steps
+                if (self.step % t.log_every == 0 or self.bad_steps.due()
                         or self.step % t.validate_every == 0
                         or t.save_every and self.step % t.save_every == 0):
-                    self._check_bad_steps()  # before any save: never NaN weights on disk
+                    # before any save: never NaN weights on disk
+                    self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
                 if self.step % t.log_every == 0 and bar is not None:
                     record = {"step": self.step, "epoch": self.epoch, **window.read(),
                               "lr": self.step_lr}
@@ -467,7 +430,7 @@ class Trainer:
         if bar is not None:
             bar.close()
             log.info("training stopped at step %d: %s", self.step, stopped)
-        self._check_bad_steps()
+        self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
         if self.validated_step != self.step:
             self._validate_and_save()
         return self.best
@@ -499,10 +462,6 @@ class Trainer:
             log.info("step %d: %s", self.step, cut)
         self.save(improved)
         barrier(self.world)
-
-
-class Diverged(RuntimeError):
-    """Training blew up (NaN/inf); the message says where the last good weights are."""
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
