@@ -13,6 +13,7 @@ model and ``translate``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -310,20 +311,27 @@ def improves(value: float, best: float | None, best_metric: str, min_improvement
     return sign * (value - best) > min_improvement
 
 
+def replay(history: list[dict], best_metric: str,
+           min_improvement: float) -> Iterator[tuple[float, bool]]:
+    """Each validation record's score and whether it counted as better than the best before it
+    (``improves``), in order; records older than the metric (without its key) are left out."""
+    key = BEST_METRICS[best_metric][0]
+    best = None
+    for record in history:
+        if key in record:
+            better = improves(record[key], best, best_metric, min_improvement)
+            best = record[key] if better else best
+            yield record[key], better
+
+
 def best_so_far(history: list[dict], best_metric: str,
                 min_improvement: float) -> tuple[float | None, int]:
     """(best score, validations since it) replayed from a run's validation records, as the
     trainer keeps them: a resumed run that now asks for another metric or threshold compares
     like with like, and agrees with the plateau cuts, which are replayed the same way."""
-    key = BEST_METRICS[best_metric][0]
     best, bad = None, 0
-    for record in history:
-        if key not in record:  # a record older than this metric
-            continue
-        if improves(record[key], best, best_metric, min_improvement):
-            best, bad = record[key], 0
-        else:
-            bad += 1
+    for value, better in replay(history, best_metric, min_improvement):
+        best, bad = (value, 0) if better else (best, bad + 1)
     return best, bad
 
 
@@ -398,13 +406,18 @@ def check_values(cfg: TrainConfig) -> None:
         raise ValueError(f"trainer.best_metric must be one of {', '.join(BEST_METRICS)}, "
                          f"got {t.best_metric!r}")
     tok = d.tokenizer
-    if tok.normalization not in NORMALIZATIONS:
-        raise ValueError("data.tokenizer.normalization must be one of "
-                         f"{', '.join(NORMALIZATIONS)}, got {tok.normalization!r}")
+    check_normalization(tok.normalization)
     if tok.byte_fallback and tok.vocab_size <= BYTE_PIECES + 4:  # SentencePiece names no key
         raise ValueError(f"data.tokenizer.vocab_size={tok.vocab_size} leaves no room for the "
                          f"{BYTE_PIECES} byte pieces of data.tokenizer.byte_fallback=true and 4 "
                          "special ids: raise it well above 260, or set byte_fallback=false")
+
+
+def check_normalization(name: str) -> None:
+    """Raises ValueError naming data.tokenizer.normalization unless SentencePiece has the rule."""
+    if name not in NORMALIZATIONS:
+        raise ValueError(f"data.tokenizer.normalization must be one of {', '.join(NORMALIZATIONS)}"
+                         f", got {name!r}")
 
 
 def positive_int(text: str) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mt.config import BEST_METRICS, improves
+from mt.config import replay
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -55,18 +55,11 @@ def plateau_reductions(history: list[dict], cfg) -> int:
     o, t = cfg.optim, cfg.trainer
     if not 0 < o.plateau_factor < 1:
         return 0
-    key = BEST_METRICS[t.best_metric][0]
-    best, bad, cuts = None, 0, 0
-    for record in history:
-        value = record.get(key)
-        if value is None:  # a record of a checkpoint older than this metric
-            continue
-        if improves(value, best, t.best_metric, t.min_improvement):
-            best, bad = value, 0
-        else:
-            bad += 1
-            if bad == o.plateau_patience:
-                cuts, bad = cuts + 1, 0
+    bad, cuts = 0, 0
+    for _, better in replay(history, t.best_metric, t.min_improvement):
+        bad = 0 if better else bad + 1
+        if bad == o.plateau_patience:
+            cuts, bad = cuts + 1, 0
     return cuts
 
 
@@ -116,9 +109,15 @@ def lr_lambda(cfg, seconds: Callable[[], float] | None = None,
     if history is None or not 0 < cfg.optim.plateau_factor < 1:
         return schedule
     factor = cfg.optim.plateau_factor
+    seen: dict = {}  # (the history list, its length) -> cuts: LambdaLR asks at every step
 
     def on_plateau(step: int) -> float:
-        return schedule(step) * factor ** plateau_reductions(history(), cfg)
+        records = history()
+        key = (id(records), len(records))  # the history is appended to, or replaced on resume
+        if key not in seen:
+            seen.clear()
+            seen[key] = plateau_reductions(records, cfg)
+        return schedule(step) * factor ** seen[key]
 
     return on_plateau
 

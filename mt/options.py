@@ -126,14 +126,19 @@ def search_mistake(args: argparse.Namespace) -> str | None:
 
 def unused_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
     """Search flags set away from their defaults that do nothing in this combination, for a
-    warning each (a flag the user set and the output ignores reads as a setting that worked)."""
+    warning each (a flag the user set and the output ignores reads as a setting that worked).
+    With ``--score`` (translate's), a given translation is scored, not searched for."""
     def given(dest: str) -> bool:
         return getattr(args, dest) != parser.get_default(dest)
 
+    scoring = getattr(args, "score", None) is not None
     unused = [("--seed", "without --sampling", given("seed") and not args.sampling),
               ("--mbr-candidates", "without --mbr", given("mbr_candidates") and not args.mbr),
               ("--beam", "with --sampling (--nbest sets the samples per line)",
                given("beam") and args.sampling)]
+    unused += [(flag, "with --score", scoring and given(dest)) for flag, dest in (
+        ("--beam", "beam"), ("--min-len", "min_len"), ("--max-len-a", "max_len_a"),
+        ("--max-len-b", "max_len_b"), ("--no-repeat-ngram-size", "no_repeat_ngram_size"))]
     return [f"{flag} has no effect {why}" for flag, why, on in unused if on]
 
 

@@ -245,20 +245,22 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
         if not path.exists():  # best.pt may be missing (a run resumed from a copied last.pt)
             continue
         model, tok, _ = checkpoint.load_model(path, device)
-        if on_valid:
+
+        def translated(texts: list[str], model=model, tok=tok) -> list[str]:
             with torch.inference_mode():
-                hyps = [n[0][0] for n in translate_lines(model, tok, valid[0], opts)]
-            valid_scores[name] = {k: v for k, v in score(hyps, valid[1]).items()
+                return [n[0][0] for n in translate_lines(model, tok, texts, opts)]
+
+        if on_valid:
+            valid_scores[name] = {k: v for k, v in score(translated(valid[0]), valid[1]).items()
                                   if k in ("bleu", "chrf", "sentences")}
         if not on_test:
             continue
         start = time.perf_counter()
-        with torch.inference_mode():
-            hyps = [n[0][0] for n in translate_lines(model, tok, src, opts)]
+        hyps = translated(src)
         seconds = time.perf_counter() - start
         result = score(hyps, ref)
         suffix = "" if name == "best" else ".averaged"
-        (run_dir / f"{cfg.data.test}{suffix}.hyp").write_text("".join(h + "\n" for h in hyps))
+        write_lines(run_dir / f"{cfg.data.test}{suffix}.hyp", hyps)
         report[name] = {**result, "checkpoint": str(path), "seconds": seconds}
         if name in valid_scores:
             report[name]["valid"] = valid_scores[name]

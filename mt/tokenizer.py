@@ -38,10 +38,10 @@ from mt.config import (
     BOS_ID,
     BYTE_PIECES,
     EOS_ID,
-    NORMALIZATIONS,
     PAD_ID,
     UNK_ID,
     TokenizerConfig,
+    check_normalization,
     is_user_symbol,
 )
 
@@ -253,9 +253,7 @@ def train_tokenizer(
     if cfg.model_type not in ("unigram", "bpe"):
         raise ValueError("data.tokenizer.model_type must be unigram or bpe, "
                          f"got {cfg.model_type!r}")
-    if cfg.normalization not in NORMALIZATIONS:
-        raise ValueError(f"data.tokenizer.normalization must be one of {', '.join(NORMALIZATIONS)}"
-                         f", got {cfg.normalization!r}")
+    check_normalization(cfg.normalization)
     if cfg.input_sentence_size < 1:
         raise ValueError("data.tokenizer.input_sentence_size must be positive, "
                          f"got {cfg.input_sentence_size}")

@@ -220,11 +220,6 @@ def main(argv: list[str] | None = None) -> None:
         unused.append("--weights has no effect with one model")
     if args.alignment_layer is not None and not args.alignment:
         unused.append("--alignment-layer has no effect without --alignment")
-    if args.score is not None:  # a given translation is scored, not searched for
-        unused += [f"{flag} has no effect with --score" for flag, dest in (
-            ("--beam", "beam"), ("--min-len", "min_len"), ("--max-len-a", "max_len_a"),
-            ("--max-len-b", "max_len_b"), ("--no-repeat-ngram-size", "no_repeat_ngram_size"))
-            if getattr(args, dest) != parser.get_default(dest)]
     for warning in unused:
         log.warning(warning)
     if args.weights is not None and len(args.weights) != len(args.model) > 1:
