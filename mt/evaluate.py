@@ -131,30 +131,41 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {"metrics": list(args.metrics), "tests": []}
     loaded: dict[int, tuple] = {}
     for test in tests:
-        refs = read_references(test)
+        all_refs = read_references(test)
         # Checked for --hyp systems too: a source of another length means that the references are
         # not the test set the user thinks, whatever made the hypotheses.
         sources = read_text(test.src) if test.src else None
-        if sources is not None and len(sources) != len(refs[0]):
+        if sources is not None and len(sources) != len(all_refs[0]):
             raise EvalError(f"{test.src} has {len(sources)} lines but {test.refs[0]} has "
-                            f"{len(refs[0])}; source and reference must be aligned line by line")
+                            f"{len(all_refs[0])}; source and reference must be aligned line by "
+                            "line")
+
+        def kept(lines: list[str], test: TestSet = test) -> list[str]:
+            return lines if test.keep is None else [lines[i] for i in test.keep]
+
+        refs = [kept(r) for r in all_refs]
         trg_lang = _target_lang(test)
         entry: dict = {"name": test.name, "langpair": test.langpair, "origin": test.origin,
                        "source": test.src, "references": test.refs, "sentences": len(refs[0]),
                        "systems": []}
+        if test.keep is not None:
+            entry.update(origlang=args.origlang, subset=args.subset,
+                         sentences_in_test_set=len(all_refs[0]))
         named_hyps = []
         for n, system in enumerate(systems, 1):
             record: dict = {"name": system.name, "kind": system.kind}
-            if system.kind == "hyp":
+            if system.kind == "hyp":  # a file of the whole test set, scored on the kept lines
                 hyp_file = _expand(system.path, test, n)
                 hyps = read_text(hyp_file)
                 record["hypotheses"] = hyp_file
-            else:
-                hyps, speed = _translate(system, test, sources, n, loaded, args)
+            else:  # only the kept lines are translated
+                hyps, speed = _translate(system, test, sources and kept(sources), n, loaded, args)
                 record.update(system.info, **speed)
                 hyp_file = record.get("hypotheses") or f"{system.name} (translations)"
-            check_lines(hyps, hyp_file, refs, test.refs, warn_tokenized=args.tokenize != "none",
-                        from_model=system.kind == "model")
+            whole = system.kind == "hyp"
+            check_lines(hyps, hyp_file, all_refs if whole else refs, test.refs,
+                        warn_tokenized=args.tokenize != "none", from_model=not whole)
+            hyps = kept(hyps) if whole else hyps
             record.update(score_system(hyps, refs, args.metrics, trg_lang=trg_lang,
                                        confidence_n=args.confidence_n if args.confidence else 0,
                                        **metric_args))
@@ -330,6 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sacrebleu test set(s), e.g. wmt14 (downloaded when online)")
     g.add_argument("--langpair", "-l", help="e.g. en-de: for --test-set, and to pick the "
                    "languages of a --test set")
+    g.add_argument("--origlang", "-ol", metavar="LANG",
+                   help="score only the documents of a --test-set first written in LANG (as "
+                   "sacrebleu's --origlang; non-LANG: the others), e.g. --origlang de")
+    g.add_argument("--subset", metavar="REGEX",
+                   help="score only the documents of a --test-set whose domain or annotation "
+                   "matches REGEX (as sacrebleu's --subset)")
     g = p.add_argument_group("metrics")
     g.add_argument("--metrics", "-M", nargs="+", choices=METRICS, default=["bleu", "chrf"],
                    metavar="METRIC", help=f"any of {', '.join(METRICS)} (default: bleu chrf)")

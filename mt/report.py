@@ -250,8 +250,10 @@ def table_rows(entry: dict, width: int) -> tuple[list[str], list[list[str]]]:
 def _title(entry: dict) -> str:
     refs = len(entry["references"])
     pair = f"{entry['langpair']}, " if entry["langpair"] else ""
-    return (f"{entry['name']} ({pair}{entry['sentences']} sentences, {refs} "
-            f"reference{'s' if refs > 1 else ''})")
+    picked = ", ".join(f"{k} {entry[k]}" for k in ("origlang", "subset") if entry.get(k))
+    count = (f"{picked}: {entry['sentences']} of {entry['sentences_in_test_set']} sentences"
+             if "sentences_in_test_set" in entry else f"{entry['sentences']} sentences")
+    return f"{entry['name']} ({pair}{count}, {refs} reference{'s' if refs > 1 else ''})"
 
 
 def _notes(entry: dict) -> list[tuple[str, bool]]:

@@ -45,6 +45,8 @@ class TestSet:
     src: str | None = None
     langpair: str | None = None
     origin: str = "files"  # files | conf/testsets/NAME.yaml | sacrebleu
+    # --origlang / --subset: the (0-based) lines scored, chosen by the documents' metadata
+    keep: list[int] | None = None
 
 
 def read_text(path: str | os.PathLike) -> list[str]:
@@ -149,8 +151,10 @@ def _in_cache(dataset, langpair: str) -> bool:
                for f in dataset.fieldnames(langpair))
 
 
-def load_sacrebleu_test(name: str, langpair: str | None) -> TestSet:
-    """A sacrebleu test set: from its cache ($SACREBLEU, default ~/.sacrebleu), else downloaded.
+def load_sacrebleu_test(name: str, langpair: str | None, origlang: str | None = None,
+                        subset: str | None = None) -> TestSet:
+    """A sacrebleu test set: from its cache ($SACREBLEU, default ~/.sacrebleu), else downloaded;
+    with ``origlang`` or ``subset``, only the lines of the documents they pick are scored.
 
     sacrebleu downloads with ``urlopen`` and no timeout, so an unreachable host could hang. Here
     the download is refused at once in offline mode (``HF_HUB_OFFLINE=1``, ``MT_OFFLINE=1``, ...)
@@ -190,7 +194,32 @@ def load_sacrebleu_test(name: str, langpair: str | None) -> TestSet:
         raise EvalError(f"--test-set {name}: cannot download it ({reason}); {hint}") from None
     finally:
         socket.setdefaulttimeout(old_timeout)
-    return TestSet(name, list(refs), src, langpair, "sacrebleu")
+    test = TestSet(name, list(refs), src, langpair, "sacrebleu")
+    if origlang or subset:
+        test.keep = _documents(test, origlang, subset)
+    return test
+
+
+def _documents(test: TestSet, origlang: str | None, subset: str | None) -> list[int]:
+    """The lines that sacrebleu's ``--origlang`` / ``--subset`` keep, through its own function
+    (which reads the documents' metadata from the raw SGML or XML file), so that a score on a
+    subset is the sacrebleu command line's."""
+    from sacrebleu.utils import filter_subset
+
+    what = " ".join(f"--{k} {v}" for k, v in (("origlang", origlang), ("subset", subset)) if v)
+    lines = list(range(len(read_text(test.src))))
+    try:
+        (kept,) = filter_subset([lines], test.name, test.langpair, origlang, subset)
+    except FileNotFoundError as err:  # the cache holds the text files but not the raw ones
+        raise EvalError(f"--test-set {test.name}: {what} reads the documents' metadata from "
+                        f"{err.filename}, which is not in the sacrebleu cache (`sacrebleu -t "
+                        f"{test.name} -l {test.langpair} --echo src` puts it there)") from None
+    except Exception as err:  # sacrebleu's own: no annotation for this test set, a raw .txt
+        raise EvalError(f"--test-set {test.name}: {what}: {err}") from None
+    if not kept:
+        raise EvalError(f"--test-set {test.name}: {what} keeps no sentence of its "
+                        f"{len(lines)}")
+    return kept
 
 
 def collect_tests(args: argparse.Namespace) -> list[TestSet]:
@@ -205,9 +234,12 @@ def collect_tests(args: argparse.Namespace) -> list[TestSet]:
         raise EvalError("--src needs --ref (the reference translations)")
     for name in args.test or []:
         tests.append(load_named_test(name, args.langpair))
+    if (args.origlang or args.subset) and (tests or not args.test_set):
+        raise EvalError("--origlang and --subset pick documents of sacrebleu test sets "
+                        "(--test-set) by their metadata; --ref and --test sets have none")
     for names in args.test_set or []:
         for name in names.split(","):
-            tests.append(load_sacrebleu_test(name, args.langpair))
+            tests.append(load_sacrebleu_test(name, args.langpair, args.origlang, args.subset))
     if not tests:
         raise EvalError("no test set: give --ref FILE (and --src for -m), --test NAME or "
                         "--test-set NAME --langpair L1-L2")

@@ -336,6 +336,83 @@ def test_sacrebleu_test_set_from_the_cache_equals_the_cli(files):
                                                                           abs=1e-3)
 
 
+def _wmt19_cache(cache: Path, ref: list[str]) -> list[str]:
+    """sacrebleu's cache of wmt19 en-de made of ``ref`` (also the source): its text files and
+    the raw SGML file that --origlang reads, four documents of 10 lines first written in en, de,
+    en, de. Returns each line's original language."""
+    origlang = [("en", "de")[i // 10 % 2] for i in range(len(ref))]
+    fields = {"src": ref, "ref": ref, "docid": [f"d{i // 10}" for i in range(len(ref))],
+              "genre": ["news"] * len(ref), "origlang": origlang}
+    (cache / "wmt19" / "raw" / "sgm").mkdir(parents=True)
+    for field, lines in fields.items():
+        _write(cache / "wmt19" / f"wmt19.en-de.{field}", lines)
+    sgm = ['<srcset setid="newstest2019" srclang="any">']
+    for i, line in enumerate(ref):
+        if i % 10 == 0:
+            sgm += ["</doc>"] * (i > 0) + [
+                f'<doc sysid="ref" docid="d{i // 10}" genre="news" origlang="{origlang[i]}">']
+        sgm.append(f'<seg id="{i % 10 + 1}">{line}</seg>')
+    _write(cache / "wmt19" / "raw" / "sgm" / "newstest2019-ende-src.en.sgm",
+           [*sgm, "</doc>", "</srcset>"])
+    return origlang
+
+
+@pytest.mark.parametrize("origlang", ["de", "non-de"])
+def test_origlang_scores_what_the_sacrebleu_cli_scores(files, origlang):
+    """WMT19 and later are scored on their halves first written in each language."""
+    cache = files["tmp"] / "cache"
+    ref = Path(files["ref"]).read_text().splitlines()[:40]
+    _wmt19_cache(cache, ref)
+    hyp = Path(files["tmp"] / "wmt19.hyp")
+    _write(hyp, _perturb(ref[:10], 0.1, seed=4) + _perturb(ref[10:], 0.5, seed=5))
+    env = {**os.environ, "SACREBLEU": str(cache), "HF_HUB_OFFLINE": "1"}
+    common = ["-t", "wmt19", "-l", "en-de", "--origlang", origlang]
+    ours = json.loads(subprocess.run(
+        [sys.executable, "-m", "mt.evaluate", "--hyp", str(hyp), *common, "--json"],
+        capture_output=True, text=True, env=env, check=True).stdout)
+    theirs = json.loads(subprocess.run(
+        [SACREBLEU, *common, "-i", str(hyp), "-w", "4"], capture_output=True, text=True,
+        env=env, check=True).stdout)
+    (test,) = ours["tests"]
+    assert (test["sentences"], test["sentences_in_test_set"]) == (20, 40)
+    assert test["origlang"] == origlang
+    assert test["systems"][0]["scores"]["bleu"]["score"] == pytest.approx(theirs["score"],
+                                                                          abs=1e-3)
+    whole = json.loads(subprocess.run(
+        [sys.executable, "-m", "mt.evaluate", "--hyp", str(hyp), *common[:4], "--json"],
+        capture_output=True, text=True, env=env, check=True).stdout)
+    assert whole["tests"][0]["sentences"] == 40  # the subset did change the score
+    assert whole["tests"][0]["systems"][0]["scores"]["bleu"]["score"] != pytest.approx(
+        theirs["score"], abs=0.5)
+
+
+def test_origlang_translates_only_the_documents_it_keeps(tmp_path):
+    src_file, _ = _tiny_model_and_test_set(tmp_path)
+    src = Path(src_file).read_text().splitlines()
+    cache = tmp_path / "cache"
+    origlang = _wmt19_cache(cache, (src * 4)[:30])  # en, de, en
+    env = {**os.environ, "SACREBLEU": str(cache), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mt.evaluate", "-m", str(tmp_path / "m.pt"), "-t", "wmt19", "-l",
+         "en-de", "--origlang", "en", "--beam", "1", "--max-len-b", "3", "--output",
+         str(tmp_path / "{test}.out"), "--json"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    (test,) = json.loads(proc.stdout)["tests"]
+    assert test["sentences"] == origlang.count("en") == 20
+    assert len((tmp_path / "wmt19.out").read_text().splitlines()) == 20
+    (cache / "wmt19" / "raw" / "sgm" / "newstest2019-ende-src.en.sgm").unlink()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mt.evaluate", "--hyp", str(tmp_path / "wmt19.out"), "-t",
+         "wmt19", "-l", "en-de", "--subset", "news"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--subset news reads the documents' metadata from" in proc.stderr
+
+
+def test_origlang_needs_a_sacrebleu_test_set(files):
+    with pytest.raises(SystemExit, match="--origlang and --subset pick documents of sacrebleu"):
+        main(["--hyp", files["good"], "--ref", files["ref"], "--origlang", "de"])
+
+
 @pytest.mark.parametrize("two_refs", [False, True])
 def test_sentence_scores_equal_the_sacrebleu_cli_line_by_line(files, capsys, two_refs):
     refs = [files["ref"], files["ref2"]] if two_refs else [files["ref"]]
