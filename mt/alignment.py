@@ -51,6 +51,35 @@ def _word_index(sp, ids: list[int], first: int = 0, source: bool = False) -> lis
     return out
 
 
+def _source_words(sp, text: str, ids: list[int]) -> list[int]:
+    """Word number of each source token in ``text`` as its whitespace-separated words count them,
+    or -1 for a token of whitespace alone.
+
+    The text the model reads is normalized (NFKC by default), and normalization can make words:
+    '´' becomes a space and a combining accent, so "dog´s" reads as two words, and a count of
+    '▁' pieces (``_word_index``) would number every word after it one too high. SentencePiece's
+    normalizer says which input character each normalized character came from, so each token is
+    placed in the input itself. Tokens that are not the line's plain encoding are numbered by
+    the '▁' count."""
+    if sp.encode(text) != ids:
+        return _word_index(sp, ids, source=True)
+    pieces = sp.encode(text, out_type=str)  # <unk> as the characters it stands for
+    normalized, origin = sp.normalize(text, with_offsets=True)
+    char_of_byte = [i for i, c in enumerate(normalized) for _ in range(len(c.encode()))]
+    word_of, word, spaced = [], -1, True  # each input character's word
+    for c in text:
+        word += spaced and not c.isspace()
+        spaced = c.isspace()
+        word_of.append(-1 if spaced else word)
+    out, at = [], 0  # at: the token's first byte in the normalized text
+    for t, piece in zip(ids, pieces, strict=True):
+        size = 1 if sp.is_byte(t) else len(piece.encode())
+        skip = 0 if sp.is_byte(t) else len(piece.encode()) - len(piece.lstrip("\u2581").encode())
+        out.append(word_of[origin[char_of_byte[at + skip]]] if skip < size else -1)
+        at += size
+    return out
+
+
 def align_lines(model, tokenizer, results: list[LineResult], layer: int | None = None,
                 batch_tokens: int = 4096) -> list[list[str]]:
     """Pharaoh word alignments ('i-j': source word i, target word j, from 0) of every n-best entry.
@@ -102,8 +131,7 @@ def align_lines(model, tokenizer, results: list[LineResult], layer: int | None =
         if not r.hyps:
             out.append([""])
             continue
-        src_words = _word_index(tokenizer.src, [t for s in r.sources for t in s[:-1]],
-                                source=True)
+        src_words = _source_words(tokenizer.src, r.text, [t for s in r.sources for t in s[:-1]])
         starts = [0]  # each source piece's first token in the line
         for s in r.sources[:-1]:
             starts.append(starts[-1] + len(s) - 1)

@@ -162,6 +162,7 @@ class LineResult:
 
     sources: list[list[int]]
     hyps: list[list[Hypothesis]]
+    text: str = ""  # the input line, whose words ``--alignment`` numbers
 
 
 def encode_prefixes(tokenizer, prefixes: list[str], name: str = "prefixes",
@@ -246,7 +247,7 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
                           forced if prefix_ids is not None else None, generator=generator,
                           constraints=wanted if phrase_ids is not None else None)
             if sources else [])
-    out = [LineResult([], []) for _ in lines]
+    out = [LineResult([], [], text) for text in lines]
     for i, src, h in zip(owner, sources, hyps, strict=True):
         out[i].sources.append(src)
         out[i].hyps.append(h)
@@ -306,10 +307,10 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
 
     lengths = [max(len(s), len(t)) for s, t in (pairs[i] for i in fits)]
     hyps = map_batches(score, lengths, batch_tokens, workers, device, progress)
-    out = [LineResult([], []) if i in empty else LineResult([s], [])  # unfit: no hypothesis
-           for i, (s, _) in enumerate(pairs)]
+    out = [LineResult([], [], text) if i in empty else LineResult([s], [], text)  # unfit
+           for i, ((s, _), text) in enumerate(zip(pairs, lines, strict=True))]
     for i, h in zip(fits, hyps, strict=True):
-        out[i] = LineResult([pairs[i][0]], [[h]])
+        out[i].hyps.append([h])
     return out
 
 

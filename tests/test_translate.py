@@ -808,6 +808,34 @@ def test_alignment_counts_source_words_as_the_input_writes_them(models, tmp_path
         assert links and all(int(p.split("-")[0]) < len(line.split()) for p in links)
 
 
+def test_alignment_numbers_the_input_words_that_normalization_splits(models, tmp_path, capsys):
+    """NFKC writes '´' as a space and a combining accent, '½' as "1⁄2", and drops U+200B: the
+    model reads other words than the input has. Source word i is still the input line's i-th
+    whitespace-separated word (a review saw "The dog´s cat´s ..." aligned to word 11 of 7)."""
+    from mt.alignment import _source_words, _word_index
+
+    _, tok, _ = load_model(models["a"])
+    lines = ["The dog\u00b4s cat\u00b4s ball\u00b4s man", "a \u200b b", "x\u00a8y z w",
+             "\ufb01ne \u00bd day", "the dog\u00b8s sees \U0001f642 a cat"]
+    moved = 0
+    for line in lines:
+        ids = tok.encode_src([line])[0][:-1]
+        words = [tok.encode_src([word])[0][:-1] for word in line.split()]
+        assert ids == [t for w in words for t in w]  # so each token's word is known
+        blank = [not tok.src.is_unknown(t) and not tok.src.id_to_piece(t).lstrip("\u2581")
+                 for t in ids]
+        want = [-1 if b else k for (k, _), b in zip(
+            ((k, t) for k, w in enumerate(words) for t in w), blank, strict=True)]
+        assert _source_words(tok.src, line, ids) == want, line
+        moved += _word_index(tok.src, ids, source=True) != want
+    assert moved >= 3  # counting '▁' pieces numbers these lines' words wrongly
+    out = _run(["-m", models["a"], "-i", _write(tmp_path / "in.txt", lines), "--beam", "2",
+                "--alignment", "--max-len-b", "8", "--quiet"], capsys)
+    for line, aligned in zip(lines, out, strict=True):
+        links = aligned.split(" ||| ")[1].split()
+        assert links and all(int(p.split("-")[0]) < len(line.split()) for p in links)
+
+
 def test_word_scores_are_per_word_and_sum_to_the_log_probability(models, tmp_path, capsys):
     """--word-scores: one number per whitespace word of each n-best entry and one for EOS, after
     the alignment, summing to the entry's log-probability (--lenpen 0), for empty lines and lines
