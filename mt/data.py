@@ -162,9 +162,6 @@ def load_split(cfg: DataConfig, split: str, cache_dir: str | None = None,
     if len(parts) > 1:
         if not all(parts):
             raise ValueError(f"split {split!r}: join split names with '+', e.g. train+extra")
-        if cfg.source == "hub" and cfg.hub_name and (Path(cfg.hub_name) / "state.json").exists():
-            raise ValueError(f"split {split!r}: {cfg.hub_name} holds one saved Dataset, without "
-                             "split names to join; save a DatasetDict")
     loaded = []
     for part in parts:
         ds = _load_one(cfg, part, cache_dir)
@@ -269,11 +266,14 @@ def _load_hub(cfg: DataConfig, split: str, cache_dir: str | None):
     try:
         if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
             ds = datasets.load_from_disk(str(local))  # written by save_to_disk
-            if isinstance(ds, datasets.DatasetDict):
-                if split not in ds:
-                    raise ValueError(f"{local} has splits {sorted(ds)}, not {split!r}: set "
-                                     "data.train / data.valid / data.test")
-                ds = ds[split]
+            if not isinstance(ds, datasets.DatasetDict):  # train, valid and test all of it
+                raise ValueError(f"data.hub_name={local} holds one saved Dataset, without split "
+                                 "names, so training, validation and test would all be its "
+                                 "pairs; save a DatasetDict with a split for each")
+            if split not in ds:
+                raise ValueError(f"{local} has splits {sorted(ds)}, not {split!r}: set "
+                                 "data.train / data.valid / data.test")
+            ds = ds[split]
         else:
             ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split,
                                        cache_dir=cache_dir)
@@ -295,7 +295,16 @@ def _load_hub(cfg: DataConfig, split: str, cache_dir: str | None):
     if missing:
         raise ValueError(f"{name} split {split!r} has columns {ds.column_names}, not {missing}: "
                          "check data.src_lang and data.tgt_lang")
-    return ds.select_columns([s_col, t_col]).rename_columns({s_col: "src", t_col: "tgt"})
+    ds = ds.select_columns([s_col, t_col]).rename_columns({s_col: "src", t_col: "tgt"})
+    for col, lang in (("src", s), ("tgt", t)):  # a missing value; Arrow keeps their count
+        column = ds.data.column(col)
+        if column.null_count:
+            import pyarrow.compute as pc
+
+            row = pc.index(column.is_null(), True).as_py()
+            raise DataError(f"{name} split {split!r} row {row}: no {lang} text (null; "
+                            f"{column.null_count} such rows): drop or fill them")
+    return ds
 
 
 def stable_hash(obj) -> str:

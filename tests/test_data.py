@@ -114,7 +114,7 @@ def test_hub_style_datasets_load_the_same_pairs(tmp_path):
     with open(tmp_path / "json" / "train.jsonl", "w") as f:
         f.writelines(json.dumps({"translation": {"en": s, "de": t}}) + "\n" for s, t in PAIRS)
     flat = datasets.Dataset.from_dict({"en": [s for s, _ in PAIRS], "de": [t for _, t in PAIRS]})
-    flat.save_to_disk(tmp_path / "flat")  # one column per language
+    datasets.DatasetDict({"train": flat}).save_to_disk(tmp_path / "flat")  # a column per language
     for name in ("dd", "json", "flat"):
         cfg = DataConfig(source="hub", hub_name=str(tmp_path / name), src_lang="en", tgt_lang="de")
         assert _pairs(load_split(cfg, "train", cache_dir=str(tmp_path / "cache"))) == PAIRS
@@ -123,12 +123,30 @@ def test_hub_style_datasets_load_the_same_pairs(tmp_path):
         load_split(cfg, "train")
     with pytest.raises(ValueError, match=r"splits \['train'\], not 'valid'"):
         load_split(DataConfig(source="hub", hub_name=str(tmp_path / "dd")), "valid")
-    # '+' joins a DatasetDict's splits; a single saved Dataset has no split names to join
+    # '+' joins a DatasetDict's splits
     cfg = DataConfig(source="hub", hub_name=str(tmp_path / "dd"), src_lang="en", tgt_lang="de")
     assert _pairs(load_split(cfg, "train+train", cache_dir=str(tmp_path / "cache"))) == PAIRS * 2
-    cfg = DataConfig(source="hub", hub_name=str(tmp_path / "flat"), src_lang="en", tgt_lang="de")
-    with pytest.raises(ValueError, match="one saved Dataset"):
-        load_split(cfg, "train+bt")
+    # A single saved Dataset has no split names: every split would be all of it (a review saw
+    # test BLEU scored on the training pairs), so it is refused, whichever split is asked for.
+    flat.save_to_disk(tmp_path / "single")
+    cfg = DataConfig(source="hub", hub_name=str(tmp_path / "single"), src_lang="en", tgt_lang="de")
+    for split in ("train", "valid", "train+bt"):
+        with pytest.raises(ValueError, match="one saved Dataset, without split names"):
+            load_split(cfg, split)
+
+
+@pytest.mark.parametrize("layout", ["columns", "translation"])
+def test_a_missing_value_in_a_hub_dataset_names_its_split_and_row(tmp_path, layout):
+    """A null (a JSON row without "de", a None) would reach the tokenizer or, in the test split,
+    crash sacreBLEU after the whole training: it stops the load, naming split and row."""
+    src, tgt = [s for s, _ in PAIRS], [t for _, t in PAIRS]
+    tgt[2] = None
+    rows = ({"en": src, "de": tgt} if layout == "columns" else
+            {"translation": [{"en": s, "de": t} for s, t in zip(src, tgt, strict=True)]})
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict(rows)}).save_to_disk(tmp_path / "d")
+    cfg = DataConfig(source="hub", hub_name=str(tmp_path / "d"), src_lang="en", tgt_lang="de")
+    with pytest.raises(DataError, match=r"split 'test' row 2: no de text \(null; 1 such rows\)"):
+        load_split(cfg, "test")
 
 
 @pytest.mark.skipif(not datasets.config.HF_HUB_OFFLINE, reason="needs HF_HUB_OFFLINE=1")
