@@ -336,6 +336,21 @@ def test_sacrebleu_test_set_from_the_cache_equals_the_cli(files):
                                                                           abs=1e-3)
 
 
+def test_a_byte_order_mark_is_not_text(files, capsys):
+    """A file saved with a BOM scores as the same file without one, as mt-train reads its test
+    references (the run's test.json and mt-eval on the same files gave different chrF)."""
+    marked = {}
+    for name in ("ref", "good"):
+        text = Path(files[name]).read_text(encoding="utf-8")
+        marked[name] = files["tmp"] / f"bom.{name}"
+        marked[name].write_text("\ufeff" + text, encoding="utf-8")
+    plain = _run(["--hyp", files["good"], "--ref", files["ref"], "--name", "t"], capsys)
+    bom = _run(["--hyp", str(marked["good"]), "--ref", str(marked["ref"]), "--name", "t"], capsys)
+    assert [s["scores"] for s in bom["tests"][0]["systems"]] == [
+        s["scores"] for s in plain["tests"][0]["systems"]]
+    assert testsets.read_text(marked["ref"]) == testsets.read_text(files["ref"])
+
+
 def _wmt19_cache(cache: Path, ref: list[str]) -> list[str]:
     """sacrebleu's cache of wmt19 en-de made of ``ref`` (also the source): its text files and
     the raw SGML file that --origlang reads, four documents of 10 lines first written in en, de,
