@@ -471,6 +471,8 @@ def hydra_main(dcfg: DictConfig) -> float | None:
     too with HYDRA_FULL_ERROR=1, as Hydra's own errors."""
     try:
         return _run(dcfg)
+    except KeyboardInterrupt:  # Ctrl-C: how to go on, not a traceback from inside torch
+        raise SystemExit(_interrupted()) from None
     except (ValueError, OSError, Diverged) as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -481,6 +483,22 @@ def hydra_main(dcfg: DictConfig) -> float | None:
             handler.handle(record)
         where = f" (traceback in {logs[0].baseFilename})" if logs else ""
         raise SystemExit(f"mt-train: {err}{where}") from None
+
+
+def _interrupted() -> int:
+    """Says (on rank 0) what an interrupted run keeps and the override that resumes it, and
+    gives the exit status of a Ctrl-C (130), so that a shell loop or a sweep stops too."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        last = run_dir / "checkpoints" / "last.pt"
+        if last.exists():
+            log.warning("interrupted; %s holds the run as of its last validation or save: the "
+                        "same command with hydra.run.dir=%s resumes it", last, run_dir)
+        else:
+            log.warning("interrupted before the first checkpoint; nothing to resume")
+    return 130
 
 
 def _run(dcfg: DictConfig) -> float | None:

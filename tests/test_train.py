@@ -467,13 +467,15 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
     full = tmp_path / "full"
     run_train(tmp_path, full, corpus_dir, tokenizer_dir, *steps)
 
-    # The same run, killed without warning at a random step after its first checkpoint.
+    # The same run, killed without warning at a random step after its first checkpoint (one
+    # variant gets a Ctrl-C instead: the same checkpoint, and one line on how to resume).
     killed = tmp_path / "killed"
     kill_at = random.Random(0).randint(3, 11)
     cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
            f"hydra.run.dir={killed}", *steps]
-    proc = subprocess.Popen(cmd, env=cli_env(tmp_path), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    ctrl_c = "upsample" in " ".join(data)
+    err = open(tmp_path / "killed.err", "w+")  # noqa: SIM115 (read after the process ends)
+    proc = subprocess.Popen(cmd, env=cli_env(tmp_path), stdout=subprocess.DEVNULL, stderr=err)
     metrics = killed / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
@@ -483,9 +485,15 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
                 break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
-    proc.send_signal(signal.SIGKILL)
+    proc.send_signal(signal.SIGINT if ctrl_c else signal.SIGKILL)
     proc.wait()
     assert (killed / "checkpoints" / "last.pt").exists()
+    if ctrl_c:
+        err.seek(0)
+        said = err.read()
+        assert proc.returncode == 130 and "Traceback" not in said, said
+        assert f"the same command with hydra.run.dir={killed} resumes it" in said
+    err.close()
 
     resumed = run_train(tmp_path, killed, corpus_dir, tokenizer_dir, *steps)
     assert "resumed" in resumed.stderr
