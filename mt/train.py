@@ -104,11 +104,12 @@ class Trainer:
             if not (tok_dir / META_FILE).exists():  # to be trained as two vocabularies
                 raise ValueError(TIED_NEEDS_JOINT)
         cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
+        if cfg.data.source == "files":  # missing: say so now, not after the corpus or training
+            tested = cfg.data.test.split("+") if cfg.trainer.test_at_end else []
+            for split in [*cfg.data.valid.split("+"), *tested]:
+                split_files(cfg.data, split)
         self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
                              Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
-        if cfg.trainer.test_at_end and cfg.data.source == "files":
-            for split in cfg.data.test.split("+"):  # missing: say so now, not after training
-                split_files(cfg.data, split)
         tok = self.corpus.tokenizer
         if cfg.model.tie_embeddings == "all" and not tok.joint:
             # Two vocabularies of one size pass the model's size check, but id 11 would be

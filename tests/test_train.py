@@ -778,15 +778,19 @@ def test_tied_embeddings_refuse_two_vocabularies_of_one_size(tmp_path, corpus_di
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_a_missing_test_split_fails_before_training(tmp_path, corpus_dir, tokenizer_dir):
-    """The test split is read after the last step; a typo in data.test cost the whole run."""
+@pytest.mark.parametrize("split", ["data.test=tst", "data.valid=tst"])
+def test_a_missing_test_split_fails_before_training(tmp_path, corpus_dir, tokenizer_dir, split):
+    """The test split is read after the last step: a typo in data.test cost the whole run; the
+    valid split after the tokenizer and the whole corpus."""
     cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
-           f"hydra.run.dir={tmp_path / 'run'}", "data.test=tst", "trainer.max_steps=3"]
+           f"hydra.run.dir={tmp_path / 'run'}", split, "trainer.max_steps=3",
+           "data.tokenizer.path=null"]
     result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode != 0
     assert "tst.en: no such file" in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "tokenizer").exists()  # nothing trained before the check
 
 
 def test_nan_loss_skips_the_step_and_stops_a_diverging_run(tmp_path, corpus_dir, tokenizer_dir):
