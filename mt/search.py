@@ -13,8 +13,8 @@ budget is spent, a forced prefix, no repeated n-gram) remove alternatives but ne
 chosen token's own log-probability, so a score always equals a teacher-forced re-scoring of the
 same tokens.
 
-Any search also takes an :class:`Ensemble` in place of a model: the members' log-probabilities
-are averaged (and renormalised), each member with its own cache.
+Any search also takes an :class:`mt.incremental.Ensemble` in place of a model: the members'
+log-probabilities are averaged (and renormalised), each member with its own cache.
 """
 
 from __future__ import annotations
@@ -28,14 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID
-from mt.incremental import Decoder, Ensemble, ensemble_members, first_member, max_positions
+from mt.incremental import Decoder, max_positions
 from mt.kvcache import float32_products_on_onednn
-
-# Ensemble and the helpers that look into one are used beside every search; they stay importable
-# from here.
-__all__ = ["Ensemble", "Hypothesis", "beam_search", "ensemble_members", "first_member",
-           "greedy_search", "inference_search", "length_penalty", "max_lengths", "max_positions",
-           "sample_search"]
 
 
 def inference_search(fn):
