@@ -51,8 +51,9 @@ def score(hypotheses: list[str], references: list[str], *, tokenize: str | None 
           lowercase: bool = False) -> dict:
     """Corpus BLEU and chrF of detokenized hypotheses against one reference each.
 
-    Used by ``mt.train`` for validation and the final test; ``mt-eval`` has more metrics. It goes
-    through ``score_system``, so a training log's BLEU equals mt-eval's on the same files.
+    Used by ``mt.runlog`` for training's validation and final test; ``mt-eval`` has more
+    metrics. It goes through ``score_system``, so a training log's BLEU equals mt-eval's on the
+    same files.
 
     Returns:
         {"bleu": float, "bleu_signature": str, "chrf": float, "chrf_signature": str,

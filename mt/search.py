@@ -1,9 +1,10 @@
 """Greedy, beam and sampling search over the model's incremental interface.
 
-Search knows the model only through ``encode``, ``init_cache``, ``decode_step`` and the cache's
-``reorder``; it never sees the trainer. Every search drops finished sentences from the active
-batch, so a long sentence does not make the short ones pay for its steps, and keeps the per-step
-work in a handful of batched tensor operations (no Python loop over rows in the hot path).
+Search knows the model only through ``mt.incremental.Decoder`` (the model's ``encode``,
+``init_cache``, ``decode_step``, ``project`` and ``cfg``, and the cache's ``reorder``); it never
+sees the trainer. Every search drops finished sentences from the active batch, so a long sentence
+does not make the short ones pay for its steps, and keeps the per-step work in a handful of
+batched tensor operations (no Python loop over rows in the hot path).
 
 Scores: ``Hypothesis.logprob`` is the sum of the model's log-probabilities of the generated tokens,
 EOS included; ``Hypothesis.score`` is that sum divided by the GNMT length penalty
