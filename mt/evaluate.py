@@ -86,13 +86,10 @@ def config_hash(model_config: dict) -> str:
 
 def translate_test(model, tokenizer, sources: list[str], opts) -> tuple[list[str], dict]:
     """Best translations and decoding speed (target tokens of the hypotheses per second)."""
-    import torch
-
-    from mt.lines import translate_lines
+    from mt.lines import best_translations
 
     start = time.perf_counter()
-    with torch.inference_mode():
-        hyps = [nbest[0][0] for nbest in translate_lines(model, tokenizer, sources, opts)]
+    hyps = best_translations(model, tokenizer, sources, opts)
     seconds = time.perf_counter() - start
     tokens = sum(len(ids) for ids in tokenizer.encode_tgt(hyps))
     return hyps, {"decode_seconds": seconds, "hyp_tokens": tokens,

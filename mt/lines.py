@@ -332,3 +332,12 @@ def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | No
     results = search_lines(model, tokenizer, lines, opts or SearchOptions(), progress, prefixes,
                            constraints=constraints)
     return [line_texts(tokenizer, r) for r in results]
+
+
+def best_translations(model, tokenizer, lines: list[str], opts: SearchOptions, *,
+                      constraints: list[list[str]] | None = None) -> list[str]:
+    """Each line's best translation (the first of its ``translate_lines`` n-best), searched under
+    ``torch.inference_mode``: what validation, the final test and ``mt-eval`` score."""
+    with torch.inference_mode():
+        return [nbest[0][0] for nbest in translate_lines(model, tokenizer, lines, opts,
+                                                         constraints=constraints)]

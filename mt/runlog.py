@@ -38,7 +38,7 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
     (``write_lines``), so that a score can be read against what the model produced.
     """
     from mt.evaluate import score
-    from mt.lines import translate_lines
+    from mt.lines import best_translations
     from mt.options import SearchOptions
 
     src_ids, tgt_ids = tokenizer.encode_src(src), tokenizer.encode_tgt(tgt)
@@ -62,7 +62,7 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
         loss_sum += float(nll)
         tokens += int((tgt_out != PAD_ID).sum())
     opts = SearchOptions(beam=trainer.beam_size, lenpen=trainer.lenpen)
-    hyps = [n[0][0] for n in translate_lines(model, tokenizer, src, opts)]
+    hyps = best_translations(model, tokenizer, src, opts)
     if hyp_file is not None:
         write_lines(hyp_file, hyps)
     scores = score(hyps, tgt)
@@ -216,7 +216,7 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
     test.json. Both test scores are printed too, so that nothing is chosen on the test set here.
     """
     from mt.evaluate import score
-    from mt.lines import translate_lines
+    from mt.lines import best_translations
     from mt.options import SearchOptions
 
     ckpt_dir = run_dir / "checkpoints"
@@ -245,18 +245,14 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
         if not path.exists():  # best.pt may be missing (a run resumed from a copied last.pt)
             continue
         model, tok, _ = checkpoint.load_model(path, device)
-
-        def translated(texts: list[str], model=model, tok=tok) -> list[str]:
-            with torch.inference_mode():
-                return [n[0][0] for n in translate_lines(model, tok, texts, opts)]
-
         if on_valid:
-            valid_scores[name] = {k: v for k, v in score(translated(valid[0]), valid[1]).items()
+            hyps = best_translations(model, tok, valid[0], opts)
+            valid_scores[name] = {k: v for k, v in score(hyps, valid[1]).items()
                                   if k in ("bleu", "chrf", "sentences")}
         if not on_test:
             continue
         start = time.perf_counter()
-        hyps = translated(src)
+        hyps = best_translations(model, tok, src, opts)
         seconds = time.perf_counter() - start
         result = score(hyps, ref)
         suffix = "" if name == "best" else ".averaged"
