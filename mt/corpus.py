@@ -16,7 +16,7 @@ import torch
 
 from mt.batching import token_batches
 from mt.config import TokenizerConfig, TrainConfig
-from mt.data import count_tagged, load_split, load_train, tokenizer_config
+from mt.data import count_tagged, load_split, load_train, tokenizer_config, tokenizer_dir
 from mt.distributed import barrier
 from mt.tokenizer import Tokenizer
 
@@ -101,7 +101,7 @@ class Corpus:
         from mt.tokenizer import load_or_train, place, require_symbols
 
         seed = cfg.trainer.seed
-        directory = Path(tok_cfg.path) if tok_cfg.path else run_dir / "tokenizer"
+        directory = tokenizer_dir(tok_cfg, run_dir)
         if given is not None:  # checked before it is placed, so that a mistake leaves nothing
             require_symbols(given, tok_cfg.user_symbols, f"the tokenizer of {origin}",
                             "the model was trained without it")
