@@ -46,7 +46,7 @@ def pick(folder: Path, last: int | None, best: int | None) -> list[Path]:
         key = BEST_METRICS[metric][0]
         score = {r["step"]: r[key] for r in history if key in r}
         print(f"mt-average: ranked by valid {metric} (trainer.best_metric): "
-              + ", ".join(f"{p.name} {score[int(p.stem.split('_')[1])]:.2f}" for p in picked),
+              + ", ".join(f"{p.name} {score[checkpoint.step_of(p)]:.2f}" for p in picked),
               file=sys.stderr)
     if len(picked) < asked:
         print(f"mt-average: {option} {asked}: {folder} has only {len(picked)} step "

@@ -127,13 +127,15 @@ def model_state(model: torch.nn.Module, tokenizer: Tokenizer, config: dict | Non
     }
 
 
+def step_of(path: Path) -> int | None:
+    """N of a step_N.pt file; None for any other name."""
+    m = re.fullmatch(r"step_(\d+)\.pt", path.name)
+    return int(m.group(1)) if m else None
+
+
 def step_checkpoints(directory: str | os.PathLike) -> list[Path]:
     """step_N.pt files of a checkpoints folder, oldest (smallest N) first."""
-    found = []
-    for p in Path(directory).glob("step_*.pt"):
-        m = re.fullmatch(r"step_(\d+)\.pt", p.name)
-        if m:
-            found.append((int(m.group(1)), p))
+    found = [(n, p) for p in Path(directory).glob("step_*.pt") if (n := step_of(p)) is not None]
     return [p for _, p in sorted(found)]
 
 
@@ -152,11 +154,7 @@ def best_step_checkpoints(paths: list[Path], history: list[dict], best_metric: s
                          f"{', '.join(BEST_METRICS)}")
     key, sign = BEST_METRICS[best_metric]
     score = {r["step"]: sign * r[key] for r in history if key in r}
-
-    def step(p: Path) -> int:
-        return int(p.stem.split("_")[1])
-
-    return sorted((p for p in paths if step(p) in score), key=lambda p: -score[step(p)])
+    return sorted((p for p in paths if step_of(p) in score), key=lambda p: -score[step_of(p)])
 
 
 def prune_step_checkpoints(directory: Path, history: list[dict], keep_last: int, keep_best: int,
