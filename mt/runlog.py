@@ -18,6 +18,7 @@ from mt.batching import collate, token_batches
 from mt.config import PAD_ID, TrainConfig, TrainerConfig
 from mt.data import load_split
 from mt.loss import label_smoothed_nll
+from mt.textio import replace_file
 
 log = logging.getLogger("mt.train")
 _said_too_long: set[tuple[int, int]] = set()  # (valid pairs, limit): warned once per process
@@ -72,16 +73,12 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
 
 
 def write_lines(path: Path, lines: list[str]) -> None:
-    """Writes ``lines`` one per line, under a temporary name renamed over ``path`` at the end: a
-    file under the name is always whole (a kill mid-write leaves the old one, or none, and a
-    stray ``.tmp``). A line break inside a line (\\n or \\r, should the tokenizer decode a piece to
-    one) becomes a space, so that line N of the file stays line N of the input."""
+    """Writes ``lines`` one per line, whole or not at all (``mt.textio.replace_file``). A line
+    break inside a line (\\n or \\r, should the tokenizer decode a piece to one) becomes a space,
+    so that line N of the file stays line N of the input."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        f.writelines(line.replace("\r\n", " ").replace("\n", " ").replace("\r", " ") + "\n"
-                     for line in lines)
-    tmp.replace(path)
+    replace_file(path, "".join(line.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
+                               + "\n" for line in lines))
 
 
 class Metrics:
@@ -98,9 +95,7 @@ class Metrics:
             lines = path.read_text().splitlines(keepends=True)
             kept = [x for x in lines if _step_of(x) <= step]
             if len(kept) < len(lines):
-                tmp = path.with_name(path.name + ".tmp")
-                tmp.write_text("".join(x if x.endswith("\n") else x + "\n" for x in kept))
-                tmp.replace(path)
+                replace_file(path, "".join(x if x.endswith("\n") else x + "\n" for x in kept))
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -44,6 +44,7 @@ from mt.config import (
     check_normalization,
     is_user_symbol,
 )
+from mt.textio import replace_file
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +162,7 @@ class Tokenizer:
         meta = {"joint": self.joint, "src_vocab_size": self.src_vocab_size,
                 "tgt_vocab_size": self.tgt_vocab_size, "fingerprint": self.fingerprint,
                 **(info or {})}
-        tmp = directory / (META_FILE + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        tmp.replace(directory / META_FILE)
+        replace_file(directory / META_FILE, json.dumps(meta, indent=2) + "\n")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> Tokenizer:
