@@ -16,7 +16,7 @@ import torch
 from mt import checkpoint
 from mt.batching import collate, token_batches
 from mt.config import PAD_ID, TrainConfig, TrainerConfig
-from mt.data import load_split
+from mt.data import load_split, split_files
 from mt.loss import label_smoothed_nll
 from mt.textio import replace_file
 
@@ -268,8 +268,6 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
         with open(run_dir / "test.json", "w") as f:  # best.pt's scores at the top level
             json.dump({**report.get("best", {}), "averaged": report.get("averaged")}, f, indent=2)
         if cfg.data.source != "hub" and cfg.data.format == "text":  # tsv/jsonl: no source file
-            from mt.data import split_files
-
             src_file = split_files(cfg.data, cfg.data.test.split("+")[0])[0]  # the first part
             print(f"try: translate -m {run_dir} -i {src_file.resolve()}")  # from anywhere
     print(f"run directory: {run_dir}")
