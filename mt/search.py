@@ -156,6 +156,14 @@ def _constrain(lprobs: Tensor, step: int, min_len: int, force_eos: Tensor,
         lprobs[force_eos, EOS_ID] = torch.where(torch.isfinite(own), own, torch.zeros_like(own))
 
 
+def _check_beam(beam_size: int, nbest: int, no_repeat_ngram: int) -> None:
+    """The arguments every beam search refuses (beam_search, constrained_beam_search)."""
+    if not 1 <= nbest <= beam_size:
+        raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
+    if no_repeat_ngram < 0:
+        raise ValueError(f"no_repeat_ngram must be 0 (off) or positive, got {no_repeat_ngram}")
+
+
 def _limits(model, src: Tensor, max_len_a: float, max_len_b: int,
             prefix: _Prefix) -> Tensor:
     """Output budgets; a forced prefix always leaves room for EOS after it."""
@@ -340,10 +348,7 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
     Returns:
         per sentence (input order), its ``nbest`` hypotheses, best first.
     """
-    if not 1 <= nbest <= beam_size:
-        raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
-    if no_repeat_ngram < 0:
-        raise ValueError(f"no_repeat_ngram must be 0 (off) or positive, got {no_repeat_ngram}")
+    _check_beam(beam_size, nbest, no_repeat_ngram)
     b, k, device = src.size(0), beam_size, src.device
     prefix = _Prefix(prefixes, b, device)
     limits = _limits(model, src, max_len_a, max_len_b, prefix)
