@@ -406,12 +406,6 @@ def main(argv: list[str] | None = None) -> None:
     if any(kind == "model" for kind, _ in args.systems or []):
         for warning in unused_options(args, parser):
             log.warning(warning)
-    else:  # hypothesis files only: nothing is translated
-        for action in parser.translation_actions:
-            if getattr(args, action.dest) != action.default:
-                log.warning("%s has no effect without -m (nothing is translated)",
-                            action.option_strings[0])
-    if any(kind == "model" for kind, _ in args.systems or []):
         from mt.inference import cap_kernel_caches, device_mistake, keep_freed_memory
 
         mistake = device_mistake(args.device)
@@ -419,6 +413,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"mt-eval: {mistake}")
         keep_freed_memory()  # a command that decodes: see the docstrings
         cap_kernel_caches()
+    else:  # hypothesis files only: nothing is translated
+        for action in parser.translation_actions:
+            if getattr(args, action.dest) != action.default:
+                log.warning("%s has no effect without -m (nothing is translated)",
+                            action.option_strings[0])
     try:
         result = run(args)
     except EvalError as err:
