@@ -1,14 +1,24 @@
 """mt: neural machine translation with a readable Transformer.
 
 The package follows the path from raw text to BLEU, one module per stage:
-``tokenizer`` -> ``data`` (read corpora) -> ``batching`` (encode, filter, token batches) ->
-``model`` -> ``search`` -> ``train`` (with ``loss``) -> ``lines`` (text to n-best lists) ->
-``translate`` (its command line) -> ``evaluate`` (with ``testsets`` and ``report``).
-``distributed`` starts ``torchrun``'s process group and ``runlog`` writes a run's logs, curves
-and final test; ``checkpoint`` saves and loads self-contained models; ``inference`` readies them
-for decoding (dtype, CPU packing, ensembles); ``constraints`` is the lexically constrained search;
-``export`` / ``import_hf`` (CLIs in ``interop``) move models to and from Hugging Face Marian and
-CTranslate2; ``demo`` generates the default corpus.
+``tokenizer`` -> ``data`` (read corpora) -> ``corpus`` (the training corpus, tokenized and cached)
+-> ``batching`` (encode, filter, token batches) -> ``model`` -> ``search`` -> ``train`` (with
+``loss``) -> ``lines`` (text to n-best lists) -> ``translate`` (its command line) -> ``evaluate``
+(with ``testsets`` and ``report``).
+``config`` holds every stage's typed config; ``distributed`` starts ``torchrun``'s process group
+and ``runlog`` writes a run's logs, curves and final test; ``checkpoint`` saves and loads
+self-contained models and ``average`` (``mt-average``) averages them; ``inference`` readies them
+for decoding (dtype, CPU packing, ensembles).
+``subwords`` draws subword regularization's segmentations; ``optim`` is the optimizer, its
+schedule and the training precision; ``divergence`` catches a run that blows up.
+``kvcache`` is the decoder's cache and the attention that reads it; ``incremental`` steps one
+model or an ensemble a token at a time for every search; ``workers`` searches batches on several
+cores; ``options`` holds the search flags ``translate`` and ``mt-eval`` share; ``textio`` reads
+and writes line-parallel text files.
+``constraints`` is the lexically constrained search, ``mbr`` minimum Bayes risk decoding,
+``scoring`` the teacher-forced scores and attention of given translations, ``alignment`` word
+alignments and word scores; ``export`` / ``import_hf`` (CLIs in ``interop``) move models to and
+from Hugging Face Marian and CTranslate2; ``demo`` generates the default corpus.
 """
 
 __version__ = "0.1.0"

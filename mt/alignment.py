@@ -80,6 +80,11 @@ def _source_words(sp, text: str, ids: list[int]) -> list[int]:
     return out
 
 
+def _entries(r: LineResult) -> range:
+    """A line's n-best entries: each of its one piece's, or the one that joins a line's pieces."""
+    return range(len(r.hyps[0])) if len(r.hyps) == 1 else range(1)
+
+
 def align_lines(model, tokenizer, results: list[LineResult], layer: int | None = None,
                 batch_tokens: int = 4096) -> list[list[str]]:
     """Pharaoh word alignments ('i-j': source word i, target word j, from 0) of every n-best entry.
@@ -103,8 +108,7 @@ def align_lines(model, tokenizer, results: list[LineResult], layer: int | None =
     device = next(model.parameters()).device
     jobs = []  # (line, entry, piece) for each (source piece, hypothesis) pair to align
     for li, r in enumerate(results):
-        entries = range(len(r.hyps[0])) if len(r.hyps) == 1 else [0]
-        for e in entries:
+        for e in _entries(r):
             for p in range(len(r.hyps)):
                 jobs.append((li, e, p))
     links: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
@@ -135,9 +139,8 @@ def align_lines(model, tokenizer, results: list[LineResult], layer: int | None =
         starts = [0]  # each source piece's first token in the line
         for s in r.sources[:-1]:
             starts.append(starts[-1] + len(s) - 1)
-        entries = range(len(r.hyps[0])) if len(r.hyps) == 1 else [0]
         line_out = []
-        for e in entries:
+        for e in _entries(r):
             pairs, tgt_offset = set(), 0
             for p in range(len(r.hyps)):
                 toks = r.hyps[p][e].tokens
@@ -172,9 +175,8 @@ def word_scores(tokenizer, results: list[LineResult]) -> list[list[str]]:
         if not r.hyps:
             out.append([""])
             continue
-        entries = range(len(r.hyps[0])) if len(r.hyps) == 1 else [0]
         line_out = []
-        for e in entries:
+        for e in _entries(r):
             words: list[float] = []
             eos = 0.0
             for piece in r.hyps:

@@ -46,7 +46,7 @@ def pick(folder: Path, last: int | None, best: int | None) -> list[Path]:
         key = BEST_METRICS[metric][0]
         score = {r["step"]: r[key] for r in history if key in r}
         print(f"mt-average: ranked by valid {metric} (trainer.best_metric): "
-              + ", ".join(f"{p.name} {score[int(p.stem.split('_')[1])]:.2f}" for p in picked),
+              + ", ".join(f"{p.name} {score[checkpoint.step_of(p)]:.2f}" for p in picked),
               file=sys.stderr)
     if len(picked) < asked:
         print(f"mt-average: {option} {asked}: {folder} has only {len(picked)} step "
@@ -65,19 +65,17 @@ def main(argv: list[str] | None = None) -> None:
                        help="the N best step checkpoints (ranked by the scores in last.pt)")
     p.add_argument("-o", "--output", required=True)
     args = p.parse_args(argv)
-    folder = Path(args.inputs[0]) if len(args.inputs) == 1 else None
-    if folder and folder.is_dir() and not (args.last or args.best):
+    one = Path(args.inputs[0]) if len(args.inputs) == 1 else None
+    if one and not one.exists():
+        raise SystemExit(f"mt-average: {one}: no such file or folder")
+    folder = one if one and one.is_dir() else None
+    if folder and not (args.last or args.best):
         raise SystemExit("mt-average: with a folder, give --last N or --best N")
-    if folder and not folder.exists():
-        raise SystemExit(f"mt-average: {folder}: no such file or folder")
-    if not (folder and folder.is_dir()) and (args.last or args.best):
+    if not folder and (args.last or args.best):
         raise SystemExit("mt-average: --last and --best pick from a checkpoints folder; "
                          "named files are averaged as given")
     try:
-        if folder and folder.is_dir():
-            paths = pick(folder, args.last, args.best)
-        else:
-            paths = [Path(x) for x in args.inputs]
+        paths = pick(folder, args.last, args.best) if folder else [Path(x) for x in args.inputs]
         averaged = checkpoint.average(paths)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"mt-average: {err}") from None

@@ -82,15 +82,15 @@ def resolve(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"{p}: no such model file or run directory")
 
 
-def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
-         mmap: bool = False) -> dict:
-    """Loads a checkpoint's dict, with a one-line error for a file that is not one.
+def load(path: str | os.PathLike, mmap: bool = False) -> dict:
+    """Loads a checkpoint's dict (tensors on the CPU), with a one-line error for a file that is
+    not one.
 
     ``mmap``: tensors stay in the file until read, for a caller that wants only the configs.
     """
     file = resolve(path)
     try:
-        ckpt = torch.load(file, map_location=map_location, weights_only=True, mmap=mmap)
+        ckpt = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # torch raises many kinds for a corrupt or foreign file
         raise ValueError(f"{file}: not a readable mt checkpoint ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''})") from None
@@ -103,7 +103,7 @@ def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
 def load_model(path: str | os.PathLike,
                device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict]:
     """Model (eval mode, on ``device``), its tokenizer, and the checkpoint dict (minus weights)."""
-    ckpt = load(path, map_location="cpu")
+    ckpt = load(path)
     model = build_model(model_config_from_dict(ckpt["model_config"]))
     model.load_state_dict(ckpt.pop("model"))
     model.to(device).eval()
@@ -111,16 +111,13 @@ def load_model(path: str | os.PathLike,
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the model's state dict on the CPU (DDP and torch.compile unwrapped)."""
-    model = getattr(model, "module", model)  # unwrap DDP
-    model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
+    """A copy of the model's state dict on the CPU."""
     return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
 
 
 def model_state(model: torch.nn.Module, tokenizer: Tokenizer, config: dict | None) -> dict:
-    """The self-contained inference part of a checkpoint."""
-    model = getattr(model, "module", model)  # unwrap DDP
-    model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
+    """The self-contained inference part of a checkpoint (of the bare model: the trainer keeps
+    its DDP or torch.compile wrapper apart, in ``Trainer.net``)."""
     return {
         "format": FORMAT,
         "model_config": dict(vars(model.cfg)),
@@ -130,13 +127,15 @@ def model_state(model: torch.nn.Module, tokenizer: Tokenizer, config: dict | Non
     }
 
 
+def step_of(path: Path) -> int | None:
+    """N of a step_N.pt file; None for any other name."""
+    m = re.fullmatch(r"step_(\d+)\.pt", path.name)
+    return int(m.group(1)) if m else None
+
+
 def step_checkpoints(directory: str | os.PathLike) -> list[Path]:
     """step_N.pt files of a checkpoints folder, oldest (smallest N) first."""
-    found = []
-    for p in Path(directory).glob("step_*.pt"):
-        m = re.fullmatch(r"step_(\d+)\.pt", p.name)
-        if m:
-            found.append((int(m.group(1)), p))
+    found = [(n, p) for p in Path(directory).glob("step_*.pt") if (n := step_of(p)) is not None]
     return [p for _, p in sorted(found)]
 
 
@@ -155,11 +154,7 @@ def best_step_checkpoints(paths: list[Path], history: list[dict], best_metric: s
                          f"{', '.join(BEST_METRICS)}")
     key, sign = BEST_METRICS[best_metric]
     score = {r["step"]: sign * r[key] for r in history if key in r}
-
-    def step(p: Path) -> int:
-        return int(p.stem.split("_")[1])
-
-    return sorted((p for p in paths if step(p) in score), key=lambda p: -score[step(p)])
+    return sorted((p for p in paths if step_of(p) in score), key=lambda p: -score[step_of(p)])
 
 
 def prune_step_checkpoints(directory: Path, history: list[dict], keep_last: int, keep_best: int,

@@ -6,8 +6,8 @@ is the first entry of ``conf/train.yaml``'s defaults list, so a misspelt key or 
 type fails at start-up with the key's full name. ``OmegaConf.to_object`` is called once, in
 ``mt.train``; everything below it sees plain dataclasses.
 
-Only the model config travels inside a checkpoint (as a dict); it is the contract between a trained
-model and ``translate``.
+A checkpoint carries the whole resolved config, for the record, and the model config apart (as a
+dict): that one is the contract between a trained model and ``translate``.
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ class DataConfig:
     # 0 = all; else validation uses only the first N valid pairs: its loss and perplexity as well
     # as BLEU and chrF, so best.pt, patience and plateau cuts (by any best_metric) too
     max_valid_sentences: int = 0
-    num_proc: int = 0  # processes that encode the corpus; 0 = 1 below 200k pairs, else all cores
+    # processes that encode the corpus; 0: 1 below 200k pairs, else one per core (at most 16)
+    num_proc: int = 0
     # subword regularization (Kudo, 2018): each epoch, each side of each training pair takes one of
     # its subword_nbest best segmentations, with probability ~ P(segmentation)^subword_alpha.
     # 0 = off (the one best). Unigram tokenizers; the candidates are held in memory.
@@ -192,7 +193,8 @@ class TrainerConfig:
     beam_size: int = 5  # for validation and test BLEU
     lenpen: float = 0.6
     save_valid_hyps: bool = True  # each validation's translations in run_dir/valid/step_N.hyp
-    precision: str = "auto"  # auto (bf16 on CUDA or AVX512-BF16/AMX CPUs) | bf16 | fp16 | fp32
+    # auto: bf16 on CUDA GPUs with native bf16 (else fp16) and on AVX512-BF16/AMX CPUs (else fp32)
+    precision: str = "auto"  # auto | bf16 | fp16 | fp32
     compile: bool = False
     seed: int = 1
     device: str = "auto"  # auto | cpu | cuda | cuda:N

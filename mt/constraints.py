@@ -35,6 +35,7 @@ from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mt.incremental import Decoder
 from mt.search import (
     Hypothesis,
+    _check_beam,
     _constrain,
     _limits,
     _Prefix,
@@ -170,10 +171,7 @@ def constrained_beam_search(model, src: Tensor, constraints: list[list[list[int]
     b, k, device = src.size(0), beam_size, src.device
     if len(constraints) != b:
         raise ValueError(f"got {len(constraints)} constraint lists for {b} sentences")
-    if not 1 <= nbest <= beam_size:
-        raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
-    if no_repeat_ngram < 0:
-        raise ValueError(f"no_repeat_ngram must be 0 (off) or positive, got {no_repeat_ngram}")
+    _check_beam(beam_size, nbest, no_repeat_ngram)
     for i, phrases in enumerate(constraints):
         for p in phrases:
             if not p or any(t in (PAD_ID, BOS_ID, EOS_ID) for t in p):

@@ -14,11 +14,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mt.batching import token_batches
+from mt.batching import EncodedPairs, encode_split, token_batches
 from mt.config import TokenizerConfig, TrainConfig
-from mt.data import count_tagged, load_split, load_train, tokenizer_config
+from mt.data import (
+    count_tagged,
+    load_split,
+    load_train,
+    sample_texts,
+    tokenizer_config,
+    tokenizer_dir,
+)
 from mt.distributed import barrier
-from mt.tokenizer import Tokenizer
+from mt.tokenizer import Tokenizer, load_or_train, place, require_symbols
 
 log = logging.getLogger("mt.train")
 
@@ -38,7 +45,6 @@ class Corpus:
         resumed run's last.pt or ``init_from``), instead of one found or trained by the config."""
         from dataclasses import replace
 
-        from mt.batching import EncodedPairs, encode_split
         from mt.subwords import SampledPairs
 
         data = cfg.data
@@ -97,11 +103,8 @@ class Corpus:
                    given: Tokenizer | None, origin: str) -> Tokenizer:
         """data.tokenizer.path (trained there if empty) or run_dir/tokenizer, reused if complete;
         ``given`` is written there instead (or checked against the one there)."""
-        from mt.data import sample_texts
-        from mt.tokenizer import load_or_train, place, require_symbols
-
         seed = cfg.trainer.seed
-        directory = Path(tok_cfg.path) if tok_cfg.path else run_dir / "tokenizer"
+        directory = tokenizer_dir(tok_cfg, run_dir)
         if given is not None:  # checked before it is placed, so that a mistake leaves nothing
             require_symbols(given, tok_cfg.user_symbols, f"the tokenizer of {origin}",
                             "the model was trained without it")

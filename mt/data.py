@@ -203,6 +203,12 @@ def tokenizer_config(cfg: DataConfig) -> TokenizerConfig:
     return dataclasses.replace(cfg.tokenizer, user_symbols=symbols)
 
 
+def tokenizer_dir(tok_cfg: TokenizerConfig, run_dir: Path) -> Path:
+    """Where a run's tokenizer is (or is trained): ``data.tokenizer.path``, else the run
+    directory's ``tokenizer/``."""
+    return Path(tok_cfg.path or run_dir / "tokenizer")
+
+
 def tag_sources(ds, tag: str):
     """``ds`` with every non-empty source prefixed by ``tag`` and a space (cached Arrow).
 

@@ -35,6 +35,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from mt.textio import replace_file
+
 SRC_LANG = "en"
 TGT_LANG = "zz"
 VERSION = "zetan-1"  # bump whenever the output for a given seed changes
@@ -356,9 +358,7 @@ def _write_if_changed(path: Path, text: str) -> int:
     data = text.encode("utf-8")
     if path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
         return len(data)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    replace_file(path, data)
     return len(data)
 
 

@@ -51,8 +51,9 @@ def score(hypotheses: list[str], references: list[str], *, tokenize: str | None 
           lowercase: bool = False) -> dict:
     """Corpus BLEU and chrF of detokenized hypotheses against one reference each.
 
-    Used by ``mt.train`` for validation and the final test; ``mt-eval`` has more metrics. It goes
-    through ``score_system``, so a training log's BLEU equals mt-eval's on the same files.
+    Used by ``mt.runlog`` for training's validation and final test; ``mt-eval`` has more
+    metrics. It goes through ``score_system``, so a training log's BLEU equals mt-eval's on the
+    same files.
 
     Returns:
         {"bleu": float, "bleu_signature": str, "chrf": float, "chrf_signature": str,
@@ -85,13 +86,10 @@ def config_hash(model_config: dict) -> str:
 
 def translate_test(model, tokenizer, sources: list[str], opts) -> tuple[list[str], dict]:
     """Best translations and decoding speed (target tokens of the hypotheses per second)."""
-    import torch
-
-    from mt.lines import translate_lines
+    from mt.lines import best_translations
 
     start = time.perf_counter()
-    with torch.inference_mode():
-        hyps = [nbest[0][0] for nbest in translate_lines(model, tokenizer, sources, opts)]
+    hyps = best_translations(model, tokenizer, sources, opts)
     seconds = time.perf_counter() - start
     tokens = sum(len(ids) for ids in tokenizer.encode_tgt(hyps))
     return hyps, {"decode_seconds": seconds, "hyp_tokens": tokens,
@@ -408,12 +406,6 @@ def main(argv: list[str] | None = None) -> None:
     if any(kind == "model" for kind, _ in args.systems or []):
         for warning in unused_options(args, parser):
             log.warning(warning)
-    else:  # hypothesis files only: nothing is translated
-        for action in parser.translation_actions:
-            if getattr(args, action.dest) != action.default:
-                log.warning("%s has no effect without -m (nothing is translated)",
-                            action.option_strings[0])
-    if any(kind == "model" for kind, _ in args.systems or []):
         from mt.inference import cap_kernel_caches, device_mistake, keep_freed_memory
 
         mistake = device_mistake(args.device)
@@ -421,6 +413,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"mt-eval: {mistake}")
         keep_freed_memory()  # a command that decodes: see the docstrings
         cap_kernel_caches()
+    else:  # hypothesis files only: nothing is translated
+        for action in parser.translation_actions:
+            if getattr(args, action.dest) != action.default:
+                log.warning("%s has no effect without -m (nothing is translated)",
+                            action.option_strings[0])
     try:
         result = run(args)
     except EvalError as err:

@@ -52,10 +52,6 @@ def mix_log_probs(log_probs: Iterable[Tensor], weights: list[float]) -> Tensor:
         total = lp if total is None else total.add_(lp)
     return torch.log_softmax(total, -1)
 
-    @property
-    def max_positions(self) -> int:
-        return min(m.cfg.max_positions for m in self.models)
-
 
 def ensemble_members(model) -> list:
     """The models an Ensemble averages, or the one model."""

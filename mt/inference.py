@@ -20,6 +20,8 @@ from mt.model import FeedForward
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int8": torch.float32}  # int8: float32 with int8 linear layers (quantize_int8)
+PACK_ROWS = 128  # the batch rows oneDNN packs a weight for (PackedLinear)
+KERNEL_CACHE_CAPACITY = 64  # kernels and weight layouts each CPU cache keeps (cap_kernel_caches)
 
 
 class PackedLinear(nn.Module):
@@ -31,12 +33,12 @@ class PackedLinear(nn.Module):
     ``activation="relu"`` applies the ReLU inside the same call.
     """
 
-    def __init__(self, linear: nn.Linear, activation: str = "none", rows: int = 128) -> None:
+    def __init__(self, linear: nn.Linear, activation: str = "none") -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.activation = activation
         # Plain attributes, not parameters or buffers: never trained, never saved.
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +207,7 @@ def keep_freed_memory() -> bool:
     return all(took)
 
 
-def cap_kernel_caches(capacity: int = 64) -> None:
+def cap_kernel_caches() -> None:
     """Caps the two per-shape caches that CPU products fill, unless the user has set them.
 
     oneDNN keeps every primitive it builds (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1,024 by default)
@@ -215,11 +217,12 @@ def cap_kernel_caches(capacity: int = 64) -> None:
     Multi30k lines peaked at 3.0 GB in float32 and 2.2 GB in bfloat16; capped at 64, 1.6 GB flat,
     2.1 GB and 1.3 GB, at the same speed and with the same output (docs/benchmarks.md). A process
     that decodes the same input again and again (a benchmark's rounds) would reuse more kernels
-    with more room: the benchmarks keep 8,192. Both are read at their first use, so a command
-    calls this before its first product.
+    with more room: the decoding benchmarks (``set_up_process`` in scripts/bench_decode.py) keep
+    8,192 oneDNN primitives and ideep's 1,024 layouts. Both are read at their first use, so a
+    command calls this before its first product.
     """
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
-    os.environ.setdefault("LRU_CACHE_CAPACITY", str(capacity))
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(KERNEL_CACHE_CAPACITY))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(KERNEL_CACHE_CAPACITY))
 
 
 def device_mistake(device: str) -> str | None:

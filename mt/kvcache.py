@@ -314,8 +314,3 @@ class KVCache:
             for buffers in (self.cross_k, self.cross_v):
                 buffers[:] = [buf.index_select(0, sentences) for buf in buffers]
             self.src_bias = self.src_bias.index_select(0, sentences)
-
-    @property
-    def batch_size(self) -> int:
-        """Hypothesis rows (sentences x beams)."""
-        return self.rows

@@ -20,7 +20,7 @@ import torch
 from mt.batching import pad
 from mt.config import EOS_ID, UNK_ID
 from mt.constraints import constrained_beam_search, encode_phrases, satisfied
-from mt.incremental import Ensemble, first_member, max_positions
+from mt.incremental import first_member, max_positions
 from mt.mbr import mbr_lines
 from mt.options import SearchOptions
 from mt.scoring import forced_scores
@@ -181,13 +181,6 @@ def encode_prefixes(tokenizer, prefixes: list[str], name: str = "prefixes",
     return out
 
 
-def _one_model(model):
-    """A list of models is an ensemble (a list of one, that model); anything else stays."""
-    if isinstance(model, list | tuple):
-        return Ensemble(list(model)) if len(model) > 1 else model[0]
-    return model
-
-
 def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
                  progress: bool | Any = False, prefixes: list[str] | None = None, *,
                  generator: torch.Generator | None = None, warn: bool = True,
@@ -196,7 +189,7 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     (with ``opts.mbr``: each piece's ``opts.mbr_candidates`` cut to the one MBR chooses).
 
     Args:
-        model: a Transformer, a list of them (an ensemble) or an Ensemble.
+        model: a Transformer or an Ensemble.
         tokenizer: the model's mt.tokenizer.Tokenizer.
         lines: input sentences; a line that encodes to EOS alone (empty, whitespace, or only
             what normalization removes, such as a byte-order mark) is not searched.
@@ -212,7 +205,6 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
             A line translated in pieces cannot say which piece a phrase belongs to: its
             constraints go unused.
     """
-    model = _one_model(model)
     if prefixes is not None and len(prefixes) != len(lines):
         raise ValueError(f"{len(prefixes)} prefixes for {len(lines)} lines")
     if constraints is not None and len(constraints) != len(lines):
@@ -284,7 +276,6 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
         per line a LineResult whose one hypothesis carries the score (``forced_scores``); the
         result fits ``align_lines`` for forced alignments of given translations.
     """
-    model = _one_model(model)
     if len(targets) != len(lines):
         raise ValueError(f"{len(targets)} translations for {len(lines)} lines")
     limit = max_positions(model)
@@ -336,10 +327,18 @@ def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | No
     """Translates sentences; returns per line its n-best (text, score), best first.
 
     Empty lines (that encode to EOS alone: whitespace, a byte-order mark...) give ``[("", 0.0)]``
-    without being searched. ``model`` may be
-    a list of models (an ensemble sharing ``tokenizer``). ``constraints``: per line, target
-    phrases its translation must contain (``mt.constraints``).
+    without being searched. ``model`` may be an Ensemble (its members share ``tokenizer``).
+    ``constraints``: per line, target phrases its translation must contain (``mt.constraints``).
     """
     results = search_lines(model, tokenizer, lines, opts or SearchOptions(), progress, prefixes,
                            constraints=constraints)
     return [line_texts(tokenizer, r) for r in results]
+
+
+def best_translations(model, tokenizer, lines: list[str], opts: SearchOptions, *,
+                      constraints: list[list[str]] | None = None) -> list[str]:
+    """Each line's best translation (the first of its ``translate_lines`` n-best), searched under
+    ``torch.inference_mode``: what validation, the final test and ``mt-eval`` score."""
+    with torch.inference_mode():
+        return [nbest[0][0] for nbest in translate_lines(model, tokenizer, lines, opts,
+                                                         constraints=constraints)]

@@ -9,10 +9,12 @@ that reason: a right-padded target's real positions never look at the pads after
 Shapes in comments: B batch, S source length, T target length, D d_model, H heads, K head dim,
 V vocabulary.
 
-Inference shape (``search`` uses only these): ``encode`` once, ``init_cache`` once (it computes
-every layer's cross-attention keys/values), then ``decode_step`` per token; the cache can be
-``reorder``-ed by a batch index for beams and for dropping finished sentences. The cache and
-the attention that reads it during decoding are in mt/kvcache.py.
+Inference shape (what every search uses, through ``mt.incremental.Decoder``): ``encode`` once,
+``init_cache`` once (it computes every layer's cross-attention keys/values), then ``decode_step``
+per token (``project``, the output layer, may run apart); the cache can be ``reorder``-ed by a
+batch index for beams and for dropping finished sentences. ``cfg`` gives the vocabulary size and
+the longest sequence. The cache and the attention that reads it during decoding are in
+mt/kvcache.py.
 """
 
 from __future__ import annotations

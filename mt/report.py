@@ -14,7 +14,7 @@ import logging
 import re
 from pathlib import Path
 
-from mt.testsets import DOWNLOAD_TIMEOUT_S, EvalError, offline_var
+from mt.testsets import EvalError, download_timeout, offline_var
 
 # The mt-eval command's logger: its messages keep one name, whichever module says them.
 log = logging.getLogger("mt.evaluate")
@@ -52,7 +52,6 @@ def _bleu(*, tokenize: str | None, lowercase: bool, trg_lang: str,
     extras; both ended in a traceback. The download is refused at once in offline mode and runs
     under a socket timeout otherwise, as for ``--test-set``.
     """
-    import socket
     import urllib.error
 
     from sacrebleu.metrics import BLEU
@@ -68,11 +67,10 @@ def _bleu(*, tokenize: str | None, lowercase: bool, trg_lang: str,
         if not model.is_file() and offline_var():
             raise EvalError(f"{what}: its SentencePiece model is not in the sacrebleu cache "
                             f"({model}) and {offline_var()} is set (offline); {hint}")
-    old_timeout = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
     try:
-        return BLEU(tokenize=tokenize, lowercase=lowercase, trg_lang=trg_lang,
-                    references=references, effective_order=effective_order)
+        with download_timeout():
+            return BLEU(tokenize=tokenize, lowercase=lowercase, trg_lang=trg_lang,
+                        references=references, effective_order=effective_order)
     except (urllib.error.URLError, TimeoutError, SystemExit) as err:  # SystemExit: its SSL error
         reason = getattr(err, "reason", err)
         raise EvalError(f"{what}: cannot download its SentencePiece model ({reason}); "
@@ -80,8 +78,6 @@ def _bleu(*, tokenize: str | None, lowercase: bool, trg_lang: str,
     except (ImportError, RuntimeError, AssertionError, OSError) as err:  # e.g. no sacrebleu[ja]
         raise EvalError(f"{what}: {' '.join(str(err).split())} (or choose another "
                         "--tokenize)") from None
-    finally:
-        socket.setdefaulttimeout(old_timeout)
 
 
 def _score_dict(s, signature: str) -> dict:

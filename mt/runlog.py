@@ -16,8 +16,9 @@ import torch
 from mt import checkpoint
 from mt.batching import collate, token_batches
 from mt.config import PAD_ID, TrainConfig, TrainerConfig
-from mt.data import load_split
+from mt.data import load_split, split_files
 from mt.loss import label_smoothed_nll
+from mt.textio import replace_file
 
 log = logging.getLogger("mt.train")
 _said_too_long: set[tuple[int, int]] = set()  # (valid pairs, limit): warned once per process
@@ -38,7 +39,7 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
     (``write_lines``), so that a score can be read against what the model produced.
     """
     from mt.evaluate import score
-    from mt.lines import translate_lines
+    from mt.lines import best_translations
     from mt.options import SearchOptions
 
     src_ids, tgt_ids = tokenizer.encode_src(src), tokenizer.encode_tgt(tgt)
@@ -62,7 +63,7 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
         loss_sum += float(nll)
         tokens += int((tgt_out != PAD_ID).sum())
     opts = SearchOptions(beam=trainer.beam_size, lenpen=trainer.lenpen)
-    hyps = [n[0][0] for n in translate_lines(model, tokenizer, src, opts)]
+    hyps = best_translations(model, tokenizer, src, opts)
     if hyp_file is not None:
         write_lines(hyp_file, hyps)
     scores = score(hyps, tgt)
@@ -72,16 +73,12 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
 
 
 def write_lines(path: Path, lines: list[str]) -> None:
-    """Writes ``lines`` one per line, under a temporary name renamed over ``path`` at the end: a
-    file under the name is always whole (a kill mid-write leaves the old one, or none, and a
-    stray ``.tmp``). A line break inside a line (\\n or \\r, should the tokenizer decode a piece to
-    one) becomes a space, so that line N of the file stays line N of the input."""
+    """Writes ``lines`` one per line, whole or not at all (``mt.textio.replace_file``). A line
+    break inside a line (\\n or \\r, should the tokenizer decode a piece to one) becomes a space,
+    so that line N of the file stays line N of the input."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        f.writelines(line.replace("\r\n", " ").replace("\n", " ").replace("\r", " ") + "\n"
-                     for line in lines)
-    tmp.replace(path)
+    replace_file(path, "".join(line.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
+                               + "\n" for line in lines))
 
 
 class Metrics:
@@ -98,9 +95,7 @@ class Metrics:
             lines = path.read_text().splitlines(keepends=True)
             kept = [x for x in lines if _step_of(x) <= step]
             if len(kept) < len(lines):
-                tmp = path.with_name(path.name + ".tmp")
-                tmp.write_text("".join(x if x.endswith("\n") else x + "\n" for x in kept))
-                tmp.replace(path)
+                replace_file(path, "".join(x if x.endswith("\n") else x + "\n" for x in kept))
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -216,7 +211,7 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
     test.json. Both test scores are printed too, so that nothing is chosen on the test set here.
     """
     from mt.evaluate import score
-    from mt.lines import translate_lines
+    from mt.lines import best_translations
     from mt.options import SearchOptions
 
     ckpt_dir = run_dir / "checkpoints"
@@ -245,18 +240,14 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
         if not path.exists():  # best.pt may be missing (a run resumed from a copied last.pt)
             continue
         model, tok, _ = checkpoint.load_model(path, device)
-
-        def translated(texts: list[str], model=model, tok=tok) -> list[str]:
-            with torch.inference_mode():
-                return [n[0][0] for n in translate_lines(model, tok, texts, opts)]
-
         if on_valid:
-            valid_scores[name] = {k: v for k, v in score(translated(valid[0]), valid[1]).items()
+            hyps = best_translations(model, tok, valid[0], opts)
+            valid_scores[name] = {k: v for k, v in score(hyps, valid[1]).items()
                                   if k in ("bleu", "chrf", "sentences")}
         if not on_test:
             continue
         start = time.perf_counter()
-        hyps = translated(src)
+        hyps = best_translations(model, tok, src, opts)
         seconds = time.perf_counter() - start
         result = score(hyps, ref)
         suffix = "" if name == "best" else ".averaged"
@@ -277,8 +268,6 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
         with open(run_dir / "test.json", "w") as f:  # best.pt's scores at the top level
             json.dump({**report.get("best", {}), "averaged": report.get("averaged")}, f, indent=2)
         if cfg.data.source != "hub" and cfg.data.format == "text":  # tsv/jsonl: no source file
-            from mt.data import split_files
-
             src_file = split_files(cfg.data, cfg.data.test.split("+")[0])[0]  # the first part
             print(f"try: translate -m {run_dir} -i {src_file.resolve()}")  # from anywhere
     print(f"run directory: {run_dir}")

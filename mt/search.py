@@ -1,9 +1,10 @@
 """Greedy, beam and sampling search over the model's incremental interface.
 
-Search knows the model only through ``encode``, ``init_cache``, ``decode_step`` and the cache's
-``reorder``; it never sees the trainer. Every search drops finished sentences from the active
-batch, so a long sentence does not make the short ones pay for its steps, and keeps the per-step
-work in a handful of batched tensor operations (no Python loop over rows in the hot path).
+Search knows the model only through ``mt.incremental.Decoder`` (the model's ``encode``,
+``init_cache``, ``decode_step``, ``project`` and ``cfg``, and the cache's ``reorder``); it never
+sees the trainer. Every search drops finished sentences from the active batch, so a long sentence
+does not make the short ones pay for its steps, and keeps the per-step work in a handful of
+batched tensor operations (no Python loop over rows in the hot path).
 
 Scores: ``Hypothesis.logprob`` is the sum of the model's log-probabilities of the generated tokens,
 EOS included; ``Hypothesis.score`` is that sum divided by the GNMT length penalty
@@ -13,8 +14,8 @@ budget is spent, a forced prefix, no repeated n-gram) remove alternatives but ne
 chosen token's own log-probability, so a score always equals a teacher-forced re-scoring of the
 same tokens.
 
-Any search also takes an :class:`Ensemble` in place of a model: the members' log-probabilities
-are averaged (and renormalised), each member with its own cache.
+Any search also takes an :class:`mt.incremental.Ensemble` in place of a model: the members'
+log-probabilities are averaged (and renormalised), each member with its own cache.
 """
 
 from __future__ import annotations
@@ -28,14 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID
-from mt.incremental import Decoder, Ensemble, ensemble_members, first_member, max_positions
+from mt.incremental import Decoder, max_positions
 from mt.kvcache import float32_products_on_onednn
-
-# Ensemble and the helpers that look into one are used beside every search; they stay importable
-# from here.
-__all__ = ["Ensemble", "Hypothesis", "beam_search", "ensemble_members", "first_member",
-           "greedy_search", "inference_search", "length_penalty", "max_lengths", "max_positions",
-           "sample_search"]
 
 
 def inference_search(fn):
@@ -159,6 +154,14 @@ def _constrain(lprobs: Tensor, step: int, min_len: int, force_eos: Tensor,
         # EOS keeps its own probability (the hypothesis score stays honest, min_len, a prefix or
         # not) but is the only option; 0 only where the model's own underflowed.
         lprobs[force_eos, EOS_ID] = torch.where(torch.isfinite(own), own, torch.zeros_like(own))
+
+
+def _check_beam(beam_size: int, nbest: int, no_repeat_ngram: int) -> None:
+    """The arguments every beam search refuses (beam_search, constrained_beam_search)."""
+    if not 1 <= nbest <= beam_size:
+        raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
+    if no_repeat_ngram < 0:
+        raise ValueError(f"no_repeat_ngram must be 0 (off) or positive, got {no_repeat_ngram}")
 
 
 def _limits(model, src: Tensor, max_len_a: float, max_len_b: int,
@@ -345,10 +348,7 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
     Returns:
         per sentence (input order), its ``nbest`` hypotheses, best first.
     """
-    if not 1 <= nbest <= beam_size:
-        raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
-    if no_repeat_ngram < 0:
-        raise ValueError(f"no_repeat_ngram must be 0 (off) or positive, got {no_repeat_ngram}")
+    _check_beam(beam_size, nbest, no_repeat_ngram)
     b, k, device = src.size(0), beam_size, src.device
     prefix = _Prefix(prefixes, b, device)
     limits = _limits(model, src, max_len_a, max_len_b, prefix)

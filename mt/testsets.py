@@ -14,7 +14,10 @@ import gzip
 import logging
 import os
 import re
+import socket
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +33,18 @@ DOWNLOAD_TIMEOUT_S = 20.0
 # Marks of tokenized text: a space before a comma or a final period, split clitics, BPE joiners,
 # Moses XML escapes. French puts a space before ; : ! ? so those are not on the list.
 _TOKENIZED = re.compile(r" [,.](?= |$)| 's\b| n't\b|@@( |$)|&apos;|&quot;|&amp;|&lt;|&gt;")
+
+
+@contextmanager
+def download_timeout() -> Iterator[None]:
+    """Downloads inside give up after ``DOWNLOAD_TIMEOUT_S`` without data (sacrebleu's ``urlopen``
+    has no timeout); the process's default socket timeout comes back after."""
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        socket.setdefaulttimeout(old)
 
 
 class EvalError(Exception):
@@ -165,7 +180,6 @@ def load_sacrebleu_test(name: str, langpair: str | None, origlang: str | None = 
     the download is refused at once in offline mode (``HF_HUB_OFFLINE=1``, ``MT_OFFLINE=1``, ...)
     and otherwise runs under a socket timeout; any failure is one line, not a traceback.
     """
-    import socket
     import urllib.error
 
     from sacrebleu.dataset import DATASETS
@@ -187,18 +201,15 @@ def load_sacrebleu_test(name: str, langpair: str | None, origlang: str | None = 
     if not cached and offline_var():
         raise EvalError(f"--test-set {name}: not in the sacrebleu cache {SACREBLEU_DIR} and "
                         f"{offline_var()} is set (offline); {hint}")
-    old_timeout = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
     try:
-        if not cached:
-            log.info("downloading sacrebleu test set %s to %s", name, SACREBLEU_DIR)
-        src = dataset.get_source_file(langpair)
-        refs = dataset.get_reference_files(langpair)
+        with download_timeout():
+            if not cached:
+                log.info("downloading sacrebleu test set %s to %s", name, SACREBLEU_DIR)
+            src = dataset.get_source_file(langpair)
+            refs = dataset.get_reference_files(langpair)
     except (urllib.error.URLError, OSError, SystemExit) as err:
         reason = getattr(err, "reason", err)
         raise EvalError(f"--test-set {name}: cannot download it ({reason}); {hint}") from None
-    finally:
-        socket.setdefaulttimeout(old_timeout)
     test = TestSet(name, list(refs), src, langpair, "sacrebleu")
     if origlang or subset:
         test.keep = _documents(test, origlang, subset)

@@ -205,6 +205,16 @@ def utf8_stdout() -> TextIO:
     return cast(TextIO, _Utf8Writer(out.buffer, out.line_buffering))
 
 
+def replace_file(path: Path, data: str | bytes) -> None:
+    """Writes a small file whole under a temporary name beside ``path`` (``.NAME.PID.tmp``), then
+    renames it over ``path``: a file under the name is always whole (a kill mid-write leaves the
+    old one, or none, and a stray temporary). Text is written as UTF-8, line ends as given; the
+    file gets a new file's permissions."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
 @contextmanager
 def atomic_output(path: str | None) -> Iterator[TextIO]:
     """stdout (as UTF-8: ``utf8_stdout``), or a file that appears under its name only once whole.

@@ -23,13 +23,14 @@ import functools
 import gc
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
 import random
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
@@ -44,6 +45,7 @@ from mt.config import (
     check_normalization,
     is_user_symbol,
 )
+from mt.textio import replace_file
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +163,7 @@ class Tokenizer:
         meta = {"joint": self.joint, "src_vocab_size": self.src_vocab_size,
                 "tgt_vocab_size": self.tgt_vocab_size, "fingerprint": self.fingerprint,
                 **(info or {})}
-        tmp = directory / (META_FILE + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        tmp.replace(directory / META_FILE)
+        replace_file(directory / META_FILE, json.dumps(meta, indent=2) + "\n")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> Tokenizer:
@@ -266,14 +266,11 @@ def train_tokenizer(
                              f"{symbol!r} (data.tag or data.tokenizer.user_symbols): write it in "
                              "lower case")
     if cfg.joint:
-        def both() -> Iterator[str]:
-            yield from src_texts
-            yield from tgt_texts
-
         if isinstance(src_texts, list) and isinstance(tgt_texts, list):
             sentences = _sample(src_texts + tgt_texts, cfg.input_sentence_size, seed)
         else:
-            sentences = _sample(both(), cfg.input_sentence_size, seed)
+            sentences = _sample(itertools.chain(src_texts, tgt_texts), cfg.input_sentence_size,
+                                seed)
         tok = Tokenizer(_train_one(sentences, cfg, seed, cfg.user_symbols))
     else:
         tok = Tokenizer(  # user symbols mark sources: the target vocabulary has no use for them

@@ -43,7 +43,7 @@ from mt.config import (
     register_configs,
 )
 from mt.corpus import Corpus
-from mt.data import split_files, tokenizer_config
+from mt.data import split_files, tokenizer_config, tokenizer_dir
 from mt.distributed import barrier, rank_seed, setup_distributed, share_run
 from mt.divergence import BadSteps, Diverged, check_weights
 from mt.inference import cap_kernel_caches
@@ -100,8 +100,8 @@ class Trainer:
             if replaced:
                 log.info("%s: the model's shape replaces %s", origin, replaced)
         elif cfg.model.tie_embeddings == "all" and not cfg.data.tokenizer.joint:
-            tok_dir = Path(cfg.data.tokenizer.path or run_dir / "tokenizer")
-            if not (tok_dir / META_FILE).exists():  # to be trained as two vocabularies
+            # no tokenizer yet: it would be trained as two vocabularies
+            if not (tokenizer_dir(cfg.data.tokenizer, run_dir) / META_FILE).exists():
                 raise ValueError(TIED_NEEDS_JOINT)
         cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
         if cfg.data.source == "files":  # missing: say so now, not after the corpus or training

@@ -212,6 +212,59 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     keep_freed_memory()
     cap_kernel_caches()
+    _check_flags(args, parser)
+    if args.output in STDOUT_NAMES:
+        args.output = None
+    try:
+        check_output(args.output)  # fail before the work, not after it
+    except InputError as err:
+        raise SystemExit(f"translate: {err}") from None
+    interactive = args.input in (None, "-") and sys.stdin.isatty()
+    # Files read line by line beside the input.
+    parallel = {option: path for option, path in (("--prefix-file", args.prefix_file),
+                                                  ("--score", args.score),
+                                                  ("--constraints-file", args.constraints_file))
+                if path}
+    if interactive and parallel:
+        raise SystemExit(f"translate: {next(iter(parallel))} needs -i (or piped input)")
+    _refuse_overwrite(args, parallel)
+    total = None if interactive else _count_input(args, parallel)
+    try:
+        model, tokenizer, names = load_models(args.model, args.device, args.dtype,
+                                              pack=not args.no_pack, weights=args.weights)
+    except ValueError as err:
+        raise SystemExit(f"translate: {err}") from None
+    try:  # a prefix or phrase the target vocabulary cannot spell stops translate before any work
+        for option, path in parallel.items():
+            if option in SPELLED and is_regular(path):
+                for n, part in enumerate(chunks(read_lines(path, args.errors), args.chunk_lines)):
+                    _spelled(tokenizer, option, part, path, n * args.chunk_lines + 1)
+    except ValueError as err:
+        raise SystemExit(f"translate: {err}") from None
+    if args.alignment_layer is not None:
+        n_layers = len(first_member(model).decoder_layers)
+        if not -n_layers <= args.alignment_layer < n_layers:
+            raise SystemExit(f"translate: --alignment-layer {args.alignment_layer}: the decoder "
+                             f"has {n_layers} layers")
+    opts = search_options(args, args.workers or default_workers(args.device))
+    if interactive:
+        with torch.inference_mode():
+            _interactive(model, tokenizer, opts, args)
+        return
+    log.info("model %s%s", " + ".join(names), "" if total is None else f", {total} lines")
+    start = time.perf_counter()
+    done, unfit, missed = _translate_chunks(model, tokenizer, opts, args, parallel, total)
+    if unfit:
+        log.warning(NOT_SCORED if args.score else IN_PIECES, unfit, max_positions(model))
+    if missed:
+        log.warning(UNMET, missed)
+    seconds = time.perf_counter() - start
+    log.info("%s %d lines in %.1f s (%.1f lines/s)", "scored" if args.score else "translated",
+             done, seconds, done / max(seconds, 1e-9))
+
+
+def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuses options that cannot run (SystemExit) and warns of those that have no effect."""
     mistake = search_mistake(args) or device_mistake(args.device)
     if mistake:
         raise SystemExit(f"translate: {mistake}")
@@ -237,33 +290,30 @@ def main(argv: list[str] | None = None) -> None:
     if args.constraints_file and (args.sampling or args.beam < 2):
         raise SystemExit("translate: --constraints-file needs beam search with --beam 2 or more "
                          "(a beam of 1 has no room for a hypothesis that places a phrase)")
-    if args.output in STDOUT_NAMES:
-        args.output = None
+
+
+def _refuse_overwrite(args: argparse.Namespace, parallel: dict[str, str]) -> None:
+    """SystemExit when -o names a file that translate reads (the input or a side file): the
+    translations would replace it."""
+    if not (args.output and os.path.exists(args.output)):
+        return
+    out = os.stat(args.output)
+    stdin = args.input in (None, "-")
+    for option, path in (("input (stdin)" if stdin else "-i", args.input), *parallel.items()):
+        try:  # stdin (no -i, or -i -) may be the file itself: translate -o f < f
+            read = os.fstat(sys.stdin.fileno()) if path in (None, "-") else os.stat(path)
+        except (OSError, ValueError):  # no such file (said later), or no stdin at all
+            continue
+        if (read.st_dev, read.st_ino) == (out.st_dev, out.st_ino):
+            raise SystemExit(f"translate: -o {args.output} is the {option} file; the "
+                             "translations would replace it: write them elsewhere")
+
+
+def _count_input(args: argparse.Namespace, parallel: dict[str, str]) -> int | None:
+    """The input's lines (None where it cannot be counted ahead: a pipe), with each side file
+    checked to have as many: a regular file's mistakes stop translate before any work."""
     try:
-        check_output(args.output)  # fail before the work, not after it
-    except InputError as err:
-        raise SystemExit(f"translate: {err}") from None
-    interactive = args.input in (None, "-") and sys.stdin.isatty()
-    # Files read line by line beside the input.
-    parallel = {option: path for option, path in (("--prefix-file", args.prefix_file),
-                                                  ("--score", args.score),
-                                                  ("--constraints-file", args.constraints_file))
-                if path}
-    if interactive and parallel:
-        raise SystemExit(f"translate: {next(iter(parallel))} needs -i (or piped input)")
-    if args.output and os.path.exists(args.output):  # the output would replace what it reads
-        out = os.stat(args.output)
-        stdin = args.input in (None, "-")
-        for option, path in (("input (stdin)" if stdin else "-i", args.input), *parallel.items()):
-            try:  # stdin (no -i, or -i -) may be the file itself: translate -o f < f
-                read = os.fstat(sys.stdin.fileno()) if path in (None, "-") else os.stat(path)
-            except (OSError, ValueError):  # no such file (said later), or no stdin at all
-                continue
-            if (read.st_dev, read.st_ino) == (out.st_dev, out.st_ino):
-                raise SystemExit(f"translate: -o {args.output} is the {option} file; the "
-                                 "translations would replace it: write them elsewhere")
-    try:  # a regular file's mistakes stop translate before any work
-        total = None if interactive else count_lines(args.input, args.errors)
+        total = count_lines(args.input, args.errors)
         for path in parallel.values():
             n = count_lines(path, args.errors)
             if None not in (n, total) and n != total:
@@ -271,38 +321,30 @@ def main(argv: list[str] | None = None) -> None:
                                  "input line")
     except InputError as err:
         raise SystemExit(f"translate: {err}") from None
-    try:
-        model, tokenizer, names = load_models(args.model, args.device, args.dtype,
-                                              pack=not args.no_pack, weights=args.weights)
-    except ValueError as err:
-        raise SystemExit(f"translate: {err}") from None
-    if args.prefix_file and is_regular(args.prefix_file):
-        try:  # a prefix the target vocabulary cannot spell stops translate before any work
-            for n, part in enumerate(chunks(read_lines(args.prefix_file, args.errors),
-                                            args.chunk_lines)):
-                encode_prefixes(tokenizer, part, args.prefix_file, n * args.chunk_lines + 1)
-        except ValueError as err:
-            raise SystemExit(f"translate: {err}") from None
-    if args.constraints_file and is_regular(args.constraints_file):
-        try:  # a phrase the target vocabulary cannot spell stops translate before any work
-            for n, part in enumerate(chunks(read_lines(args.constraints_file, args.errors),
-                                            args.chunk_lines)):
-                encode_phrases(tokenizer, [split_phrases(c) for c in part],
-                               args.constraints_file, n * args.chunk_lines + 1)
-        except ValueError as err:
-            raise SystemExit(f"translate: {err}") from None
-    if args.alignment_layer is not None:
-        n_layers = len(first_member(model).decoder_layers)
-        if not -n_layers <= args.alignment_layer < n_layers:
-            raise SystemExit(f"translate: --alignment-layer {args.alignment_layer}: the decoder "
-                             f"has {n_layers} layers")
-    opts = search_options(args, args.workers or default_workers(args.device))
-    if interactive:
-        with torch.inference_mode():
-            _interactive(model, tokenizer, opts, args)
-        return
-    log.info("model %s%s", " + ".join(names), "" if total is None else f", {total} lines")
-    start = time.perf_counter()
+    return total
+
+
+# Side files whose lines the target vocabulary must spell (an unknown piece forced or required
+# would print as "⁇"): checked whole before any work where the file can be read twice, and each
+# chunk again as it comes (a pipe is read once).
+SPELLED = ("--prefix-file", "--constraints-file")
+
+
+def _spelled(tokenizer, option: str, lines: list[str], path: str, first_line: int) -> list:
+    """A chunk of an ``option`` file (one of SPELLED) as target ids: per line, the prefix, or
+    the phrases. ValueError names the file and line of one the vocabulary cannot spell."""
+    if option == "--prefix-file":
+        return encode_prefixes(tokenizer, lines, path, first_line)
+    return encode_phrases(tokenizer, [split_phrases(c) for c in lines], path, first_line)
+
+
+def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Namespace,
+                      parallel: dict[str, str], total: int | None) -> tuple[int, int, int]:
+    """Reads, translates (or scores) and writes the input a chunk at a time.
+
+    Returns:
+        (lines written, lines too long for the model, lines lacking a constraint).
+    """
     rows = parallel_lines(read_lines(args.input, args.errors),
                           [(path, read_lines(path, args.errors)) for path in parallel.values()])
     # One random stream for the whole input, not one per chunk (which would repeat itself).
@@ -327,25 +369,22 @@ def main(argv: list[str] | None = None) -> None:
                                           args.batch_tokens, opts.workers, progress, warn=False)
                     unfit += sum(bool(r.sources) and not r.hyps for r in results)  # not empty
                 else:
-                    phrases = None
-                    if args.prefix_file:
-                        try:
-                            encode_prefixes(tokenizer, side["--prefix-file"], args.prefix_file,
-                                            done + 1)
-                        except ValueError as err:
-                            raise InputError(str(err)) from None
-                    if args.constraints_file:
-                        phrases = [split_phrases(c) for c in side["--constraints-file"]]
-                        try:
-                            ids = encode_phrases(tokenizer, phrases, args.constraints_file,
-                                                 done + 1)
-                        except ValueError as err:
-                            raise InputError(str(err)) from None
+                    ids = {}
+                    for option in SPELLED:
+                        if option in side:
+                            try:
+                                ids[option] = _spelled(tokenizer, option, side[option],
+                                                       parallel[option], done + 1)
+                            except ValueError as err:
+                                raise InputError(str(err)) from None
+                    phrases = ([split_phrases(c) for c in side["--constraints-file"]]
+                               if args.constraints_file else None)
                     results = search_lines(model, tokenizer, lines, opts, progress,
                                            side.get("--prefix-file"), generator=generator,
                                            warn=False, constraints=phrases)
                     unfit += sum(len(r.sources) > 1 for r in results)
-                    missed += unmet(results, ids) if phrases is not None else 0
+                    if phrases is not None:
+                        missed += unmet(results, ids["--constraints-file"])
                 fields = _fields(model, tokenizer, results, args, args.batch_tokens)
                 for i, (r, f) in enumerate(zip(results, fields, strict=True), start=done):
                     lines_out = ([_format_score(r, f)] if args.score
@@ -368,13 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if bar is not None:
             bar.close()
-    if unfit:
-        log.warning(NOT_SCORED if args.score else IN_PIECES, unfit, max_positions(model))
-    if missed:
-        log.warning(UNMET, missed)
-    seconds = time.perf_counter() - start
-    log.info("%s %d lines in %.1f s (%.1f lines/s)", "scored" if args.score else "translated",
-             done, seconds, done / max(seconds, 1e-9))
+    return done, unfit, missed
 
 
 class _Terminated(KeyboardInterrupt):

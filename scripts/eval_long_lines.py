@@ -20,7 +20,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import sacrebleu  # noqa: E402
-import torch  # noqa: E402
 
 import mt.lines  # noqa: E402
 from mt.inference import load_models  # noqa: E402
@@ -49,9 +48,8 @@ def main() -> None:
         if ignore_boundaries:
             mt.lines._pieces = lambda ids, limit, boundaries=None: cut_anywhere(ids, limit)
         try:
-            with torch.inference_mode():
-                hyps = [n[0][0] for n in mt.lines.translate_lines(
-                    model, tok, lines, SearchOptions(workers=args.workers))]
+            hyps = mt.lines.best_translations(model, tok, lines,
+                                              SearchOptions(workers=args.workers))
         finally:
             mt.lines._pieces = cut_anywhere
         result[name] = {"bleu": round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),

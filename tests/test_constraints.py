@@ -17,7 +17,8 @@ from mt.constraints import (
     satisfied,
     split_phrases,
 )
-from mt.search import Ensemble, beam_search
+from mt.incremental import Ensemble
+from mt.search import beam_search
 from tests.test_search import _model, _pad, _rescore, _sources, _token_lps
 
 V = 40

@@ -215,7 +215,7 @@ def test_reordered_cache_equals_recomputation(norm: str, index: list[int]) -> No
         for t in range(3):
             model.decode_step(tgt[:, t], cache)
         cache.reorder(idx)
-        assert cache.batch_size == len(index) and cache.length == 3
+        assert cache.rows == len(index) and cache.length == 3
         later = torch.stack([model.decode_step(tgt[idx, t], cache) for t in range(3, 6)], dim=1)
         expected = model(src[idx], tgt[idx])[:, 3:]
     torch.testing.assert_close(later, expected, atol=ATOL, rtol=0)

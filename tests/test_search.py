@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
+from mt.incremental import Ensemble
 from mt.model import build_model
 from mt.scoring import cross_attention, forced_scores
 from mt.search import (
-    Ensemble,
     _ban_repeats,
     _best,
     _sample,
