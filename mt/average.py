@@ -57,7 +57,8 @@ def pick(folder: Path, last: int | None, best: int | None) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="mt-average", description=__doc__.split("\n")[0])
-    p.add_argument("inputs", nargs="+", help="checkpoint files, or one checkpoints/ folder")
+    p.add_argument("inputs", nargs="+", help="checkpoint files, or one checkpoints/ folder "
+                   "(or the run directory that holds it)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--last", type=positive_int, default=None, metavar="N",
                        help="the last N step checkpoints")
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     if one and not one.exists():
         raise SystemExit(f"mt-average: {one}: no such file or folder")
     folder = one if one and one.is_dir() else None
+    if folder and (folder / "checkpoints").is_dir():  # a run directory, as translate -m takes
+        folder = folder / "checkpoints"
     if folder and not (args.last or args.best):
         raise SystemExit("mt-average: with a folder, give --last N or --best N")
     if not folder and (args.last or args.best):

@@ -162,15 +162,19 @@ def test_best_step_checkpoints_ranks_by_the_recorded_metric():
 
 
 def test_average_script_writes_a_loadable_model(tmp_path, tokenizer):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
     for seed in range(3):
         checkpoint.save_atomic(checkpoint.model_state(tiny_model(seed), tokenizer, None),
-                               tmp_path / f"step_{seed + 1}.pt")
+                               run / "checkpoints" / f"step_{seed + 1}.pt")
     out = tmp_path / "avg.pt"
-    # mt-average, and the script of the same name older commands use
-    for command in ([PYTHON, "-m", "mt.average"],
-                    [PYTHON, str(REPO / "scripts" / "average_checkpoints.py")]):
+    # mt-average, and the script of the same name older commands use; the checkpoints folder
+    # or the run directory that holds it, as translate -m takes
+    for command, folder in (([PYTHON, "-m", "mt.average"], run / "checkpoints"),
+                            ([PYTHON, "-m", "mt.average"], run),
+                            ([PYTHON, str(REPO / "scripts" / "average_checkpoints.py")], run)):
         out.unlink(missing_ok=True)
-        result = subprocess.run([*command, str(tmp_path), "--last", "2", "-o", str(out)],
+        result = subprocess.run([*command, str(folder), "--last", "2", "-o", str(out)],
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         model, _, ckpt = checkpoint.load_model(out)
