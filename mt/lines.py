@@ -31,6 +31,8 @@ from mt.workers import map_batches
 log = logging.getLogger("mt.lines")
 IN_PIECES = "%d line(s) longer than the model's %d tokens were translated in pieces"
 NOT_SCORED = "%d line pair(s) longer than the model's %d tokens were not scored (nan)"
+UNUSED_PREFIX = ("%d empty line(s) have a prefix, which goes unused: an empty line gets an "
+                 "empty translation")
 UNMET = ("%d translation(s) lack a constraint: the output budget ran out first (a larger "
           "--beam or --max-len-b helps), --no-repeat-ngram-size left no way to place it, or the "
           "line was empty or translated in pieces (constraints then go unused)")
@@ -217,9 +219,10 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     forced: list[list[int]] = []
     wanted: list[list[list[int]]] = []
     owner: list[int] = []  # which line each source piece belongs to
-    long_lines = 0
+    long_lines = unused_prefixes = 0
     for i, ids in enumerate(encoded):
         if len(ids) == 1:  # EOS alone: searching it would make up a sentence from nothing
+            unused_prefixes += bool(prefix_ids and prefix_ids[i])
             continue
         pieces = _pieces(ids, limit, tokenizer.src_boundaries)
         long_lines += len(pieces) > 1
@@ -230,6 +233,8 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         wanted.extend([phrase_ids[i] if phrase_ids and len(pieces) == 1 else []] * len(pieces))
     if long_lines and warn:
         log.warning(IN_PIECES, long_lines, limit)
+    if unused_prefixes and warn:
+        log.warning(UNUSED_PREFIX, unused_prefixes)
     if not isinstance(progress, bool):  # the caller's bar counts lines, the search pieces
         progress.total += len(sources) - len(set(owner))
         progress.update(len(lines) - len(set(owner)))

@@ -45,6 +45,7 @@ from mt.lines import (
     IN_PIECES,
     NOT_SCORED,
     UNMET,
+    UNUSED_PREFIX,
     LineResult,
     encode_prefixes,
     line_texts,
@@ -253,11 +254,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     log.info("model %s%s", " + ".join(names), "" if total is None else f", {total} lines")
     start = time.perf_counter()
-    done, unfit, missed = _translate_chunks(model, tokenizer, opts, args, parallel, total)
+    done, unfit, missed, unused = _translate_chunks(model, tokenizer, opts, args, parallel,
+                                                    total)
     if unfit:
         log.warning(NOT_SCORED if args.score else IN_PIECES, unfit, max_positions(model))
     if missed:
         log.warning(UNMET, missed)
+    if unused:
+        log.warning(UNUSED_PREFIX, unused)
     seconds = time.perf_counter() - start
     log.info("%s %d lines in %.1f s (%.1f lines/s)", "scored" if args.score else "translated",
              done, seconds, done / max(seconds, 1e-9))
@@ -339,11 +343,13 @@ def _spelled(tokenizer, option: str, lines: list[str], path: str, first_line: in
 
 
 def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Namespace,
-                      parallel: dict[str, str], total: int | None) -> tuple[int, int, int]:
+                      parallel: dict[str, str], total: int | None
+                      ) -> tuple[int, int, int, int]:
     """Reads, translates (or scores) and writes the input a chunk at a time.
 
     Returns:
-        (lines written, lines too long for the model, lines lacking a constraint).
+        (lines written, lines too long for the model, lines lacking a constraint, empty lines
+        with a prefix).
     """
     rows = parallel_lines(read_lines(args.input, args.errors),
                           [(path, read_lines(path, args.errors)) for path in parallel.values()])
@@ -356,7 +362,7 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
 
         bar = tqdm(total=total, unit="line", file=sys.stderr, leave=False)
     progress = False if bar is None else bar
-    done = unfit = missed = 0  # lines written; too long for the model; lacking a constraint
+    done = unfit = missed = unused = 0  # as returned
     try:
         with _terminate_as_interrupt(), atomic_output(args.output) as out, \
                 torch.inference_mode():
@@ -385,6 +391,9 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
                     unfit += sum(len(r.sources) > 1 for r in results)
                     if phrases is not None:
                         missed += unmet(results, ids["--constraints-file"])
+                    if args.prefix_file:  # an empty line is not searched: it has no prefix
+                        unused += sum(bool(p) and not r.sources for p, r in zip(
+                            ids["--prefix-file"], results, strict=True))
                 fields = _fields(model, tokenizer, results, args, args.batch_tokens)
                 for i, (r, f) in enumerate(zip(results, fields, strict=True), start=done):
                     lines_out = ([_format_score(r, f)] if args.score
@@ -407,7 +416,7 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
     finally:
         if bar is not None:
             bar.close()
-    return done, unfit, missed
+    return done, unfit, missed, unused
 
 
 class _Terminated(KeyboardInterrupt):

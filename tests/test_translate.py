@@ -944,7 +944,7 @@ def test_flags_that_do_nothing_in_a_combination_are_warned_about(models, tmp_pat
     assert said == warned
 
 
-def test_dtype_prefix_and_seeded_sampling(models, tmp_path, capsys):
+def test_dtype_prefix_and_seeded_sampling(models, tmp_path, capsys, caplog):
     rng = random.Random(8)
     lines = [_sentence(rng) for _ in range(30)]
     path = _write(tmp_path / "in.txt", lines)
@@ -960,6 +960,15 @@ def test_dtype_prefix_and_seeded_sampling(models, tmp_path, capsys):
                capsys)
     for p, hyp in zip(prefixes, pre, strict=True):
         assert hyp.startswith(p)
+    # An empty line is not searched: its prefix goes unused, which a warning says (as an
+    # unmet constraint's); it used to be dropped without a word.
+    emptied = ["" if i in (1, 3, 4) else line for i, line in enumerate(lines)]
+    with caplog.at_level("WARNING", logger="mt"):
+        pre = _run(["-m", models["a"], "-i", _write(tmp_path / "e.txt", emptied),
+                    "--prefix-file", str(tmp_path / "prefix.txt"), "--max-len-b", "6",
+                    "--quiet", "--chunk-lines", "2"], capsys)
+    assert [pre[i] for i in (1, 3, 4)] == ["", "", ""]
+    assert "2 empty line(s) have a prefix, which goes unused" in caplog.text  # 1 and 4, not 3
     sample = ["-m", models["a"], "-i", path, "--sampling", "--top-k", "20", *fast]
     s1 = _run([*sample, "--seed", "1"], capsys)
     assert s1 == _run([*sample, "--seed", "1"], capsys)
