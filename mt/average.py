@@ -55,6 +55,27 @@ def pick(folder: Path, last: int | None, best: int | None) -> list[Path]:
     return picked
 
 
+def _refuse_output(out: Path, inputs: list[Path], force: bool) -> None:
+    """SystemExit unless ``out`` is free to write: an existing file only with ``force``, and
+    never one of the checkpoints averaged (a step_N.pt whose score in last.pt would then rank
+    the average) or a file with a run's training state (a last.pt: the run could not resume)."""
+    if not out.exists() or out.is_dir():  # a directory: the write says so
+        return
+    if any(p.exists() and out.samefile(p) for p in inputs):
+        raise SystemExit(f"mt-average: -o {out} is one of the checkpoints averaged; write the "
+                         "average elsewhere")
+    try:
+        trains = "trainer" in checkpoint.load(out, mmap=True)
+    except ValueError:  # not a checkpoint (or a directory): nothing of a run to lose
+        trains = False
+    if trains:
+        raise SystemExit(f"mt-average: -o {out} holds a run's training state (its last.pt); "
+                         "the run could not resume from an average: write it elsewhere")
+    if not force:
+        raise SystemExit(f"mt-average: {out} exists; choose another -o or pass --force to "
+                         "replace it")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="mt-average", description=__doc__.split("\n")[0])
     p.add_argument("inputs", nargs="+", help="checkpoint files, or one checkpoints/ folder "
@@ -65,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     group.add_argument("--best", type=positive_int, default=None, metavar="N",
                        help="the N best step checkpoints (ranked by the scores in last.pt)")
     p.add_argument("-o", "--output", required=True)
+    p.add_argument("--force", action="store_true", help="replace -o if it exists")
     args = p.parse_args(argv)
     one = Path(args.inputs[0]) if len(args.inputs) == 1 else None
     if one and not one.exists():
@@ -82,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         averaged = checkpoint.average(paths)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"mt-average: {err}") from None
+    _refuse_output(Path(args.output), paths, args.force)
     try:
         checkpoint.save_atomic(averaged, args.output)
     except OSError as err:  # -o a directory, a folder that cannot be written, a full disk

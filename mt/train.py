@@ -193,6 +193,10 @@ class Trainer:
             changed = config_changes(saved_config, self.config_dict)
             if changed:
                 log.info("resuming with settings changed since %s: %s", path, ", ".join(changed))
+        if "trainer" not in ckpt:
+            raise ValueError(f"{path} holds weights only, no training state (an average or an "
+                             "imported model?), so the run cannot resume from it; move it away "
+                             "and give it as init_from=... to start from its weights")
         state = ckpt["trainer"]
         # "model" is what translates: with an EMA, the average; the trained weights are beside it
         self.model.load_state_dict(state.get("weights") or ckpt["model"])

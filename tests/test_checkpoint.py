@@ -225,6 +225,23 @@ def test_average_script_errors_are_one_line_and_fewer_than_asked_is_said(tmp_pat
     assert result.returncode == 0, result.stderr
     assert "--last 99: " in result.stderr and "averaging 3" in result.stderr
     assert len(checkpoint.load(tmp_path / "avg.pt")["averaged_from"]) == 3
+    # -o is replaced only with --force, and never when it is an input or a run's last.pt (a
+    # review replaced last.pt with an average, and the run could not resume)
+    result = run("--last", "2")
+    assert result.returncode == 1 and "avg.pt exists; choose another -o or pass --force" in (
+        result.stderr)
+    assert len(checkpoint.load(tmp_path / "avg.pt")["averaged_from"]) == 3
+    assert run("--last", "2", "--force").returncode == 0
+    assert len(checkpoint.load(tmp_path / "avg.pt")["averaged_from"]) == 2
+    state = {**checkpoint.load(tmp_path / "step_1.pt"), "trainer": {"step": 1}}
+    checkpoint.save_atomic(state, tmp_path / "last.pt")
+    for out, said in (("last.pt", "holds a run's training state"),
+                      ("step_3.pt", "is one of the checkpoints averaged")):
+        before = (tmp_path / out).read_bytes()
+        result = subprocess.run([PYTHON, *script, str(tmp_path), "--last", "2", "--force", "-o",
+                                 str(tmp_path / out)], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1 and said in result.stderr, result.stderr
+        assert (tmp_path / out).read_bytes() == before
     # named files are averaged as given: --last would read as a choice among them
     files = [str(tmp_path / "step_1.pt"), str(tmp_path / "step_2.pt")]
     result = subprocess.run([PYTHON, *script, *files, "--last", "1", "-o",

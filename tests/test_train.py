@@ -778,6 +778,25 @@ def test_tied_embeddings_refuse_two_vocabularies_of_one_size(tmp_path, corpus_di
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_last_pt_without_training_state_is_refused_in_one_line(tmp_path, corpus_dir,
+                                                                 tokenizer_dir):
+    """An average or an imported model saved as last.pt (a review had mt-average write one
+    there) cannot be resumed: one line says so, not a KeyError from inside the trainer."""
+    run_dir = tmp_path / "run"
+    steps = ["trainer.max_steps=2", "trainer.validate_every=2", "trainer.test_at_end=false"]
+    run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *steps)
+    last = run_dir / "checkpoints" / "last.pt"
+    state = torch.load(last, weights_only=True)
+    del state["trainer"]
+    torch.save(state, last)
+    cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={run_dir}", *steps]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "holds weights only, no training state" in result.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("split", ["data.test=tst", "data.valid=tst"])
 def test_a_missing_test_split_fails_before_training(tmp_path, corpus_dir, tokenizer_dir, split):
     """The test split is read after the last step: a typo in data.test cost the whole run; the
