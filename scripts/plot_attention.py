@@ -33,12 +33,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-o", "--output", default="attention.png")
     args = p.parse_args(argv)
 
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        p.exit(1, "plot_attention.py: needs matplotlib, the plot extra: "
+                  "pip install -e '.[plot]'\n")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    model, tok, _ = load_model(args.model)
+    try:
+        model, tok, _ = load_model(args.model)
+    except (OSError, ValueError) as err:  # a missing or corrupt model: the message names it
+        p.exit(1, f"plot_attention.py: {err}\n")
     n = len(model.decoder_layers)
     if args.layer is not None and not -n <= args.layer < n:
         p.error(f"--layer {args.layer}: the model's decoder has {n} layers (0 to {n - 1}, or "

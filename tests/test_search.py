@@ -521,3 +521,30 @@ def test_plot_attention_names_a_layer_the_model_lacks(tmp_path, tokenizer_dir, c
     assert not (tmp_path / "a.png").exists()
     script.main([*args, "--layer", "-2"])
     assert (tmp_path / "a.png").stat().st_size > 0
+
+
+def test_plot_attention_without_matplotlib_or_a_model_says_so_in_one_line(tmp_path, monkeypatch,
+                                                                        capsys):
+    """matplotlib is an optional extra: its absence (and a missing model) is one line naming
+    what to do, not a ModuleNotFoundError traceback."""
+    import importlib.util
+    import sys
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("plot_attention",
+                                                  REPO / "scripts" / "plot_attention.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = ["-m", str(tmp_path / "missing.pt"), "a b c", "-o", str(tmp_path / "a.png")]
+    if importlib.util.find_spec("matplotlib") is not None:
+        with pytest.raises(SystemExit) as err:
+            script.main(args)
+        assert err.value.code == 1
+        assert "missing.pt" in capsys.readouterr().err.strip().splitlines()[-1]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    with pytest.raises(SystemExit) as err:
+        script.main(args)
+    assert err.value.code == 1
+    assert capsys.readouterr().err.strip() == (
+        "plot_attention.py: needs matplotlib, the plot extra: pip install -e '.[plot]'")
