@@ -268,7 +268,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Refuses options that cannot run (SystemExit) and warns of those that have no effect."""
+    """Refuses options that cannot run (SystemExit) and warns of those that have no effect.
+    Combinations that cannot work are refused before values out of range: a range's message
+    asks for another value (--mbr --score: "needs --beam 16"), which would not help."""
+    if args.mbr and args.score:
+        raise SystemExit("translate: --mbr chooses among translations it searches; it does not "
+                         "combine with --score")
+    if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file
+                                   or args.constraints_file):
+        raise SystemExit("translate: --score scores given translations; it does not combine with "
+                         "--sampling, --nbest, --prefix-file or --constraints-file")
     mistake = search_mistake(args) or device_mistake(args.device)
     if mistake:
         raise SystemExit(f"translate: {mistake}")
@@ -284,13 +293,6 @@ def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                          f"{len(args.model)} models (-m); one per model, in their order")
     if args.weights is not None and not all(0 < w < math.inf for w in args.weights):
         raise SystemExit(f"translate: --weights must be above 0 and finite, got {args.weights}")
-    if args.mbr and args.score:
-        raise SystemExit("translate: --mbr chooses among translations it searches; it does not "
-                         "combine with --score")
-    if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file
-                                   or args.constraints_file):
-        raise SystemExit("translate: --score scores given translations; it does not combine with "
-                         "--sampling, --nbest, --prefix-file or --constraints-file")
     if args.constraints_file and (args.sampling or args.beam < 2):
         raise SystemExit("translate: --constraints-file needs beam search with --beam 2 or more "
                          "(a beam of 1 has no room for a hypothesis that places a phrase)")

@@ -762,6 +762,12 @@ def test_score_refuses_a_translation_file_that_does_not_match(models, tmp_path):
         main(["-m", models["a"], "-i", src, "--score", short, "--quiet"])
     with pytest.raises(SystemExit, match="does not combine"):
         main(["-m", models["a"], "-i", src, "--score", src, "--nbest", "2", "--quiet"])
+    # a combination that cannot work is said before a value's range, whose message would ask
+    # for a value that cannot help (--mbr --score said "needs --beam 16")
+    with pytest.raises(SystemExit, match="--mbr chooses among translations it searches"):
+        main(["-m", models["a"], "-i", src, "--score", src, "--mbr", "chrf", "--quiet"])
+    with pytest.raises(SystemExit, match="--score scores given translations"):
+        main(["-m", models["a"], "-i", src, "--score", src, "--nbest", "9", "--quiet"])
 
 
 def test_alignment_links_words_of_both_sides(models, tmp_path, capsys):
