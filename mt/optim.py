@@ -153,7 +153,8 @@ def freeze(model: torch.nn.Module, patterns: list[str]) -> list[str]:
     domain may keep the encoder, or the embeddings, as they are.
 
     Returns:
-        the names frozen. A pattern that matches no parameter is a typo: ValueError naming it.
+        the names frozen. A pattern that matches no parameter is a typo, and patterns that
+        match all of them leave nothing to train: ValueError naming them.
     """
     names = [n for n, _ in model.named_parameters()]
     for pattern in patterns:
@@ -166,6 +167,9 @@ def freeze(model: torch.nn.Module, patterns: list[str]) -> list[str]:
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
             param.requires_grad_(False)
             frozen.append(name)
+    if len(frozen) == len(names):
+        raise ValueError(f"trainer.freeze: {', '.join(patterns)} freezes all {len(names)} "
+                         "parameter tensors; nothing would be trained")
     return frozen
 
 

@@ -113,3 +113,17 @@ def test_frozen_parameters_keep_their_values_and_a_resume_keeps_the_set(tmp_path
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 1 and "Traceback" not in result.stderr
         assert re.search(message, result.stderr.strip().splitlines()[-1]), result.stderr[-2000:]
+
+
+def test_freezing_every_parameter_is_refused_with_the_key():
+    """'*' (or patterns that cover everything) would leave the optimizer an empty list, whose
+    PyTorch error names neither the key nor the cause."""
+    from mt.config import ModelConfig
+    from mt.model import build_model
+    from mt.optim import freeze
+
+    model = build_model(ModelConfig(encoder_layers=1, decoder_layers=1, d_model=16, ffn_dim=32,
+                                    heads=2, src_vocab_size=20, tgt_vocab_size=20))
+    with pytest.raises(ValueError, match=r"trainer.freeze: \* freezes all \d+ parameter tensors"):
+        freeze(model, ["*"])
+    assert freeze(model, ["encoder_layers.*"])  # part of them is fine
