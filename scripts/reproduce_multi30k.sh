@@ -12,6 +12,10 @@
 # Arguments: experiment (conf/experiment/), run directory, then any mt-train overrides. Run from
 # the repository root with mt installed (README.md); an existing run directory resumes.
 set -euo pipefail
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # the comment above is the usage
+  sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  exit 0
+fi
 experiment=${1:-multi30k_en_de_cpu}
 run=${2:-runs/$experiment}
 shift $(( $# < 2 ? $# : 2 ))

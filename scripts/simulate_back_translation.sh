@@ -12,6 +12,10 @@
 # Run from the repository root with mt installed (README.md). The same command resumes: the data
 # split and the back-translation are kept, and each run resumes from its last.pt.
 set -euo pipefail
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # the comment above is the usage
+  sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  exit 0
+fi
 out=${1:-runs/bt}
 steps=${STEPS:-3600}
 src=${DATA:-../shared/data/multi30k}

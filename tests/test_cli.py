@@ -155,3 +155,17 @@ def test_a_wheel_ships_the_configs_and_trains_from_anywhere(tmp_path):
                            cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60)
     assert where.stdout.split() == [str(site / "mt" / "conf"),
                                     str(site / "mt" / "conf" / "testsets")]
+
+
+@pytest.mark.parametrize("script", ["reproduce_multi30k.sh", "simulate_back_translation.sh"])
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_the_shell_scripts_print_their_usage(script, flag, tmp_path):
+    """--help used to be taken as the experiment name (or a directory to make)."""
+    from conftest import REPO
+
+    result = subprocess.run(["bash", str(REPO / "scripts" / script), flag], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert "the repository root with mt installed" in " ".join(result.stdout.split())
+    assert not any(line.startswith("#") for line in result.stdout.splitlines())
+    assert list(tmp_path.iterdir()) == []  # nothing made, nothing run
