@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> dict:
             if args.sentence_scores:
                 record["sentence_scores"] = _write_sentence_scores(
                     _expand(args.sentence_scores, test, n), hyps, refs, args.metrics,
-                    trg_lang=trg_lang, **metric_args)
+                    test.keep, trg_lang=trg_lang, **metric_args)
             entry["systems"].append(record)
             named_hyps.append((system.name, hyps))
         entry["signatures"] = {m: entry["systems"][0]["scores"][m]["signature"]
@@ -240,9 +240,13 @@ def _write(flag: str, path: str, lines: Iterable[str]) -> str:
 
 
 def _write_sentence_scores(path: str, hyps: list[str], refs: list[list[str]], metrics: list[str],
-                           **metric_args) -> str:
-    """JSON lines: the signatures, then a record per sentence (``report.sentence_scores``)."""
+                           kept: list[int] | None, **metric_args) -> str:
+    """JSON lines: the signatures, then a record per sentence (``report.sentence_scores``);
+    ``line`` is the sentence's line in the test set (``kept``: the lines --origlang scored)."""
     rows, signatures = sentence_scores(hyps, refs, metrics, **metric_args)
+    if kept is not None:
+        for row, i in zip(rows, kept, strict=True):
+            row["line"] = i + 1
     return _write("--sentence-scores", path,
                   (json.dumps(r, ensure_ascii=False) + "\n" for r in [{"signatures": signatures},
                                                                       *rows]))

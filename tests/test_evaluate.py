@@ -382,9 +382,15 @@ def test_origlang_scores_what_the_sacrebleu_cli_scores(files, origlang):
     _write(hyp, _perturb(ref[:10], 0.1, seed=4) + _perturb(ref[10:], 0.5, seed=5))
     env = {**os.environ, "SACREBLEU": str(cache), "HF_HUB_OFFLINE": "1"}
     common = ["-t", "wmt19", "-l", "en-de", "--origlang", origlang]
+    scores = files["tmp"] / "scores.jsonl"
     ours = json.loads(subprocess.run(
-        [sys.executable, "-m", "mt.evaluate", "--hyp", str(hyp), *common, "--json"],
-        capture_output=True, text=True, env=env, check=True).stdout)
+        [sys.executable, "-m", "mt.evaluate", "--hyp", str(hyp), *common, "--json",
+         "--sentence-scores", str(scores)], capture_output=True, text=True, env=env,
+        check=True).stdout)
+    rows = [json.loads(x) for x in scores.read_text().splitlines()[1:]]
+    first = 11 if origlang == "de" else 1  # documents 2 and 4 are de; line numbers of the file
+    assert [r["line"] for r in rows][:2] == [first, first + 1] and len(rows) == 20
+    assert all(r["hyp"] == hyp.read_text().splitlines()[r["line"] - 1] for r in rows)
     theirs = json.loads(subprocess.run(
         [SACREBLEU, *common, "-i", str(hyp), "-w", "4"], capture_output=True, text=True,
         env=env, check=True).stdout)
