@@ -135,8 +135,11 @@ def marian_rows(vocab: dict[str, int], rows: int, pad: int | None, bos: int | No
     for row in range(rows):
         if row in taken:
             continue
-        if piece_of.get(row) is None or piece_of[row] in SPECIAL_PIECES.values():
-            skipped += 1
+        piece = piece_of.get(row)
+        if piece is None or piece in SPECIAL_PIECES.values():
+            # a source side has no decoder start: its <s> row (mt's own exports have one) is
+            # unused, not lost
+            skipped += not (bos is None and piece == SPECIAL_PIECES[BOS_ID])
             continue
         order.append(row)
     if skipped:
