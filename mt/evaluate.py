@@ -404,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("sacrebleu").setLevel(logging.WARNING)
     args.systems = getattr(args, "systems", None)
+    if args.json and args.format not in ("text", "json"):
+        raise SystemExit(f"mt-eval: --json means --format json; it does not combine with "
+                         f"--format {args.format}")
     mistake = search_mistake(args)
     if mistake:
         raise SystemExit(f"mt-eval: {mistake}")

@@ -336,6 +336,12 @@ def test_sacrebleu_test_set_from_the_cache_equals_the_cli(files):
                                                                           abs=1e-3)
 
 
+def test_json_and_another_format_is_refused(files):
+    with pytest.raises(SystemExit, match="--json means --format json; it does not combine with "
+                                         "--format latex"):
+        main(["--hyp", files["good"], "--ref", files["ref"], "--format", "latex", "--json"])
+
+
 def test_a_byte_order_mark_is_not_text(files, capsys):
     """A file saved with a BOM scores as the same file without one, as mt-train reads its test
     references (the run's test.json and mt-eval on the same files gave different chrF)."""
