@@ -101,10 +101,10 @@ def main(argv: list[str] | None = None) -> None:
                          "named files are averaged as given")
     try:
         paths = pick(folder, args.last, args.best) if folder else [Path(x) for x in args.inputs]
+        _refuse_output(Path(args.output), paths, args.force)  # before the work, not after it
         averaged = checkpoint.average(paths)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"mt-average: {err}") from None
-    _refuse_output(Path(args.output), paths, args.force)
     try:
         checkpoint.save_atomic(averaged, args.output)
     except OSError as err:  # -o a directory, a folder that cannot be written, a full disk

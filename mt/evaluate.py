@@ -160,9 +160,11 @@ def run(args: argparse.Namespace) -> dict:
                 hyps, speed = _translate(system, test, sources and kept(sources), n, loaded, args)
                 record.update(system.info, **speed)
                 hyp_file = record.get("hypotheses") or f"{system.name} (translations)"
-            whole = system.kind == "hyp"
+            # a --hyp file holds the whole test set, or only the kept lines (as -m --output
+            # writes them under --origlang)
+            whole = system.kind == "hyp" and len(hyps) != len(refs[0])
             check_lines(hyps, hyp_file, all_refs if whole else refs, test.refs,
-                        warn_tokenized=args.tokenize != "none", from_model=not whole)
+                        warn_tokenized=args.tokenize != "none", from_model=system.kind == "model")
             hyps = kept(hyps) if whole else hyps
             record.update(score_system(hyps, refs, args.metrics, trg_lang=trg_lang,
                                        confidence_n=args.confidence_n if args.confidence else 0,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shlex
 import sys
 import time
 from contextlib import nullcontext
@@ -500,7 +501,8 @@ def _interrupted() -> int:
         last = run_dir / "checkpoints" / "last.pt"
         if last.exists():
             log.warning("interrupted; %s holds the run as of its last validation or save: the "
-                        "same command with hydra.run.dir=%s resumes it", last, run_dir)
+                        "same command with %s resumes it", last,
+                        shlex.quote(f"hydra.run.dir={run_dir}"))
         else:
             log.warning("interrupted before the first checkpoint; nothing to resume")
     return 130

@@ -427,6 +427,14 @@ def test_origlang_translates_only_the_documents_it_keeps(tmp_path):
     (test,) = json.loads(proc.stdout)["tests"]
     assert test["sentences"] == origlang.count("en") == 20
     assert len((tmp_path / "wmt19.out").read_text().splitlines()) == 20
+    # that output scores again as a --hyp file of the kept lines alone (or of all 30)
+    again = subprocess.run(
+        [sys.executable, "-m", "mt.evaluate", "--hyp", str(tmp_path / "wmt19.out"), "-t",
+         "wmt19", "-l", "en-de", "--origlang", "en", "--json"], capture_output=True, text=True,
+        env=env)
+    assert again.returncode == 0, again.stderr
+    assert (json.loads(again.stdout)["tests"][0]["systems"][0]["scores"]["bleu"]["score"]
+            == test["systems"][0]["scores"]["bleu"]["score"])
     (cache / "wmt19" / "raw" / "sgm" / "newstest2019-ende-src.en.sgm").unlink()
     proc = subprocess.run(
         [sys.executable, "-m", "mt.evaluate", "--hyp", str(tmp_path / "wmt19.out"), "-t",
