@@ -488,9 +488,11 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
     proc.send_signal(signal.SIGINT if ctrl_c else signal.SIGKILL)
     proc.wait()
     assert (killed / "checkpoints" / "last.pt").exists()
-    if ctrl_c:
-        err.seek(0)
-        said = err.read()
+    err.seek(0)
+    said = err.read()
+    # A signal sent just as the 14 steps end can land in the interpreter's teardown, after
+    # mt-train is done: nothing of the run is lost then, and no resume hint is due.
+    if ctrl_c and "trainer.max_steps=14 reached" not in said:
         assert proc.returncode == 130 and "Traceback" not in said, said
         assert f"the same command with hydra.run.dir={killed} resumes it" in said
     err.close()
