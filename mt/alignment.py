@@ -61,9 +61,9 @@ def _source_words(sp, text: str, ids: list[int]) -> list[int]:
     normalizer says which input character each normalized character came from, so each token is
     placed in the input itself. Tokens that are not the line's plain encoding are numbered by
     the '▁' count."""
-    if sp.encode(text) != ids:
-        return _word_index(sp, ids, source=True)
     pieces = sp.encode(text, out_type=str)  # <unk> as the characters it stands for
+    if sp.piece_to_id(pieces) != ids:
+        return _word_index(sp, ids, source=True)
     normalized, origin = sp.normalize(text, with_offsets=True)
     char_of_byte = [i for i, c in enumerate(normalized) for _ in range(len(c.encode()))]
     word_of, word, spaced = [], -1, True  # each input character's word

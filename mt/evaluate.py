@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
         named_hyps = []
         for n, system in enumerate(systems, 1):
             record: dict = {"name": system.name, "kind": system.kind}
-            if system.kind == "hyp":  # a file of the whole test set, scored on the kept lines
+            if system.kind == "hyp":
                 hyp_file = _expand(system.path, test, n)
                 hyps = read_text(hyp_file)
                 record["hypotheses"] = hyp_file

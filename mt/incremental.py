@@ -40,7 +40,9 @@ class Ensemble:
             raise ValueError(f"ensemble weights must be above 0 and finite, got {weights}")
         self.models = list(models)
         top = max(weights)  # scaled first: a sum of huge weights would overflow to inf
-        self.weights = [(w / top) / sum(v / top for v in weights) for w in weights]
+        scaled = [w / top for w in weights]
+        total = sum(scaled)
+        self.weights = [w / total for w in scaled]
 
 
 def mix_log_probs(log_probs: Iterable[Tensor], weights: list[float]) -> Tensor:
