@@ -477,10 +477,11 @@ def hydra_main(dcfg: DictConfig) -> float | None:
     too with HYDRA_FULL_ERROR=1, as Hydra's own errors."""
     try:
         return _run(dcfg)
-    except KeyboardInterrupt:  # Ctrl-C: how to go on, not a traceback from inside torch
-        raise SystemExit(_interrupted()) from None
-    except (ValueError, OSError, Diverged) as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    except (KeyboardInterrupt, Exception) as err:
+        if _ctrl_c_within(err):  # Ctrl-C: how to go on, not a traceback from inside torch
+            raise SystemExit(_interrupted()) from None
+        if not isinstance(err, (ValueError, OSError, Diverged)) or (
+                os.environ.get("HYDRA_FULL_ERROR") == "1"):
             raise
         record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, "mt-train failed",
                                    None, sys.exc_info())
@@ -489,6 +490,18 @@ def hydra_main(dcfg: DictConfig) -> float | None:
             handler.handle(record)
         where = f" (traceback in {logs[0].baseFilename})" if logs else ""
         raise SystemExit(f"mt-train: {err}{where}") from None
+
+
+def _ctrl_c_within(err: BaseException) -> bool:
+    """Whether a Ctrl-C set off this error: one that lands inside torch.save makes the zip
+    writer's cleanup raise a RuntimeError of its own, with the KeyboardInterrupt only as its
+    context (the atomic write has kept the last checkpoint whole all the same)."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _interrupted() -> int:
