@@ -115,6 +115,10 @@ class DataConfig:
     format: str = "text"  # text | tsv | jsonl (files source only; .gz accepted)
     train: str = "train"  # several splits joined by '+': train+backtranslated
     valid: str = "valid"
+    # more valid splits (each may join splits with '+'), scored at every validation beside
+    # data.valid and logged as SPLIT/loss, SPLIT/bleu, ...: e.g. a second domain, watched while
+    # fine-tuning. Only data.valid chooses best.pt, patience and the plateau cuts.
+    extra_valid: list[str] = field(default_factory=list)
     test: str = "test"
     hub_name: str | None = None  # e.g. wmt14
     hub_config: str | None = None  # e.g. de-en
@@ -397,6 +401,11 @@ def check_values(cfg: TrainConfig) -> None:
         raise ValueError("data.subword_alpha samples among a unigram model's segmentations: "
                          "set data.tokenizer.model_type=unigram, or data.subword_alpha=0 for "
                          f"{d.tokenizer.model_type}")
+    for i, split in enumerate(d.extra_valid):
+        if not split or split == d.valid or split in d.extra_valid[:i]:
+            why = ("is empty" if not split else "is data.valid already" if split == d.valid
+                   else "is named twice")
+            raise ValueError(f"data.extra_valid[{i}]={split!r} {why}")
     parts = d.train.split("+")
     for split, factor in d.upsample.items():
         if split not in parts:

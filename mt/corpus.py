@@ -94,9 +94,12 @@ class Corpus:
                     f"{s} x{f:g} ({n:,} pairs)" for s, f, n in zip(
                         names, self.mix.factors, self.mix.kept, strict=True)),
                     f"{len(self.mix.epoch(cfg.trainer.seed, 0)):,}")
-        valid = load_split(data, data.valid)
-        n = data.max_valid_sentences or len(valid)
-        self.valid_src, self.valid_tgt = list(valid["src"][:n]), list(valid["tgt"][:n])
+        # (sources, targets) of data.valid, then of each of data.extra_valid's splits
+        self.valid: dict[str, tuple[list[str], list[str]]] = {}
+        for split in [data.valid, *data.extra_valid]:
+            valid = load_split(data, split)
+            n = data.max_valid_sentences or len(valid)
+            self.valid[split] = list(valid["src"][:n]), list(valid["tgt"][:n])
 
     @staticmethod
     def _tokenizer(cfg: TrainConfig, tok_cfg: TokenizerConfig, run_dir: Path, train,

@@ -21,7 +21,7 @@ from mt.loss import label_smoothed_nll
 from mt.textio import replace_file
 
 log = logging.getLogger("mt.train")
-_said_too_long: set[tuple[int, int]] = set()  # (valid pairs, limit): warned once per process
+_said_too_long: set[tuple[str, int]] = set()  # (valid split, limit): warned once per process
 
 
 def perplexity(nll: float) -> float:
@@ -30,13 +30,15 @@ def perplexity(nll: float) -> float:
 
 
 def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
-             trainer: TrainerConfig, device: torch.device, hyp_file: Path | None = None) -> dict:
+             trainer: TrainerConfig, device: torch.device, hyp_file: Path | None = None,
+             split: str = "valid") -> dict:
     """Loss and perplexity on the valid pairs (teacher forced, without label smoothing, so runs
     with different smoothing compare), and BLEU and chrF of the search the test at the end uses.
 
     The caller puts the model in eval mode and under inference mode (and autocast, if any).
     ``hyp_file``: where to write the translations scored, one line per source line
     (``write_lines``), so that a score can be read against what the model produced.
+    ``split``: the pairs' name, for the warning about pairs too long.
     """
     from mt.evaluate import score
     from mt.lines import best_translations
@@ -48,10 +50,11 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
     limit = model.cfg.max_positions
     fits = [i for i, (s, t) in enumerate(zip(src_ids, tgt_ids, strict=True))
             if len(s) <= limit and len(t) + 1 <= limit]
-    if len(fits) < len(src_ids) and (len(src_ids), limit) not in _said_too_long:
-        _said_too_long.add((len(src_ids), limit))
-        log.warning("valid loss leaves out %d of %d pairs longer than model.max_positions=%d "
-                    "(BLEU and chrF keep them)", len(src_ids) - len(fits), len(src_ids), limit)
+    if len(fits) < len(src_ids) and (split, limit) not in _said_too_long:
+        _said_too_long.add((split, limit))
+        log.warning("valid loss on %s leaves out %d of %d pairs longer than "
+                    "model.max_positions=%d (BLEU and chrF keep them)", split,
+                    len(src_ids) - len(fits), len(src_ids), limit)
     src_ids, tgt_ids = [src_ids[i] for i in fits], [tgt_ids[i] for i in fits]
     loss_sum, tokens = 0.0, 0
     batches = token_batches([len(s) for s in src_ids], [len(t) for t in tgt_ids],
@@ -138,9 +141,17 @@ def plot_curves(metrics_file: Path, out: Path) -> bool:
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss per token")
     ax_loss.legend()
-    ax_bleu.plot([r["step"] for r in valid], [r["valid_bleu"] for r in valid], "o-")
+    ax_bleu.plot([r["step"] for r in valid], [r["valid_bleu"] for r in valid], "o-",
+                 label="valid")
+    extra = dict.fromkeys(k.removesuffix("/bleu") for r in valid for k in r if k.endswith("/bleu"))
+    for split in extra:  # data.extra_valid's splits
+        scored = [r for r in valid if f"{split}/bleu" in r]
+        ax_bleu.plot([r["step"] for r in scored], [r[f"{split}/bleu"] for r in scored], "o-",
+                     label=split)
     ax_bleu.set_xlabel("step")
-    ax_bleu.set_ylabel("valid BLEU")
+    ax_bleu.set_ylabel("BLEU")
+    if extra:
+        ax_bleu.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

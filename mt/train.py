@@ -107,7 +107,8 @@ class Trainer:
         cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
         if cfg.data.source == "files":  # missing: say so now, not after the corpus or training
             tested = cfg.data.test.split("+") if cfg.trainer.test_at_end else []
-            for split in [*cfg.data.valid.split("+"), *tested]:
+            valid = [cfg.data.valid, *cfg.data.extra_valid]
+            for split in [*"+".join(valid).split("+"), *tested]:
                 split_files(cfg.data, split)
         self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
                              Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
@@ -287,12 +288,17 @@ class Trainer:
         return self.ema.applied() if self.ema is not None else nullcontext()
 
     def validate(self) -> dict:
+        """The scores on data.valid (valid_loss, ...) and on each of data.extra_valid's splits
+        (SPLIT/loss, ...); the translations in valid/step_N.hyp and valid/SPLIT/step_N.hyp."""
         self.model.eval()
-        c = self.corpus
+        c, metrics = self.corpus, {}
         with self._averaged(), torch.inference_mode(), self._autocast():
-            hyps = self.run_dir / "valid" / f"step_{self.step}.hyp"
-            metrics = validate(self.model, c.tokenizer, c.valid_src, c.valid_tgt, self.cfg.trainer,
-                               self.device, hyps if self.cfg.trainer.save_valid_hyps else None)
+            for split, (src, tgt) in c.valid.items():
+                hyps = self.run_dir / "valid" / (split if metrics else "") / f"step_{self.step}.hyp"
+                scores = validate(self.model, c.tokenizer, src, tgt, self.cfg.trainer, self.device,
+                                  hyps if self.cfg.trainer.save_valid_hyps else None, split)
+                metrics.update(scores if not metrics else {
+                    f"{split}/{key.removeprefix('valid_')}": v for key, v in scores.items()})
         self.model.train()
         return metrics
 
@@ -455,9 +461,12 @@ class Trainer:
                 self.bad_validations += 1
             record = {"step": self.step, "epoch": self.epoch, **metrics, "best": self.best}
             self.metrics.write(record)
-            log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f%s", self.step,
+            log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f%s%s", self.step,
                      metrics["valid_loss"], metrics["valid_ppl"], metrics["valid_bleu"],
-                     metrics["valid_chrf"], " (best)" if improved else "")
+                     metrics["valid_chrf"], " (best)" if improved else "", "".join(
+                         f"; {split}: loss {metrics[f'{split}/loss']:.3f}, BLEU "
+                         f"{metrics[f'{split}/bleu']:.2f}, chrF {metrics[f'{split}/chrf']:.2f}"
+                         for split in self.cfg.data.extra_valid))
         if self.world > 1:  # early stopping and the plateau cuts must agree on every rank
             state = [self.bad_validations, self.best, record]
             dist.broadcast_object_list(state, src=0)
@@ -535,7 +544,7 @@ def _run(dcfg: DictConfig) -> float | None:
     best = trainer.fit()
     if trainer.rank == 0:
         finish(trainer.cfg, trainer.run_dir, trainer.device,
-               (trainer.corpus.valid_src, trainer.corpus.valid_tgt))
+               trainer.corpus.valid[cfg.data.valid])
     if trainer.world > 1:
         dist.destroy_process_group()
     return best

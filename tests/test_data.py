@@ -485,8 +485,7 @@ def test_corpus_interface_and_reuse(tmp_path, monkeypatch):
     corpus = Corpus(cfg, tmp_path / "run", rank=0, world=1)
     assert corpus.pairs.report.too_long > 0
     assert max(corpus.src_lens) <= 30 and max(corpus.tgt_lens) + 1 <= 30
-    assert corpus.valid_src == [s for s, _ in pairs[:7]]
-    assert corpus.valid_tgt == [t for _, t in pairs[:7]]
+    assert corpus.valid == {"valid": ([s for s, _ in pairs[:7]], [t for _, t in pairs[:7]])}
     batches = corpus.batches(200, seed=1, epoch=0)
     assert sorted(i for b in batches for i in b) == list(range(len(corpus.src_lens)))
     src, tgt_in, tgt_out = corpus.collate(batches[0])

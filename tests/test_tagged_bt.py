@@ -171,7 +171,7 @@ def test_a_reused_tokenizer_without_the_tag_fails_at_start_up(data_dir, tmp_path
     assert f"data.tagged: {tagged_pairs} of {len(TRAIN[0]) + len(BT[0])} training pairs" in (
         caplog.text)
     assert corpus.tokenizer.symbol_id("<BT>") is not None
-    assert corpus.valid_src == TRAIN[0][:5]  # valid stays untagged
+    assert corpus.valid["valid"][0] == TRAIN[0][:5]  # valid stays untagged
     meta = json.loads((tmp_path / "tagged" / META_FILE).read_text())
     assert meta["config"]["user_symbols"] == ["<BT>"]
     caplog.clear()

@@ -7,6 +7,7 @@ import json
 import math
 import random
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -116,6 +117,9 @@ def test_a_misspelt_key_added_with_plus_fails_with_its_name(override, name):
     ("trainer.ema_decay=1.0", r"trainer.ema_decay must be in \[0, 1\)"),
     ("data.filter.max_tokens=0", "data.filter.max_tokens=0 is below data.filter.min_tokens=1"),
     ("model.dropout=1.0", r"model.dropout must be in \[0, 1\)"),
+    ("data.extra_valid=[valid]", r"data.extra_valid\[0\]='valid' is data.valid already"),
+    ("data.extra_valid=[test,test]", r"data.extra_valid\[1\]='test' is named twice"),
+    ("data.extra_valid=['']", r"data.extra_valid\[0\]='' is empty"),
 ])
 def test_a_value_out_of_range_fails_with_the_key(override, message):
     """The schema checks types; a count of 0 or a smoothing of 1.5 must stop the run at start-up,
@@ -525,6 +529,43 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
     assert records(killed) == records(full)
 
 
+def test_extra_valid_splits_are_scored_beside_valid_and_change_nothing_else(
+        tmp_path, corpus_dir, tokenizer_dir):
+    """data.extra_valid scores more splits at each validation, but only data.valid chooses: the
+    weights and the valid scores are those of a run without them. A copy of the valid split
+    scores exactly as the valid split does (the same pairs, the same search)."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(corpus_dir, corpus)
+    for lang in ("en", "zz"):
+        shutil.copy(corpus / f"valid.{lang}", corpus / f"dev2.{lang}")
+    steps = ["trainer.max_steps=8", "trainer.validate_every=4", "trainer.test_at_end=false"]
+    plain, extra = tmp_path / "plain", tmp_path / "extra"
+    run_train(tmp_path, plain, corpus, tokenizer_dir, *steps)
+    said = run_train(tmp_path, extra, corpus, tokenizer_dir, *steps,
+                     "data.extra_valid=[dev2,test]").stderr
+    assert re.search(r"step 8: valid loss .*; dev2: loss [\d.]+, BLEU [\d.]+, chrF [\d.]+; "
+                     r"test: loss", said), said[-2000:]
+
+    def validations(run_dir: Path) -> list[dict]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if "valid_loss" in r]
+
+    with_extra = validations(extra)
+    assert [r["step"] for r in with_extra] == [4, 8]
+    for r in with_extra:
+        for key in ("loss", "ppl", "bleu", "chrf"):
+            assert r[f"dev2/{key}"] == r[f"valid_{key}"], key
+        assert r["test/loss"] != r["valid_loss"]  # other pairs
+    assert [{k: v for k, v in r.items() if "/" not in k} for r in with_extra] == validations(plain)
+    a, b = weights(plain), weights(extra)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    for step in (4, 8):
+        hyps = (extra / "valid" / f"step_{step}.hyp").read_text()
+        assert (extra / "valid" / "dev2" / f"step_{step}.hyp").read_text() == hyps
+        test = (extra / "valid" / "test" / f"step_{step}.hyp").read_text().splitlines()
+        assert len(test) == 8  # data.max_valid_sentences cuts each split alike
+
+
 def test_a_ctrl_c_inside_a_checkpoint_write_still_says_how_to_resume(tmp_path, corpus_dir,
                                                                      tokenizer_dir):
     """A Ctrl-C that lands inside torch.save reaches mt-train as the zip writer's RuntimeError
@@ -832,7 +873,8 @@ def test_a_last_pt_without_training_state_is_refused_in_one_line(tmp_path, corpu
     assert "holds weights only, no training state" in result.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("split", ["data.test=tst", "data.valid=tst"])
+@pytest.mark.parametrize("split", ["data.test=tst", "data.valid=tst",
+                                   "data.extra_valid=[test,tst]"])
 def test_a_missing_test_split_fails_before_training(tmp_path, corpus_dir, tokenizer_dir, split):
     """The test split is read after the last step: a typo in data.test cost the whole run; the
     valid split after the tokenizer and the whole corpus."""
