@@ -52,6 +52,16 @@ def test_every_experiment_composes_and_validates(experiment):
     assert cfg.model.d_model % cfg.model.heads == 0
 
 
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_model_on_the_command_line_replaces_every_experiments_model(experiment):
+    """A recipe that set its model's shape keys in its own body kept them over `model=...`
+    (the CPU recipes trained their d256 4+4 model whatever model the command line named)."""
+    base = compose(["model=transformer_base"]).model
+    model = compose([f"experiment={experiment}", "model=transformer_base"]).model
+    shape = ("name", "encoder_layers", "decoder_layers", "d_model", "ffn_dim", "heads")
+    assert [getattr(model, k) for k in shape] == [getattr(base, k) for k in shape]
+
+
 def test_default_config_is_the_demo():
     cfg = compose([])
     assert (cfg.model.name, cfg.data.source) == ("transformer_tiny", "demo")
