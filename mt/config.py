@@ -354,6 +354,7 @@ def check_values(cfg: TrainConfig) -> None:
             "trainer.validate_every": t.validate_every, "trainer.log_every": t.log_every,
             "trainer.beam_size": t.beam_size, "trainer.max_bad_steps": t.max_bad_steps,
             "data.subword_nbest": d.subword_nbest, "data.filter.min_tokens": d.filter.min_tokens,
+            "model.max_positions": m.max_positions,
             "optim.plateau_patience": o.plateau_patience,
             "model.encoder_layers": m.encoder_layers, "model.decoder_layers": m.decoder_layers,
             "model.d_model": m.d_model, "model.ffn_dim": m.ffn_dim, "model.heads": m.heads},
@@ -401,6 +402,9 @@ def check_values(cfg: TrainConfig) -> None:
         raise ValueError("data.subword_alpha samples among a unigram model's segmentations: "
                          "set data.tokenizer.model_type=unigram, or data.subword_alpha=0 for "
                          f"{d.tokenizer.model_type}")
+    for key, split in (("data.train", d.train), ("data.valid", d.valid)):
+        if not split:
+            raise ValueError(f"{key} is empty: name a split")
     for i, split in enumerate(d.extra_valid):
         if not split or split == d.valid or split in d.extra_valid[:i]:
             why = ("is empty" if not split else "is data.valid already" if split == d.valid
@@ -416,7 +420,23 @@ def check_values(cfg: TrainConfig) -> None:
     if t.best_metric not in BEST_METRICS:
         raise ValueError(f"trainer.best_metric must be one of {', '.join(BEST_METRICS)}, "
                          f"got {t.best_metric!r}")
-    tok = d.tokenizer
+    check_tokenizer(d.tokenizer)
+
+
+def check_tokenizer(tok: TokenizerConfig) -> None:
+    """Raises ValueError naming the first data.tokenizer key whose value SentencePiece would
+    refuse with a traceback of its own (``INTERNAL: ... character_coverage() >= 0.98``), and
+    before the training text is read, which can take minutes."""
+    if tok.model_type not in ("unigram", "bpe"):
+        raise ValueError("data.tokenizer.model_type must be unigram or bpe, got "
+                         f"{tok.model_type!r}")
+    for key, value in (("vocab_size", tok.vocab_size),
+                       ("input_sentence_size", tok.input_sentence_size)):
+        if value < 1:
+            raise ValueError(f"data.tokenizer.{key} must be at least 1, got {value}")
+    if not 0.98 <= tok.character_coverage <= 1:  # SentencePiece's own range
+        raise ValueError("data.tokenizer.character_coverage must be in [0.98, 1], got "
+                         f"{tok.character_coverage}")
     check_normalization(tok.normalization)
     if tok.byte_fallback and tok.vocab_size <= BYTE_PIECES + 4:  # SentencePiece names no key
         raise ValueError(f"data.tokenizer.vocab_size={tok.vocab_size} leaves no room for the "

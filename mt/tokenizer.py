@@ -42,7 +42,7 @@ from mt.config import (
     PAD_ID,
     UNK_ID,
     TokenizerConfig,
-    check_normalization,
+    check_tokenizer,
     is_user_symbol,
 )
 from mt.textio import replace_file
@@ -250,13 +250,7 @@ def train_tokenizer(
         cfg: model type, vocabulary size, coverage, joint or not.
         seed: makes the sample and the model reproducible.
     """
-    if cfg.model_type not in ("unigram", "bpe"):
-        raise ValueError("data.tokenizer.model_type must be unigram or bpe, "
-                         f"got {cfg.model_type!r}")
-    check_normalization(cfg.normalization)
-    if cfg.input_sentence_size < 1:
-        raise ValueError("data.tokenizer.input_sentence_size must be positive, "
-                         f"got {cfg.input_sentence_size}")
+    check_tokenizer(cfg)
     for symbol in cfg.user_symbols:
         if not is_user_symbol(symbol):
             raise ValueError("data.tokenizer.user_symbols: each must be non-empty, without "

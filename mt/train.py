@@ -22,11 +22,13 @@ import shlex
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import hydra
 import torch
 import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from mt import checkpoint
@@ -73,6 +75,20 @@ TIED_NEEDS_JOINT = ("model.tie_embeddings=all needs a joint vocabulary: set "
 # ----------------------------------------------------------------------------- trainer
 
 
+def check_setup(cfg: TrainConfig) -> None:
+    """Builds the model, freezes trainer.freeze's parameters and makes the optimizer and the
+    schedule on the meta device (no memory, no draw from the random streams), so that a value
+    only they check (model.norm=Pre, a d_model that model.heads does not divide, a freeze
+    pattern that matches nothing, optim.schedule=linear) stops the run now, not after the
+    tokenizer and the corpus, which can take many minutes, are built."""
+    with torch.device("meta"):  # any vocabulary size: the tokenizer's comes later
+        model = build_model(replace(cfg.model, src_vocab_size=8, tgt_vocab_size=8))
+    if cfg.trainer.freeze:
+        freeze(model, cfg.trainer.freeze)
+    build_optimizer(model, cfg, torch.device("meta"))
+    lr_lambda(cfg)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path) -> None:
         self.cfg, self.run_dir = cfg, run_dir
@@ -104,6 +120,7 @@ class Trainer:
             # no tokenizer yet: it would be trained as two vocabularies
             if not (tokenizer_dir(cfg.data.tokenizer, run_dir) / META_FILE).exists():
                 raise ValueError(TIED_NEEDS_JOINT)
+        check_setup(cfg)
         cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
         if cfg.data.source == "files":  # missing: say so now, not after the corpus or training
             tested = cfg.data.test.split("+") if cfg.trainer.test_at_end else []
@@ -498,7 +515,23 @@ def hydra_main(dcfg: DictConfig) -> float | None:
         for handler in logs:
             handler.handle(record)
         where = f" (traceback in {logs[0].baseFilename})" if logs else ""
+        if _in_sweep():  # the next job runs all the same; main() says at the end what failed
+            print(f"mt-train: {err}{where}", file=sys.stderr, flush=True)
+            job = HydraConfig.get()
+            _failed_jobs.append(f"#{job.job.num} in {job.runtime.output_dir}")
+            return None
         raise SystemExit(f"mt-train: {err}{where}") from None
+
+
+_failed_jobs: list[str] = []  # the sweep's jobs that failed, by number and directory (hydra_main)
+
+
+def _in_sweep() -> bool:
+    """Whether this job is one of a ``-m`` sweep's. One job's mistake (a value out of range, a
+    diverging learning rate) must not cost the jobs after it, as a SystemExit would."""
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _ctrl_c_within(err: BaseException) -> bool:
@@ -516,8 +549,6 @@ def _ctrl_c_within(err: BaseException) -> bool:
 def _interrupted() -> int:
     """Says (on rank 0) what an interrupted run keeps and the override that resumes it, and
     gives the exit status of a Ctrl-C (130), so that a shell loop or a sweep stops too."""
-    from hydra.core.hydra_config import HydraConfig
-
     if int(os.environ.get("RANK", "0")) == 0:
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         last = run_dir / "checkpoints" / "last.pt"
@@ -531,8 +562,6 @@ def _interrupted() -> int:
 
 
 def _run(dcfg: DictConfig) -> float | None:
-    from hydra.core.hydra_config import HydraConfig
-
     check_keys(dcfg)
     cfg: TrainConfig = OmegaConf.to_object(dcfg)
     check_values(cfg)
@@ -554,6 +583,9 @@ def main() -> None:
     cap_kernel_caches()  # before the first product: see its docstring
     register_configs()
     hydra_main()
+    if _failed_jobs:
+        raise SystemExit(f"mt-train: {len(_failed_jobs)} job(s) of the sweep failed (said above): "
+                         + "; ".join(_failed_jobs))
 
 
 if __name__ == "__main__":

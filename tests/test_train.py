@@ -130,12 +130,38 @@ def test_a_misspelt_key_added_with_plus_fails_with_its_name(override, name):
     ("data.extra_valid=[valid]", r"data.extra_valid\[0\]='valid' is data.valid already"),
     ("data.extra_valid=[test,test]", r"data.extra_valid\[1\]='test' is named twice"),
     ("data.extra_valid=['']", r"data.extra_valid\[0\]='' is empty"),
+    ("data.valid=''", "data.valid is empty: name a split"),
+    ("model.max_positions=0", "model.max_positions must be at least 1, got 0"),
+    ("data.tokenizer.vocab_size=0", "data.tokenizer.vocab_size must be at least 1, got 0"),
+    ("data.tokenizer.character_coverage=0.97",
+     r"data.tokenizer.character_coverage must be in \[0.98, 1\], got 0.97"),
+    ("data.tokenizer.model_type=char", "data.tokenizer.model_type must be unigram or bpe"),
 ])
 def test_a_value_out_of_range_fails_with_the_key(override, message):
     """The schema checks types; a count of 0 or a smoothing of 1.5 must stop the run at start-up,
     not with a ZeroDivisionError mid-run or as a silently different run."""
     with pytest.raises(ValueError, match=message):
         compose(override.split())
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.heads=3", "model.d_model=128 is not divisible by model.heads=3"),
+    ("model.tie_embeddings=yes", "model.tie_embeddings must be all, decoder or none"),
+    ("model.activation=tanh", "model.activation must be one of"),
+    ("trainer.freeze=[encoder_layer.*]", "trainer.freeze: 'encoder_layer.*' matches no parameter"),
+    ("trainer.freeze=[*]", "trainer.freeze: \\* freezes all"),
+    ("optim.schedule=linear", "optim.schedule must be one of"),
+    ("optim.name=sgd", "optim.name must be adam or adamw, got 'sgd'"),
+    ("optim.schedule=cosine trainer.max_steps=0 trainer.max_minutes=0",
+     "optim.schedule=cosine decays over a budget"),
+])
+def test_what_the_model_and_optimizer_refuse_is_refused_before_any_data(override, message):
+    """check_setup builds them on the meta device before the tokenizer and the corpus."""
+    from mt.train import check_setup
+
+    cfg = compose(override.split())
+    with pytest.raises(ValueError, match=message):
+        check_setup(cfg)
 
 
 def test_wrong_type_fails_with_the_key():
@@ -883,20 +909,43 @@ def test_a_last_pt_without_training_state_is_refused_in_one_line(tmp_path, corpu
     assert "holds weights only, no training state" in result.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("split", ["data.test=tst", "data.valid=tst",
-                                   "data.extra_valid=[test,tst]"])
-def test_a_missing_test_split_fails_before_training(tmp_path, corpus_dir, tokenizer_dir, split):
+@pytest.mark.parametrize("override, message", [
+    ("data.test=tst", "tst.en: no such file"), ("data.valid=tst", "tst.en: no such file"),
+    ("data.extra_valid=[test,tst]", "tst.en: no such file"),
+    ("model.norm=Pre", "model.norm must be post or pre, got 'Pre'")])
+def test_a_mistake_found_late_fails_before_training(tmp_path, corpus_dir, tokenizer_dir,
+                                                    override, message):
     """The test split is read after the last step: a typo in data.test cost the whole run; the
-    valid split after the tokenizer and the whole corpus."""
+    valid split after the tokenizer and the whole corpus, and so did a value only the model,
+    the optimizer or trainer.freeze check (check_setup)."""
     cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
-           f"hydra.run.dir={tmp_path / 'run'}", split, "trainer.max_steps=3",
+           f"hydra.run.dir={tmp_path / 'run'}", override, "trainer.max_steps=3",
            "data.tokenizer.path=null"]
     result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode != 0
-    assert "tst.en: no such file" in result.stderr.strip().splitlines()[-1]
+    assert message in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "tokenizer").exists()  # nothing trained before the check
+
+
+def test_a_failed_job_of_a_sweep_leaves_the_next_jobs_running(tmp_path, corpus_dir,
+                                                               tokenizer_dir):
+    """A job's one-line error was a SystemExit, which Hydra's sweep does not catch: the first
+    job with a bad value (or a diverging learning rate) ended the whole sweep. Now each job's
+    error is said as it fails, the others run, and the end names the failed jobs (exit 1)."""
+    sweep = tmp_path / "sweep"
+    cmd = [PYTHON, "-m", "mt.train", "-m", *tiny_train_args(corpus_dir, tokenizer_dir),
+           "optim.lr=-1,1e-3", f"hydra.sweep.dir={sweep}", "trainer.max_steps=2",
+           "trainer.validate_every=2", "trainer.test_at_end=false"]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    said = result.stderr.strip().splitlines()
+    assert any(line.startswith("mt-train: optim.lr must be at least 0") for line in said)
+    assert said[-1] == f"mt-train: 1 job(s) of the sweep failed (said above): #0 in {sweep / '0'}"
+    assert not (sweep / "0" / "checkpoints").exists()
+    assert (sweep / "1" / "checkpoints" / "last.pt").exists()
 
 
 def test_nan_loss_skips_the_step_and_stops_a_diverging_run(tmp_path, corpus_dir, tokenizer_dir):
