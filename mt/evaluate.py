@@ -42,7 +42,7 @@ from mt.testsets import (
     read_references,
     read_text,
 )
-from mt.textio import reader_left, utf8_stdout
+from mt.textio import reader_left, text_list, utf8_stdout
 
 log = logging.getLogger("mt.evaluate")
 
@@ -59,8 +59,12 @@ def score(hypotheses: list[str], references: list[str], *, tokenize: str | None 
         {"bleu": float, "bleu_signature": str, "chrf": float, "chrf_signature": str,
          "sentences": int}
     """
+    hypotheses, references = text_list(hypotheses, "hypotheses"), text_list(references,
+                                                                            "references")
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+    if not hypotheses:
+        raise ValueError("no hypotheses to score")
     s = score_system(hypotheses, [references], ["bleu", "chrf"], tokenize=tokenize,
                      lowercase=lowercase)
     return {**{k: s[k] for k in ("bleu", "bleu_signature", "chrf", "chrf_signature")},

@@ -41,6 +41,17 @@ class PackedLinear(nn.Module):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.half()``, ``.cuda()``... would leave the packed weight as it is and end
+        in an opaque oneDNN error at the next product: refused in words instead."""
+        probe = torch.empty(0, dtype=self.weight.dtype)
+        moved = fn(probe)
+        if (moved.dtype, moved.device) != (probe.dtype, probe.device):
+            raise RuntimeError("a packed model keeps its dtype and device: load it again with "
+                               "the dtype and device wanted (load_models(..., dtype=...)), or "
+                               "with pack=False")
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, self.activation, [],
                                                   "")
@@ -76,17 +87,16 @@ def prepare_model(model: nn.Module, dtype: str = "float32", device: str = "cpu",
     """Readies a loaded model for decoding: eval mode, cast to ``dtype`` and, on CPU, linear layers
     packed for oneDNN. The result is for inference only (no training, no saving)."""
     if dtype == "int8":
-        return quantize_int8(model, device)
-    model = model.to(DTYPES[dtype]).eval()
-    if not (pack and can_pack(dtype, device)):
-        return model
-    for module in list(model.modules()):
-        for name, child in module.named_children():
-            if type(child) is FeedForward:
-                setattr(module, name, PackedFeedForward(child))
-            elif type(child) is nn.Linear:
-                setattr(module, name, PackedLinear(child))
-    return model
+        return quantize_int8(model, device).eval()
+    model = model.to(DTYPES[dtype])
+    if pack and can_pack(dtype, device):
+        for module in list(model.modules()):
+            for name, child in module.named_children():
+                if type(child) is FeedForward:
+                    setattr(module, name, PackedFeedForward(child))
+                elif type(child) is nn.Linear:
+                    setattr(module, name, PackedLinear(child))
+    return model.eval()  # the new modules too
 
 
 @functools.cache
@@ -250,10 +260,18 @@ def load_models(paths: list[str], device: str, dtype: str = "float32", pack: boo
     prepare_model); returns (model or Ensemble, tokenizer, checkpoint paths).
 
     Raises:
-        ValueError: with the file's name, for a missing, corrupt or incompatible model.
+        ValueError: with the file's name, for a missing, corrupt or incompatible model; for a
+        ``dtype`` or ``device`` that cannot be used.
     """
     from mt.checkpoint import load_model
 
+    if isinstance(paths, str | os.PathLike):  # one path, not its characters
+        paths = [paths]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    mistake = device_mistake(device)
+    if mistake:
+        raise ValueError(mistake.removeprefix("--"))
     models, tokenizer, names = [], None, []
     for path in paths:
         try:

@@ -25,6 +25,7 @@ from mt.mbr import mbr_lines
 from mt.options import SearchOptions
 from mt.scoring import forced_scores
 from mt.search import Hypothesis, beam_search, greedy_search, sample_search
+from mt.textio import text_list
 from mt.tokenizer import Boundaries
 from mt.workers import map_batches
 
@@ -183,6 +184,14 @@ def encode_prefixes(tokenizer, prefixes: list[str], name: str = "prefixes",
     return out
 
 
+def check_eval(model) -> None:
+    """A model in training mode would search with dropout on: another translation at every call,
+    and worse ones. Loaded models are in eval mode; a model taken from training code may not be."""
+    if any(m.training for member in getattr(model, "models", [model]) for m in member.modules()):
+        raise ValueError("the model is in training mode (dropout on: every call would translate "
+                         "differently): call model.eval() first")
+
+
 def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
                  progress: bool | Any = False, prefixes: list[str] | None = None, *,
                  generator: torch.Generator | None = None, warn: bool = True,
@@ -207,6 +216,9 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
             A line translated in pieces cannot say which piece a phrase belongs to: its
             constraints go unused.
     """
+    check_eval(model)
+    lines = text_list(lines, "lines")
+    prefixes = text_list(prefixes, "prefixes") if prefixes is not None else None
     if prefixes is not None and len(prefixes) != len(lines):
         raise ValueError(f"{len(prefixes)} prefixes for {len(lines)} lines")
     if constraints is not None and len(constraints) != len(lines):
@@ -281,6 +293,8 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
         per line a LineResult whose one hypothesis carries the score (``forced_scores``); the
         result fits ``align_lines`` for forced alignments of given translations.
     """
+    check_eval(model)
+    lines, targets = text_list(lines, "lines"), text_list(targets, "targets")
     if len(targets) != len(lines):
         raise ValueError(f"{len(targets)} translations for {len(lines)} lines")
     limit = max_positions(model)

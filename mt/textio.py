@@ -18,7 +18,7 @@ import shutil
 import stat
 import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, TextIO, cast
@@ -256,3 +256,16 @@ def atomic_output(path: str | None) -> Iterator[TextIO]:
     except BaseException:
         Path(partial).unlink(missing_ok=True)
         raise
+
+
+def text_list(lines: Iterable[str], name: str) -> list[str]:
+    """``lines`` (any iterable: a list, a tuple, a generator) as a list of str. One string would
+    be read as one line per character, and an item that is not a string failed deep inside
+    SentencePiece: both are a TypeError naming the argument."""
+    if isinstance(lines, str):
+        raise TypeError(f"{name}: a list of strings, not one string (give [{name}])")
+    lines = list(lines)
+    for i, line in enumerate(lines):
+        if not isinstance(line, str):
+            raise TypeError(f"{name}[{i}] is {type(line).__name__}, not str")
+    return lines

@@ -1155,3 +1155,42 @@ def test_stdout_is_utf8_whatever_the_locale(tmp_path, encoding):
     proc = subprocess.run(args, capture_output=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr.decode()
     assert proc.stdout == want
+
+
+def test_the_python_api_refuses_what_it_would_misread(models):
+    """Mistakes a notebook makes: one string for a list (read as one line per character), items
+    that are not strings, a model left in training mode (dropout on), a packed model cast to
+    another dtype, a misspelt dtype or device. Each is one clear error; a generator of lines and
+    one path instead of a list of paths are fine."""
+    from mt.evaluate import score
+    from mt.inference import load_models
+    from mt.lines import score_lines
+
+    model, tok, _ = load_models(models["a"], "cpu")  # one path, not a list
+    assert all(not m.training for m in model.modules())  # packed modules too
+    opts = SearchOptions(beam=2, max_len_a=0, max_len_b=6)
+    lines = ["a line", "", "another line"]
+    expected = translate_lines(model, tok, lines, opts)
+    assert translate_lines(model, tok, (x for x in lines), opts) == expected
+    with pytest.raises(TypeError, match="lines: a list of strings, not one string"):
+        translate_lines(model, tok, "a line", opts)
+    with pytest.raises(TypeError, match=r"lines\[1\] is int, not str"):
+        translate_lines(model, tok, ["a line", 3], opts)
+    with pytest.raises(TypeError, match="targets: a list of strings"):
+        score_lines(model, tok, ["a line"], "a line")
+    with pytest.raises(TypeError, match="hypotheses: a list of strings"):
+        score("a b c", "a b c")
+    with pytest.raises(ValueError, match="no hypotheses to score"):
+        score([], [])
+    with pytest.raises(RuntimeError, match="a packed model keeps its dtype and device"):
+        model.to(torch.bfloat16)
+    model.to("cpu")  # changes nothing: allowed
+    plain = load_model(models["a"])[0].train()
+    with pytest.raises(ValueError, match="the model is in training mode"):
+        translate_lines(plain, tok, lines, opts)
+    again = translate_lines(plain.eval(), tok, lines, opts)  # unpacked: the last digits differ
+    assert [[t for t, _ in n] for n in again] == [[t for t, _ in n] for n in expected]
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16"):
+        load_models([models["a"]], "cpu", "fp16")
+    with pytest.raises(ValueError, match="device gpu: not a device"):
+        load_models([models["a"]], "gpu")
