@@ -46,10 +46,16 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~umask())
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        os.close(fd)
+        # By name, not through a Python file: a Ctrl-C inside torch.save leaves its C++ zip
+        # writer unfinished, and when it is freed it writes the zip's end to its file; a Python
+        # file closed by then aborted the whole process (SIGABRT), its own file does not.
+        torch.save(obj, tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
