@@ -3,6 +3,7 @@ name the file and line. Tiny random models saved as real checkpoints, with a tok
 here."""
 
 import contextlib
+import fcntl
 import gzip
 import io
 import logging
@@ -1129,6 +1130,9 @@ def test_a_reader_that_leaves_early_gets_no_traceback(models, tmp_path, encoding
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1",
                                  "PYTHONIOENCODING": encoding})
+    # A 4 KiB pipe (the default 64 KiB held all 56 KB of the output: a test that paused ~2 s
+    # before closing let translate finish and exit 0), set before translate has loaded.
+    fcntl.fcntl(proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)
     assert proc.stdout.readline()
     proc.stdout.close()
     stderr = proc.stderr.read()
