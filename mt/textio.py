@@ -240,14 +240,14 @@ def atomic_output(path: str | None) -> Iterator[TextIO]:
             yield f
         return
     partial = _partial(path)
+    target = partial.removesuffix(".partial")
     try:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
     except FileExistsError:
         raise InputError(_LEFTOVER.format(partial=partial, path=path)) from None
     except OSError as err:
         raise InputError(f"{partial}: cannot write ({err.strerror})") from None
-    target = partial.removesuffix(".partial")
-    try:
+    try:  # at once: a signal (translate's SIGTERM) between the two would leave PATH.partial
         with open(fd, "wb") as raw, _text_writer(raw, gzipped) as f:
             yield f
         if os.path.exists(target):
