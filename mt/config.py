@@ -255,6 +255,24 @@ def finetune_model_config(config: ModelConfig, saved: dict[str, Any]) -> tuple[M
     return model, ", ".join(ignored)
 
 
+def resumed_tokenizer_config(config: TokenizerConfig, saved: dict | None
+                             ) -> tuple[TokenizerConfig, str]:
+    """The tokenizer config of a resumed run: the one it was trained with (its checkpoint's
+    ``config``), whatever ``data.tokenizer`` says now, as the tokenizer itself is the checkpoint's
+    (its pieces are the model's rows). Recorded so, a new ``vocab_size`` on the command line is
+    neither listed as a change that took effect nor saved into the next checkpoints.
+
+    Returns:
+        the config, and a note of the keys the command line set otherwise ("" if none).
+    """
+    old = ((saved or {}).get("data") or {}).get("tokenizer") or {}
+    names = [f.name for f in dataclasses.fields(TokenizerConfig)]
+    kept = dataclasses.replace(config, **{k: v for k, v in old.items() if k in names})
+    ignored = [f"data.tokenizer.{n}={getattr(config, n)} (tokenizer: {getattr(kept, n)})"
+               for n in names if getattr(config, n) != getattr(kept, n)]
+    return kept, ", ".join(ignored)
+
+
 def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
     """``key=new (was old)`` for every leaf of the config that differs from a checkpoint's,
     so that a resumed run says what it does differently (a budget raised, a batch size

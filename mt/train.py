@@ -44,6 +44,7 @@ from mt.config import (
     finetune_model_config,
     improves,
     register_configs,
+    resumed_tokenizer_config,
 )
 from mt.corpus import Corpus
 from mt.data import split_files, tokenizer_config, tokenizer_dir
@@ -122,6 +123,11 @@ class Trainer:
                 raise ValueError(TIED_NEEDS_JOINT)
         check_setup(cfg)
         cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
+        if resuming:
+            cfg.data.tokenizer, ignored = resumed_tokenizer_config(cfg.data.tokenizer,
+                                                                   start.get("config"))
+            if ignored:
+                log.info("%s: the run's tokenizer goes on; ignored %s", origin, ignored)
         if cfg.data.source == "files":  # missing: say so now, not after the corpus or training
             tested = cfg.data.test.split("+") if cfg.trainer.test_at_end else []
             valid = [cfg.data.valid, *cfg.data.extra_valid]

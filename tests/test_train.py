@@ -673,8 +673,17 @@ def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr
     common = ["trainer.validate_every=6", "trainer.test_at_end=false"]  # warmup 5, lr 1e-3
     run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *common, "trainer.max_steps=6")
     resumed = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *common,
-                        "trainer.max_steps=9", "optim.lr=5e-4")
+                        "trainer.max_steps=9", "optim.lr=5e-4", "data.tokenizer.vocab_size=150",
+                        "model.heads=4")
     assert "resuming with optim.lr=0.0005 (was 0.001)" in resumed.stderr
+    # The model's shape and the tokenizer are the run's own: said, neither listed as changed
+    # settings nor recorded as the config of the next checkpoints.
+    assert "the model's shape replaces model.heads=4 (model: 2)" in resumed.stderr
+    assert "the run's tokenizer goes on; ignored data.tokenizer.vocab_size=150" in resumed.stderr
+    changed = next(x for x in resumed.stderr.splitlines() if "settings changed" in x)
+    assert "vocab_size" not in changed and "heads" not in changed
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["config"]
+    assert saved["data"]["tokenizer"]["vocab_size"] != 150 and saved["model"]["heads"] == 2
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     lr = {r["step"]: r["lr"] for r in map(json.loads, lines) if "lr" in r}
     assert sorted(lr) == list(range(1, 10))
