@@ -35,13 +35,14 @@ class SearchOptions:
     workers: int = 1  # batches searched at once, each on its own thread (see translate_ids)
 
     def __post_init__(self) -> None:
+        """Refuses what the command line refuses (``search_mistake``, in its words), so that a
+        script's ``SearchOptions(beam=0)`` or ``batch_tokens=0`` is an error, not a hang or an
+        empty search."""
         if self.mbr and self.mbr not in UTILITIES:
             raise ValueError(f"mbr must be one of {UTILITIES} (or '' for none), got {self.mbr!r}")
-        if self.mbr and self.nbest != 1:
-            raise ValueError("mbr gives one translation per line; leave nbest at 1")
-        if self.mbr and not self.sampling and self.beam < self.mbr_candidates:
-            raise ValueError(f"mbr_candidates={self.mbr_candidates} from beam search need "
-                             f"beam >= {self.mbr_candidates} (or sampling=True)")
+        mistake = search_mistake(self)
+        if mistake:
+            raise ValueError(mistake)
 
 
 def add_search_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, *,
@@ -87,7 +88,7 @@ def add_search_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, *
                    help="source tokens per batch, padding included (default: 4096)")
 
 
-def search_mistake(args: argparse.Namespace) -> str | None:
+def search_mistake(args: argparse.Namespace | SearchOptions) -> str | None:
     """The first search flag out of range or without the flag it needs, in words; None if none."""
     nbest = getattr(args, "nbest", 1)
     if args.beam < 1:
@@ -109,18 +110,22 @@ def search_mistake(args: argparse.Namespace) -> str | None:
         return f"--top-k must be 0 (off) or positive, got {args.top_k}"
     if not 0 <= args.epsilon < 1:
         return f"--epsilon must be in [0, 1), got {args.epsilon}"
+    if args.batch_tokens < 1:
+        return f"--batch-tokens must be at least 1, got {args.batch_tokens}"
     if args.max_len_a < 0 or args.max_len_b < 0:
         return (f"--max-len-a and --max-len-b must be at least 0, got {args.max_len_a:g} and "
                 f"{args.max_len_b}")
-    # The budget counts EOS; the shortest line that is not empty is one piece and EOS.
-    if 2 * args.max_len_a + args.max_len_b < 2 and getattr(args, "score", None) is None:
-        return (f"--max-len-a {args.max_len_a:g} --max-len-b {args.max_len_b} leaves a short line "
-                "no room for a token before EOS: its translation would be empty")
     if args.mbr and nbest != 1:
         return "--mbr gives one translation per line; it does not combine with --nbest"
     if args.mbr and not args.sampling and args.beam < args.mbr_candidates:
         return (f"--mbr-candidates {args.mbr_candidates} from beam search needs --beam "
                 f"{args.mbr_candidates} or more (or --sampling)")
+    # The budget counts EOS; the shortest line that is not empty is one piece and EOS. (Not a
+    # SearchOptions check: translate --score builds one with any budget, which it does not use.)
+    if (isinstance(args, argparse.Namespace) and 2 * args.max_len_a + args.max_len_b < 2
+            and getattr(args, "score", None) is None):
+        return (f"--max-len-a {args.max_len_a:g} --max-len-b {args.max_len_b} leaves a short line "
+                "no room for a token before EOS: its translation would be empty")
     return None
 
 

@@ -1194,6 +1194,11 @@ def test_the_python_api_refuses_what_it_would_misread(models):
         translate_lines(plain, tok, lines, opts)
     again = translate_lines(plain.eval(), tok, lines, opts)  # unpacked: the last digits differ
     assert [[t for t, _ in n] for n in again] == [[t for t, _ in n] for n in expected]
+    for wrong, message in ((dict(beam=0), "--beam must be at least 1"),
+                           (dict(batch_tokens=0), "--batch-tokens must be at least 1"),
+                           (dict(top_k=5), "--top-k shapes the sampling distribution")):
+        with pytest.raises(ValueError, match=message):  # the command line's checks and words
+            SearchOptions(**wrong)
     with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16"):
         load_models([models["a"]], "cpu", "fp16")
     with pytest.raises(ValueError, match="device gpu: not a device"):
