@@ -255,33 +255,39 @@ def finetune_model_config(config: ModelConfig, saved: dict[str, Any]) -> tuple[M
     return model, ", ".join(ignored)
 
 
-def resumed_tokenizer_config(config: TokenizerConfig, saved: dict | None
-                             ) -> tuple[TokenizerConfig, str]:
-    """The tokenizer config of a resumed run: the one it was trained with (its checkpoint's
-    ``config``), whatever ``data.tokenizer`` says now, as the tokenizer itself is the checkpoint's
-    (its pieces are the model's rows). Recorded so, a new ``vocab_size`` on the command line is
-    neither listed as a change that took effect nor saved into the next checkpoints.
+def start_tokenizer_config(config: TokenizerConfig, saved: dict | None
+                           ) -> tuple[TokenizerConfig, str]:
+    """The tokenizer config of a run that starts from a checkpoint (a resume, or ``init_from``):
+    the one its tokenizer was trained with (the checkpoint's ``config``), whatever
+    ``data.tokenizer`` says now, as the tokenizer itself is the checkpoint's (its pieces are the
+    model's rows). Recorded so, a new ``vocab_size`` on the command line is neither listed as a
+    change that took effect nor saved into the next checkpoints. ``path`` (where this run keeps
+    the tokenizer) and ``user_symbols`` (which the tokenizer is checked to have: ``data.tag``)
+    stay this run's.
 
     Returns:
         the config, and a note of the keys the command line set otherwise ("" if none).
     """
     old = ((saved or {}).get("data") or {}).get("tokenizer") or {}
-    names = [f.name for f in dataclasses.fields(TokenizerConfig)]
+    names = [f.name for f in dataclasses.fields(TokenizerConfig)
+             if f.name not in ("path", "user_symbols")]
     kept = dataclasses.replace(config, **{k: v for k, v in old.items() if k in names})
     ignored = [f"data.tokenizer.{n}={getattr(config, n)} (tokenizer: {getattr(kept, n)})"
                for n in names if getattr(config, n) != getattr(kept, n)]
     return kept, ", ".join(ignored)
 
 
-def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
+def config_changes(saved: dict, now: dict, prefix: str = "", defaults: dict | None = None
+                   ) -> list[str]:
     """``key=new (was old)`` for every leaf of the config that differs from a checkpoint's,
     so that a resumed run says what it does differently (a budget raised, a batch size
-    changed) instead of doing it silently."""
-    out = []
+    changed) instead of doing it silently. ``defaults``: the schema's, which a key added to it
+    since the checkpoint was saved had then (``data.extra_valid=[]`` is no change)."""
+    out, defaults = [], defaults or {}
     for key in sorted(saved.keys() | now.keys()):
-        a, b = saved.get(key), now.get(key)
+        a, b = saved.get(key, defaults.get(key)), now.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            out += config_changes(a, b, f"{prefix}{key}.")
+            out += config_changes(a, b, f"{prefix}{key}.", defaults.get(key))
         elif a != b and not (isinstance(a, list | tuple) and isinstance(b, list | tuple)
                              and list(a) == list(b)):
             out.append(f"{prefix}{key}={b} (was {a})")

@@ -43,13 +43,15 @@ class PackedLinear(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         """``.to()``, ``.half()``, ``.cuda()``... would leave the packed weight as it is and end
-        in an opaque oneDNN error at the next product: refused in words instead."""
+        in an opaque oneDNN error at the next product: an error in words instead. Layers before
+        this one (the embeddings) are cast by then, so the model must be loaded again."""
         probe = torch.empty(0, dtype=self.weight.dtype)
         moved = fn(probe)
         if (moved.dtype, moved.device) != (probe.dtype, probe.device):
-            raise RuntimeError("a packed model keeps its dtype and device: load it again with "
-                               "the dtype and device wanted (load_models(..., dtype=...)), or "
-                               "with pack=False")
+            raise RuntimeError("a packed model cannot change its dtype or device, and its layers "
+                               "before the packed ones may have been cast already: load it again "
+                               "with the dtype and device wanted (load_models(..., dtype=...)), "
+                               "or with pack=False")
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -241,20 +241,20 @@ def atomic_output(path: str | None) -> Iterator[TextIO]:
         return
     partial = _partial(path)
     target = partial.removesuffix(".partial")
-    try:
+    fd = -1
+    try:  # one try from the creation on: a signal (translate's SIGTERM) just after it is ours too
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
-    except FileExistsError:
-        raise InputError(_LEFTOVER.format(partial=partial, path=path)) from None
-    except OSError as err:
-        raise InputError(f"{partial}: cannot write ({err.strerror})") from None
-    try:  # at once: a signal (translate's SIGTERM) between the two would leave PATH.partial
         with open(fd, "wb") as raw, _text_writer(raw, gzipped) as f:
             yield f
         if os.path.exists(target):
             shutil.copymode(target, partial)
         os.replace(partial, target)
-    except BaseException:
+    except BaseException as err:
+        if fd < 0 and isinstance(err, FileExistsError):  # a killed run's, or another run's
+            raise InputError(_LEFTOVER.format(partial=partial, path=path)) from None
         Path(partial).unlink(missing_ok=True)
+        if fd < 0 and isinstance(err, OSError):
+            raise InputError(f"{partial}: cannot write ({err.strerror})") from None
         raise
 
 

@@ -44,7 +44,7 @@ from mt.config import (
     finetune_model_config,
     improves,
     register_configs,
-    resumed_tokenizer_config,
+    start_tokenizer_config,
 )
 from mt.corpus import Corpus
 from mt.data import split_files, tokenizer_config, tokenizer_dir
@@ -123,11 +123,11 @@ class Trainer:
                 raise ValueError(TIED_NEEDS_JOINT)
         check_setup(cfg)
         cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
-        if resuming:
-            cfg.data.tokenizer, ignored = resumed_tokenizer_config(cfg.data.tokenizer,
-                                                                   start.get("config"))
+        if start is not None:
+            cfg.data.tokenizer, ignored = start_tokenizer_config(cfg.data.tokenizer,
+                                                                 start.get("config"))
             if ignored:
-                log.info("%s: the run's tokenizer goes on; ignored %s", origin, ignored)
+                log.info("%s: the tokenizer is the checkpoint's; ignored %s", origin, ignored)
         if cfg.data.source == "files":  # missing: say so now, not after the corpus or training
             tested = cfg.data.test.split("+") if cfg.trainer.test_at_end else []
             valid = [cfg.data.valid, *cfg.data.extra_valid]
@@ -215,7 +215,8 @@ class Trainer:
         ckpt = checkpoint.load(path)
         saved_config = ckpt.get("config") or {}
         if self.rank == 0:
-            changed = config_changes(saved_config, self.config_dict)
+            schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
+            changed = config_changes(saved_config, self.config_dict, defaults=schema)
             if changed:
                 log.info("resuming with settings changed since %s: %s", path, ", ".join(changed))
         if "trainer" not in ckpt:
@@ -317,11 +318,12 @@ class Trainer:
         c, metrics = self.corpus, {}
         with self._averaged(), torch.inference_mode(), self._autocast():
             for split, (src, tgt) in c.valid.items():
-                hyps = self.run_dir / "valid" / (split if metrics else "") / f"step_{self.step}.hyp"
+                extra = split != self.cfg.data.valid
+                hyps = self.run_dir / "valid" / (split if extra else "") / f"step_{self.step}.hyp"
                 scores = validate(self.model, c.tokenizer, src, tgt, self.cfg.trainer, self.device,
                                   hyps if self.cfg.trainer.save_valid_hyps else None, split)
-                metrics.update(scores if not metrics else {
-                    f"{split}/{key.removeprefix('valid_')}": v for key, v in scores.items()})
+                metrics.update({f"{split}/{key.removeprefix('valid_')}": v
+                                for key, v in scores.items()} if extra else scores)
         self.model.train()
         return metrics
 

@@ -61,6 +61,23 @@ def test_model_on_the_command_line_replaces_every_experiments_model(experiment):
     assert [getattr(model, k) for k in shape] == [getattr(base, k) for k in shape]
 
 
+def test_a_key_added_since_a_checkpoint_is_no_change_at_its_default():
+    """Resuming a run saved before data.extra_valid existed logged 'settings changed:
+    data.extra_valid=[] (was None)'; a key the checkpoint lacks had the schema's default."""
+    from omegaconf import OmegaConf
+
+    from mt.config import TrainConfig, config_changes
+
+    schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
+    now = OmegaConf.to_container(OmegaConf.structured(TrainConfig()))
+    saved = copy.deepcopy(now)
+    del saved["data"]["extra_valid"]
+    assert config_changes(saved, now, defaults=schema) == []
+    now["data"]["extra_valid"], now["trainer"]["max_steps"] = ["dev2"], 7
+    assert config_changes(saved, now, defaults=schema) == [
+        "data.extra_valid=['dev2'] (was [])", "trainer.max_steps=7 (was 0)"]
+
+
 def test_default_config_is_the_demo():
     cfg = compose([])
     assert (cfg.model.name, cfg.data.source) == ("transformer_tiny", "demo")
@@ -501,17 +518,17 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
                                                              data):
     # Log lines every 3 steps and saves every 2: the kill lands inside a log window, after lines
     # of steps that the last checkpoint does not hold.
-    steps = ["trainer.max_steps=14", "trainer.validate_every=7", "trainer.save_every=2",
+    steps = ["trainer.max_steps=20", "trainer.validate_every=7", "trainer.save_every=2",
              "trainer.log_every=3", "trainer.test_at_end=false", *data]
     full = tmp_path / "full"
     run_train(tmp_path, full, corpus_dir, tokenizer_dir, *steps)
 
-    # The same run, killed without warning once step 3 is logged (its checkpoint is step 2's, or
-    # step 4's), 11 steps before the end, which even a slow machine does not reach first (a kill
-    # at step 9 left 1.4 s; one variant gets a Ctrl-C instead: the same checkpoint, and one line
-    # on how to resume).
+    # The same run, killed without warning once step 9 is logged (after the validation of step 7;
+    # its checkpoint is step 8's, or 10's), 11 steps before the end, which even a slow machine
+    # does not reach first (at 14 steps, 5 left 1.4 s; one variant gets a Ctrl-C instead: the
+    # same checkpoint, and one line on how to resume).
     killed = tmp_path / "killed"
-    kill_at = 3
+    kill_at = 9
     cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
            f"hydra.run.dir={killed}", *steps]
     ctrl_c = "upsample" in " ".join(data)
@@ -531,9 +548,9 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
     assert (killed / "checkpoints" / "last.pt").exists()
     err.seek(0)
     said = err.read()
-    # A signal sent just as the 14 steps end can land in the interpreter's teardown, after
+    # A signal sent just as the 20 steps end can land in the interpreter's teardown, after
     # mt-train is done: nothing of the run is lost then, and no resume hint is due.
-    if ctrl_c and "trainer.max_steps=14 reached" not in said:
+    if ctrl_c and "trainer.max_steps=20 reached" not in said:
         assert proc.returncode == 130 and "Traceback" not in said, said
         assert f"the same command with hydra.run.dir={killed} resumes it" in said
     err.close()
@@ -549,9 +566,9 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
         assert torch.equal(a[name], b[name]), name
     full_state = torch.load(full / "checkpoints" / "last.pt", weights_only=True)["trainer"]
     killed_state = torch.load(killed / "checkpoints" / "last.pt", weights_only=True)["trainer"]
-    assert full_state["step"] == killed_state["step"] == 14
+    assert full_state["step"] == killed_state["step"] == 20
     if "ema" in " ".join(data):  # "model" is the average; the trained weights are beside it
-        assert killed_state["ema_updates"] == 14
+        assert killed_state["ema_updates"] == 20
         for name, w in full_state["weights"].items():
             assert torch.equal(w, killed_state["weights"][name]), name
         assert not all(torch.equal(w, a[n]) for n, w in full_state["weights"].items())
@@ -562,7 +579,7 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
         return [{k: v for k, v in json.loads(x).items() if not k.endswith("_per_s")}
                 for x in lines]
 
-    assert [r["step"] for r in records(full)] == [3, 6, 7, 9, 12, 14]
+    assert [r["step"] for r in records(full)] == [3, 6, 7, 9, 12, 14, 15, 18, 20]
     assert records(killed) == records(full)
 
 
@@ -674,12 +691,14 @@ def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr
     run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *common, "trainer.max_steps=6")
     resumed = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *common,
                         "trainer.max_steps=9", "optim.lr=5e-4", "data.tokenizer.vocab_size=150",
-                        "model.heads=4")
+                        "model.heads=4", "data.tokenizer.path=null")
     assert "resuming with optim.lr=0.0005 (was 0.001)" in resumed.stderr
     # The model's shape and the tokenizer are the run's own: said, neither listed as changed
     # settings nor recorded as the config of the next checkpoints.
     assert "the model's shape replaces model.heads=4 (model: 2)" in resumed.stderr
-    assert "the run's tokenizer goes on; ignored data.tokenizer.vocab_size=150" in resumed.stderr
+    assert ("the tokenizer is the checkpoint's; ignored data.tokenizer.vocab_size=150 "
+            in resumed.stderr)
+    assert (run_dir / "tokenizer" / "tokenizer.json").exists()  # data.tokenizer.path is this run's
     changed = next(x for x in resumed.stderr.splitlines() if "settings changed" in x)
     assert "vocab_size" not in changed and "heads" not in changed
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["config"]
@@ -699,7 +718,7 @@ def test_plateau_cuts_the_rate_and_a_killed_run_resumes_with_the_same_rates(
     plateau_patience 1 each cuts the rate in half from the next step on. A run killed between
     saves (a save_every checkpoint, or a validation's) resumes at the same rates: the cuts are
     read from the history in last.pt. Each validation's translations are on disk."""
-    steps = ["trainer.max_steps=12", "trainer.validate_every=3", "trainer.save_every=2",
+    steps = ["trainer.max_steps=18", "trainer.validate_every=3", "trainer.save_every=2",
              "trainer.test_at_end=false", "trainer.best_metric=loss",
              "trainer.min_improvement=100", "optim.plateau_factor=0.5",
              "optim.plateau_patience=1"]
@@ -709,8 +728,8 @@ def test_plateau_cuts_the_rate_and_a_killed_run_resumes_with_the_same_rates(
            "rate x 0.5 (cut 1, x 0.5 in all)" in result.stderr
     lines = (full / "metrics.jsonl").read_text().splitlines()
     lr = {r["step"]: r["lr"] for r in map(json.loads, lines) if "lr" in r}
-    for step, rate in lr.items():  # cuts at the validations of steps 6 and 9 (and 12)
-        cuts = (step > 6) + (step > 9)
+    for step, rate in lr.items():  # cuts at the validations of steps 6, 9, 12 and 15 (and 18)
+        cuts = sum(step > v for v in (6, 9, 12, 15))
         assert rate == pytest.approx(1e-3 * min(step / 5, math.sqrt(5 / step)) * 0.5 ** cuts,
                                      rel=1e-12), step
 
@@ -719,6 +738,8 @@ def test_plateau_cuts_the_rate_and_a_killed_run_resumes_with_the_same_rates(
            f"hydra.run.dir={killed}", *steps]
     proc = subprocess.Popen(cmd, env=cli_env(tmp_path), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
+    # killed after the cuts of steps 6 and 9 (and 10 steps before the end, which even a slow
+    # machine does not reach first)
     metrics, deadline = killed / "metrics.jsonl", time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and any(json.loads(x)["step"] >= 8 for x in
@@ -746,7 +767,7 @@ def test_plateau_cuts_the_rate_and_a_killed_run_resumes_with_the_same_rates(
 
     refs = (corpus_dir / "valid.zz").read_text().splitlines()[:8]
     assert sorted(p.name for p in (full / "valid").iterdir()) == [
-        f"step_{n}.hyp" for n in (12, 3, 6, 9)]  # and no temporary file left
+        f"step_{n}.hyp" for n in (12, 15, 18, 3, 6, 9)]  # and no temporary file left
     history = {r["step"]: r for r in records(full) if "valid_bleu" in r}
     for step, record in history.items():
         hyps = (full / "valid" / f"step_{step}.hyp").read_text(encoding="utf-8").split("\n")

@@ -1186,9 +1186,10 @@ def test_the_python_api_refuses_what_it_would_misread(models):
         score("a b c", "a b c")
     with pytest.raises(ValueError, match="no hypotheses to score"):
         score([], [])
-    with pytest.raises(RuntimeError, match="a packed model keeps its dtype and device"):
-        model.to(torch.bfloat16)
-    model.to("cpu")  # changes nothing: allowed
+    if any(isinstance(m, PackedLinear) for m in model.modules()):  # a torch with oneDNN
+        model.to("cpu")  # changes nothing: allowed
+        with pytest.raises(RuntimeError, match="a packed model cannot change its dtype"):
+            model.to(torch.bfloat16)
     plain = load_model(models["a"])[0].train()
     with pytest.raises(ValueError, match="the model is in training mode"):
         translate_lines(plain, tok, lines, opts)
