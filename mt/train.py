@@ -507,15 +507,15 @@ class Trainer:
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
 def hydra_main(dcfg: DictConfig) -> float | None:
     """The run, with the mistakes a user can fix (a config value, a data file, a budget, a
-    divergence) said in one line on stderr; the traceback goes to train.log only, or to stderr
-    too with HYDRA_FULL_ERROR=1, as Hydra's own errors."""
+    divergence, a batch too large for the device) said in one line on stderr; the traceback
+    goes to train.log only, or to stderr too with HYDRA_FULL_ERROR=1, as Hydra's own errors."""
     try:
         return _run(dcfg)
     except (KeyboardInterrupt, Exception) as err:
         if _ctrl_c_within(err):  # Ctrl-C: how to go on, not a traceback from inside torch
             raise SystemExit(_interrupted()) from None
-        if not isinstance(err, (ValueError, OSError, Diverged)) or (
-                os.environ.get("HYDRA_FULL_ERROR") == "1"):
+        said = _in_words(err)
+        if said is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, "mt-train failed",
                                    None, sys.exc_info())
@@ -524,11 +524,20 @@ def hydra_main(dcfg: DictConfig) -> float | None:
             handler.handle(record)
         where = f" (traceback in {logs[0].baseFilename})" if logs else ""
         if _in_sweep():  # the next job runs all the same; main() says at the end what failed
-            print(f"mt-train: {err}{where}", file=sys.stderr, flush=True)
+            print(f"mt-train: {said}{where}", file=sys.stderr, flush=True)
             job = HydraConfig.get()
             _failed_jobs.append(f"#{job.job.num} in {job.runtime.output_dir}")
             return None
-        raise SystemExit(f"mt-train: {err}{where}") from None
+        raise SystemExit(f"mt-train: {said}{where}") from None
+
+
+def _in_words(err: BaseException) -> str | None:
+    """The one line for a failure the user can mend; None for a bug, which keeps its traceback.
+    Out of device memory is the likeliest failure of a sweep over model or batch sizes."""
+    if isinstance(err, torch.OutOfMemoryError):  # "CUDA out of memory. Tried to allocate 2 GiB"
+        return (". ".join(str(err).split(". ")[:2]) + ": lower trainer.max_tokens "
+                "(a larger trainer.accumulation keeps the batch as large)")
+    return str(err) if isinstance(err, ValueError | OSError | Diverged) else None
 
 
 _failed_jobs: list[str] = []  # the sweep's jobs that failed, by number and directory (hydra_main)

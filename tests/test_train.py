@@ -979,6 +979,27 @@ def test_a_failed_job_of_a_sweep_leaves_the_next_jobs_running(tmp_path, corpus_d
     assert (sweep / "1" / "checkpoints" / "last.pt").exists()
 
 
+def test_out_of_device_memory_is_one_line_that_says_what_to_lower(tmp_path, corpus_dir,
+                                                                   tokenizer_dir):
+    """A batch too large for the GPU was a traceback of some 40 lines from inside torch (and
+    ended a sweep); it is one line now, with the key to lower."""
+    script = ("import sys, torch, mt.train as t\n"
+              "def fit(self):\n"
+              "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. "
+              "GPU 0 has a total capacity of 79.10 GiB of which 1.20 GiB is free.')\n"
+              "t.Trainer.fit = fit\n"
+              "sys.argv[0] = 'mt-train'\n"
+              "t.main()\n")
+    cmd = [PYTHON, "-c", script, *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "mt-train: CUDA out of memory. Tried to allocate 2.00 GiB: lower trainer.max_tokens "
+        "(a larger trainer.accumulation keeps the batch as large) (traceback in ")
+
+
 def test_nan_loss_skips_the_step_and_stops_a_diverging_run(tmp_path, corpus_dir, tokenizer_dir):
     # lr = inf makes the weights NaN after the first update, so every later loss is NaN:
     # the run must stop with a clear message instead of saving NaN weights.
