@@ -286,7 +286,8 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
         start = time.perf_counter()
         paths = [p for p in system.path.split(",") if p]  # a,b,c: one system, an ensemble
         try:
-            model, tokenizer, names = load_models(paths, args.device, args.dtype)
+            model, tokenizer, names = load_models(
+                paths, args.device, args.dtype, weights=args.weights if len(paths) > 1 else None)
         except ValueError as err:
             raise EvalError(f"-m {system.path}: {err}") from None
         loaded[n] = (model, tokenizer)
@@ -296,7 +297,8 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
                        "config_hash": ",".join(config_hash(dict(vars(c))) for c in configs),
                        "model_config": dict(vars(configs[0])) if len(configs) == 1
                        else [dict(vars(c)) for c in configs],
-                       "load_seconds": time.perf_counter() - start}
+                       "load_seconds": time.perf_counter() - start,
+                       **({"weights": args.weights} if len(paths) > 1 and args.weights else {})}
     model, tokenizer = loaded[n]
     opts = search_options(args, args.workers or default_workers(args.device))
     log.info("translating %s (%d lines) with %s", test.name, len(sources), system.path)
@@ -383,6 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     # The names of mt.inference.DTYPES, spelt out so that --help does not import torch.
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "int8"), default="float32",
                    help="decode in this precision, as translate --dtype (default: float32)")
+    g.add_argument("--weights", type=float, nargs="+", default=None, metavar="W",
+                   help="the weight of each member of an ensemble (-m a.pt,b.pt), in their "
+                        "order, as translate --weights (default: equal); every ensemble given "
+                        "takes them")
     g.add_argument("--output", help="write translations here; {test} and {n} (system number) "
                    "are replaced")
     p.translation_actions = list(g._group_actions)  # said to do nothing without -m
@@ -416,6 +422,17 @@ def main(argv: list[str] | None = None) -> None:
     mistake = search_mistake(args)
     if mistake:
         raise SystemExit(f"mt-eval: {mistake}")
+    if args.weights is not None:  # one per member of each ensemble (-m a.pt,b.pt)
+        sizes = {v: len([p for p in v.split(",") if p]) for kind, v in args.systems or []
+                 if kind == "model"}
+        wrong = [v for v, n in sizes.items() if n != len(args.weights) and n > 1]
+        if not any(n > 1 for n in sizes.values()):
+            raise SystemExit("mt-eval: --weights weighs the members of an ensemble (-m "
+                             "a.pt,b.pt), and no -m system here is one")
+        if wrong:
+            raise SystemExit(f"mt-eval: --weights: {len(args.weights)} weights for the "
+                             f"{sizes[wrong[0]]} members of -m {wrong[0]}; one per member, in "
+                             "their order")
     if any(kind == "model" for kind, _ in args.systems or []):
         for warning in unused_options(args, parser):
             log.warning(warning)

@@ -625,3 +625,16 @@ def test_comma_separated_models_are_one_ensemble_system(tmp_path, capsys):
     assert ensemble["model"] == f"{a},{b}" and len(ensemble["model_config"]) == 2
     assert (tmp_path / "eval.1.txt").read_text() == (tmp_path / "tr.txt").read_text()
     assert (tmp_path / "eval.1.txt").read_text() != (tmp_path / "eval.2.txt").read_text()
+    # --weights: the members' shares, as translate --weights gives them
+    out = _run(["-m", f"{a},{b}", "--src", src_file, "--ref", ref_file, "--beam", "3",
+                "--max-len-b", "5", "--weights", "3", "1", "--output",
+                str(tmp_path / "weighted.txt")], capsys)
+    translate_main(["-m", a, b, "--weights", "3", "1", "-i", src_file, "-o",
+                    str(tmp_path / "tr31.txt"), "--beam", "3", "--max-len-b", "5", "--quiet"])
+    assert (tmp_path / "weighted.txt").read_text() == (tmp_path / "tr31.txt").read_text()
+    assert out["tests"][0]["systems"][0]["weights"] == [3.0, 1.0]
+    for systems, weights, message in (
+            ([f"{a},{b}"], ["1", "2", "3"], f"3 weights for the 2 members of -m {a},{b}"),
+            ([a], ["1", "2"], "no -m system here is one")):
+        with pytest.raises(SystemExit, match=message):
+            main(["-m", *systems, "--src", src_file, "--ref", ref_file, "--weights", *weights])
