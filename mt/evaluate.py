@@ -273,6 +273,11 @@ def _check_direction(paths: list[str], test: TestSet) -> None:
                         "(--langpair)", path, pair, test.name, test.langpair)
 
 
+def _members(path: str) -> list[str]:
+    """The checkpoints of one -m system: a,b,c is one system, the ensemble of the three."""
+    return [p for p in path.split(",") if p]
+
+
 def _translate(system: System, test: TestSet, sources: list[str] | None, n: int, loaded: dict,
                args: argparse.Namespace) -> tuple[list[str], dict]:
     from mt.workers import default_workers
@@ -284,7 +289,7 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
         from mt.inference import load_models
 
         start = time.perf_counter()
-        paths = [p for p in system.path.split(",") if p]  # a,b,c: one system, an ensemble
+        paths = _members(system.path)
         try:
             model, tokenizer, names = load_models(
                 paths, args.device, args.dtype, weights=args.weights if len(paths) > 1 else None)
@@ -423,16 +428,15 @@ def main(argv: list[str] | None = None) -> None:
     if mistake:
         raise SystemExit(f"mt-eval: {mistake}")
     if args.weights is not None:  # one per member of each ensemble (-m a.pt,b.pt)
-        sizes = {v: len([p for p in v.split(",") if p]) for kind, v in args.systems or []
-                 if kind == "model"}
-        wrong = [v for v, n in sizes.items() if n != len(args.weights) and n > 1]
-        if not any(n > 1 for n in sizes.values()):
+        ensembles = [(v, len(_members(v))) for kind, v in args.systems or []
+                     if kind == "model" and len(_members(v)) > 1]
+        if not ensembles:
             raise SystemExit("mt-eval: --weights weighs the members of an ensemble (-m "
                              "a.pt,b.pt), and no -m system here is one")
-        if wrong:
-            raise SystemExit(f"mt-eval: --weights: {len(args.weights)} weights for the "
-                             f"{sizes[wrong[0]]} members of -m {wrong[0]}; one per member, in "
-                             "their order")
+        for path, n in ensembles:
+            if n != len(args.weights):
+                raise SystemExit(f"mt-eval: --weights: {len(args.weights)} weights for the {n} "
+                                 f"members of -m {path}; one per member, in their order")
     if any(kind == "model" for kind, _ in args.systems or []):
         for warning in unused_options(args, parser):
             log.warning(warning)
