@@ -596,7 +596,20 @@ def _run(dcfg: DictConfig) -> float | None:
     return best
 
 
+def _null_group(argv: list[str]) -> str | None:
+    """A command-line ``GROUP=null`` (or ``~``), which Hydra refuses with a traceback, in words."""
+    groups = {d.name for d in Path(CONF_DIR).iterdir() if d.is_dir()}
+    for arg in argv:
+        key, eq, value = arg.lstrip("+").partition("=")
+        if eq and key in groups and value.strip().lower() in ("null", "~", ""):
+            return (f"mt-train: {arg}: a config group takes one of its names "
+                    f"(conf/{key}/); '~{key}' drops it")
+    return None
+
+
 def main() -> None:
+    if mistake := _null_group(sys.argv[1:]):
+        raise SystemExit(mistake)
     cap_kernel_caches()  # before the first product: see its docstring
     register_configs()
     hydra_main()

@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -116,6 +117,20 @@ def test_a_misspelt_key_added_with_plus_fails_with_its_name(override, name):
     refuses it instead of training with the default."""
     with pytest.raises(ValueError, match=f"unknown config key {name}: "):
         compose([override])
+
+
+@pytest.mark.parametrize("override", ["experiment=null", "model=", "+data=~"])
+def test_a_group_set_to_nothing_is_one_line_naming_it(override, monkeypatch):
+    """Hydra refuses GROUP=null with a traceback ('Config group override must be a string');
+    mt-train says what to write instead, and a key that is not a group is left to Hydra."""
+    from mt import train
+
+    monkeypatch.setattr(sys, "argv", ["mt-train", "trainer.seed=1", override])
+    group = override.lstrip("+").split("=")[0]
+    with pytest.raises(SystemExit, match=f"mt-train: {re.escape(override)}: a config group "
+                                         f"takes one of its names .*'~{group}' drops it"):
+        train.main()
+    assert train._null_group(["data.tokenizer.path=null", "hydra.run.dir=null"]) is None
 
 
 @pytest.mark.parametrize("override, message", [
