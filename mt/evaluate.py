@@ -88,12 +88,14 @@ def config_hash(model_config: dict) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def translate_test(model, tokenizer, sources: list[str], opts) -> tuple[list[str], dict]:
-    """Best translations and decoding speed (target tokens of the hypotheses per second)."""
+def translate_test(model, tokenizer, sources: list[str], opts, shortlist=None
+                   ) -> tuple[list[str], dict]:
+    """Best translations and decoding speed (target tokens of the hypotheses per second);
+    ``shortlist``: an mt.shortlist.Shortlist, or None."""
     from mt.lines import best_translations
 
     start = time.perf_counter()
-    hyps = best_translations(model, tokenizer, sources, opts)
+    hyps = best_translations(model, tokenizer, sources, opts, shortlist=shortlist)
     seconds = time.perf_counter() - start
     tokens = sum(len(ids) for ids in tokenizer.encode_tgt(hyps))
     return hyps, {"decode_seconds": seconds, "hyp_tokens": tokens,
@@ -290,12 +292,15 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
 
         start = time.perf_counter()
         paths = _members(system.path)
+        from mt.shortlist import Shortlist
+
         try:
             model, tokenizer, names = load_models(
                 paths, args.device, args.dtype, weights=args.weights if len(paths) > 1 else None)
+            shortlist = Shortlist.load(args.shortlist, tokenizer) if args.shortlist else None
         except ValueError as err:
             raise EvalError(f"-m {system.path}: {err}") from None
-        loaded[n] = (model, tokenizer)
+        loaded[n] = (model, tokenizer, shortlist)
         _check_direction(names, test)
         configs = [m.cfg for m in getattr(model, "models", [model])]
         system.info = {"model": ",".join(names),
@@ -303,11 +308,12 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
                        "model_config": dict(vars(configs[0])) if len(configs) == 1
                        else [dict(vars(c)) for c in configs],
                        "load_seconds": time.perf_counter() - start,
-                       **({"weights": args.weights} if len(paths) > 1 and args.weights else {})}
-    model, tokenizer = loaded[n]
+                       **({"weights": args.weights} if len(paths) > 1 and args.weights else {}),
+                       **({"shortlist": args.shortlist} if args.shortlist else {})}
+    model, tokenizer, shortlist = loaded[n]
     opts = search_options(args, args.workers or default_workers(args.device))
     log.info("translating %s (%d lines) with %s", test.name, len(sources), system.path)
-    hyps, speed = translate_test(model, tokenizer, sources, opts)
+    hyps, speed = translate_test(model, tokenizer, sources, opts, shortlist)
     speed.update(search=asdict(opts), device=args.device, dtype=args.dtype)
     log.info("%s: %.1f s, %.0f tokens/s", system.name, speed["decode_seconds"],
              speed["tokens_per_second"])
@@ -394,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the weight of each member of an ensemble (-m a.pt,b.pt), in their "
                         "order, as translate --weights (default: equal); every ensemble given "
                         "takes them")
+    g.add_argument("--shortlist", metavar="FILE", default=None,
+                   help="a vocabulary shortlist (mt-shortlist) for every -m system, as "
+                        "translate --shortlist")
     g.add_argument("--output", help="write translations here; {test} and {n} (system number) "
                    "are replaced")
     p.translation_actions = list(g._group_actions)  # said to do nothing without -m

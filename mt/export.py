@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -287,7 +288,8 @@ def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer | None = None):
 
 
 def export_ctranslate2(model: Transformer, tokenizer: Tokenizer | None,
-                       out_dir: str | os.PathLike, quantization: str | None = None) -> Path:
+                       out_dir: str | os.PathLike, quantization: str | None = None,
+                       shortlist=None) -> Path:
     """Writes a CTranslate2 model directory plus ``spm.model`` (or ``src.model``/``tgt.model``),
     replacing ``out_dir`` if it exists.
 
@@ -295,6 +297,8 @@ def export_ctranslate2(model: Transformer, tokenizer: Tokenizer | None,
         tokenizer: None writes no SentencePiece model and names tokens by
             ``placeholder_vocabulary`` (benchmarks on random weights).
         quantization: CTranslate2's weight type (int8, int8_float32, float16, ...); None keeps fp32.
+        shortlist: an ``mt.shortlist.Shortlist`` for this model, written into the export as
+            CTranslate2's vocabulary map (``vmap.txt``, for ``use_vmap``).
     """
     from ctranslate2.converters.converter import Converter
 
@@ -303,7 +307,12 @@ def export_ctranslate2(model: Transformer, tokenizer: Tokenizer | None,
             return ctranslate2_spec(model, tokenizer)
 
     out = Path(out_dir)
-    _SpecConverter().convert(str(out), quantization=quantization, force=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        vmap = None
+        if shortlist is not None:
+            vmap = str(Path(tmp) / "vmap.txt")
+            shortlist.write_vmap(tokenizer, vmap)
+        _SpecConverter().convert(str(out), vmap=vmap, quantization=quantization, force=True)
     if tokenizer is not None and tokenizer.joint:
         (out / "spm.model").write_bytes(tokenizer.src_proto)
     elif tokenizer is not None:

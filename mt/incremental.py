@@ -7,10 +7,12 @@ forced passes (``mt.scoring``) and the loaders (``mt.inference``) use ``Ensemble
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -55,8 +57,34 @@ def mix_log_probs(log_probs: Iterable[Tensor], weights: list[float]) -> Tensor:
     return torch.log_softmax(total, -1)
 
 
+class Restricted:
+    """A model (or an Ensemble) whose next token may only be one of some target pieces: a
+    vocabulary shortlist (``mt.shortlist``) for one batch.
+
+    ``vocab`` (V',) holds the pieces, sorted, the special ones (PAD, UNK, BOS, EOS: ids 0-3)
+    first, so that a search over V' finds them at their usual ids and needs no other change: the
+    searches see V' "tokens" and the caller maps ids in (``torch.searchsorted``) and out
+    (``vocab[i]``). ``allowed`` (B, V') says which of them each sentence of the batch may use;
+    the output layer computes V' logits, and each row's log-softmax runs over its own sentence's
+    pieces only, so that a sentence's translation does not depend on the others in its batch (up
+    to float rounding: the output layer's shape does).
+    """
+
+    def __init__(self, model, vocab: Tensor, allowed: Tensor) -> None:
+        if not torch.equal(vocab[:4].cpu(), torch.arange(4)):
+            raise ValueError("a restricted vocabulary must start with the special pieces 0-3")
+        self.model, self.vocab, self.allowed = model, vocab, allowed
+
+    def repeat_interleave(self, n: int) -> Restricted:
+        """The same pieces for a batch whose every sentence comes n times in a row (sampling's
+        n samples per sentence)."""
+        return Restricted(self.model, self.vocab, self.allowed.repeat_interleave(n, dim=0))
+
+
 def ensemble_members(model) -> list:
     """The models an Ensemble averages, or the one model."""
+    if isinstance(model, Restricted):
+        model = model.model
     return model.models if isinstance(model, Ensemble) else [model]
 
 
@@ -86,34 +114,76 @@ class Decoder:
 
     def __init__(self, model, src: Tensor, max_len: int) -> None:
         self.models = ensemble_members(model)
-        self.weights = model.weights if isinstance(model, Ensemble) else [1.0]
+        inner = model.model if isinstance(model, Restricted) else model
+        self.weights = inner.weights if isinstance(inner, Ensemble) else [1.0]
         self.caches = []
         for m in self.models:
             memory, src_mask = m.encode(src)
             self.caches.append(m.init_cache(memory, src_mask, max_len))
         self.buffer: Tensor | None = None  # (rows, V) float32, reused across steps
+        self.vocab: Tensor | None = None  # a shortlist's pieces (V',), or None: all of them
+        self.projections = [m.project for m in self.models]
+        self.size = self.models[0].cfg.tgt_vocab_size
+        if isinstance(model, Restricted):
+            if model.allowed.size(0) != src.size(0):
+                raise ValueError(f"a restricted model for {model.allowed.size(0)} sentences was "
+                                 f"given {src.size(0)}")
+            self.vocab, self.size = model.vocab, model.vocab.numel()
+            self.projections = [_restricted_projection(m, model.vocab) for m in self.models]
+            # 0 or -inf per sentence and piece, added to the logits: its own pieces only
+            self.bias = torch.zeros(model.allowed.shape, device=src.device
+                                    ).masked_fill_(~model.allowed, -torch.inf)
+            self.sentence = torch.arange(src.size(0), device=src.device)  # of each row
+
+    def _logits(self, j: int, states: Tensor, rows: slice) -> Tensor:
+        logits = self.projections[j](states)
+        if self.vocab is not None:
+            if self.bias.dtype != logits.dtype:  # once: the model's dtype (bf16 holds -inf)
+                self.bias = self.bias.to(logits.dtype)
+            logits.add_(self.bias[self.sentence[rows]])  # a fresh tensor: in place
+        return logits
 
     def log_probs(self, tokens: Tensor) -> Tensor:
         """tokens (N,) -> float32 log-probabilities of the next token (N, V). The result is the
-        decoder's buffer (valid until the next call), which the caller may modify."""
+        decoder's buffer (valid until the next call), which the caller may modify. Under a
+        shortlist (``Restricted``), tokens and the result's columns are indices into its pieces."""
+        if self.vocab is not None:
+            tokens = self.vocab[tokens]
         if len(self.models) == 1:
             m = self.models[0]
             states = m.decode_step(tokens, self.caches[0], project=False)
             rows = states.size(0)
             if self.buffer is None or self.buffer.size(0) < rows:
-                self.buffer = states.new_empty(rows, m.cfg.tgt_vocab_size, dtype=torch.float32)
+                self.buffer = states.new_empty(rows, self.size, dtype=torch.float32)
             out = self.buffer[:rows]
             block = self.ROWS if states.device.type == "cpu" else max(rows, 1)
             for i in range(0, rows, block):
                 # dtype= reads bf16 logits and writes float32 in one pass (no separate cast)
-                torch.log_softmax(m.project(states[i : i + block]), -1, dtype=torch.float32,
-                                  out=out[i : i + block])
+                torch.log_softmax(self._logits(0, states[i : i + block], slice(i, i + block)),
+                                  -1, dtype=torch.float32, out=out[i : i + block])
             return out
-        return mix_log_probs((torch.log_softmax(m.decode_step(tokens, cache), -1,
-                                                dtype=torch.float32)
-                              for m, cache in zip(self.models, self.caches, strict=True)),
-                             self.weights)
+        every = slice(None)
+        return mix_log_probs((torch.log_softmax(
+            self._logits(j, m.decode_step(tokens, cache, project=False), every), -1,
+            dtype=torch.float32) for j, (m, cache) in enumerate(zip(self.models, self.caches,
+                                                                   strict=True))),
+            self.weights)
 
     def reorder(self, index: Tensor, beams: int = 1) -> None:
         for cache in self.caches:
             cache.reorder(index, beams)
+        if self.vocab is not None:
+            self.sentence = self.sentence[index]
+
+
+def _restricted_projection(model, vocab: Tensor):
+    """The model's output layer (and final logits bias) over the pieces ``vocab`` only: a plain
+    layer's weight rows, or a packed or int8 layer's ``rows``."""
+    layer = model.output_proj
+    sub = (layer.rows(vocab) if hasattr(layer, "rows")
+           else functools.partial(F.linear, weight=layer.weight[vocab],
+                                  bias=None if layer.bias is None else layer.bias[vocab]))
+    if model.final_logits_bias is None:
+        return sub
+    bias = model.final_logits_bias[vocab]
+    return lambda y: sub(y) + bias

@@ -33,13 +33,25 @@ class PackedLinear(nn.Module):
     ``activation="relu"`` applies the ReLU inside the same call.
     """
 
-    def __init__(self, linear: nn.Linear, activation: str = "none") -> None:
+    def __init__(self, linear: nn.Linear, activation: str = "none", keep_plain: bool = False
+                 ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.activation = activation
         # Plain attributes, not parameters or buffers: never trained, never saved.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # The output layer keeps its plain weight for ``rows`` (a shortlist); a tied one shares
+        # it with the target embedding, so it costs no memory there.
+        self.plain = linear.weight.detach() if keep_plain else None
+
+    def rows(self, index: torch.Tensor) -> PackedLinear:
+        """A packed layer computing only the outputs ``index`` (the output layer over a
+        shortlist's pieces: ``mt.shortlist``)."""
+        if self.plain is None:
+            raise ValueError("this packed layer kept no plain weight (keep_plain=False)")
+        bias = None if self.bias is None else self.bias[index]
+        return PackedLinear(_linear(self.plain[index], bias), self.activation)
 
     def _apply(self, fn, recurse: bool = True):
         """``.to()``, ``.half()``, ``.cuda()``... would leave the packed weight as it is and end
@@ -57,6 +69,15 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, self.activation, [],
                                                   "")
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear holding these tensors (no copy, no initialisation)."""
+    layer = nn.Linear(weight.size(1), weight.size(0), bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer
 
 
 class PackedFeedForward(nn.Module):
@@ -97,7 +118,7 @@ def prepare_model(model: nn.Module, dtype: str = "float32", device: str = "cpu",
                 if type(child) is FeedForward:
                     setattr(module, name, PackedFeedForward(child))
                 elif type(child) is nn.Linear:
-                    setattr(module, name, PackedLinear(child))
+                    setattr(module, name, PackedLinear(child, keep_plain=name == "output_proj"))
     return model.eval()  # the new modules too
 
 
@@ -153,6 +174,16 @@ class Int8Linear(nn.Module):
         self.scale = w.abs().amax(dim=1).clamp(min=1e-12) / levels  # (out,)
         self.weight_t = torch.round(w / self.scale[:, None]).to(torch.int8).t().contiguous()
         self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def rows(self, index: torch.Tensor) -> Int8Linear:
+        """The layer computing only the outputs ``index`` (the output layer over a shortlist's
+        pieces: ``mt.shortlist``), with their rounded weights and scales as they are."""
+        sub = Int8Linear.__new__(Int8Linear)
+        nn.Module.__init__(sub)
+        sub.in_features, sub.out_features = self.in_features, index.numel()
+        sub.scale, sub.weight_t = self.scale[index], self.weight_t[:, index].contiguous()
+        sub.bias = None if self.bias is None else self.bias[index]
+        return sub
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()

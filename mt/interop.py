@@ -37,12 +37,16 @@ def export_main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--quantization", default=None,
                    help="ctranslate2 only: int8, int8_float32, int8_float16, float16, ...")
+    p.add_argument("--shortlist", metavar="FILE", default=None,
+                   help="ctranslate2 only: a shortlist made by mt-shortlist for this model, "
+                        "written as the model's vocabulary map (CTranslate2's use_vmap)")
     p.add_argument("--force", action="store_true",
                    help="replace --out if it exists (its whole content is deleted)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    if args.quantization and args.format != "ctranslate2":
-        p.error("--quantization applies to --format ctranslate2 only")
+    for option in ("quantization", "shortlist"):
+        if getattr(args, option) and args.format != "ctranslate2":
+            p.error(f"--{option} applies to --format ctranslate2 only")
     # Resolved: '.' and '..' become the directories they name, and a symlink keeps pointing at
     # the directory that is replaced (as translate -o keeps a symlink).
     out_dir = Path(args.out).resolve()
@@ -69,7 +73,10 @@ def export_main(argv: list[str] | None = None) -> None:
             if args.format == "hf":
                 export_hf(model, tokenizer, new)
             else:
-                export_ctranslate2(model, tokenizer, new, args.quantization)
+                from mt.shortlist import Shortlist
+
+                shortlist = Shortlist.load(args.shortlist, tokenizer) if args.shortlist else None
+                export_ctranslate2(model, tokenizer, new, args.quantization, shortlist)
             # transformers writes model.safetensors 0600; an export is for others to read
             mode = 0o666 & ~umask()
             for f in new.rglob("*"):

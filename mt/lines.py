@@ -25,6 +25,7 @@ from mt.mbr import mbr_lines
 from mt.options import SearchOptions
 from mt.scoring import forced_scores
 from mt.search import Hypothesis, beam_search, greedy_search, sample_search
+from mt.shortlist import Shortlist, restricted_search
 from mt.textio import text_list
 from mt.tokenizer import Boundaries
 from mt.workers import map_batches
@@ -85,7 +86,8 @@ def _cut(body: list[int], i: int, step: int, marks: Boundaries) -> int:
 def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
                   progress: bool | Any = False, prefixes: list[list[int]] | None = None, *,
                   generator: torch.Generator | None = None,
-                  constraints: list[list[list[int]]] | None = None) -> list[list[Hypothesis]]:
+                  constraints: list[list[list[int]]] | None = None,
+                  shortlist: Shortlist | None = None) -> list[list[Hypothesis]]:
     """Searches every source (ids ending in EOS); returns n-best lists in input order.
 
     Batches are formed from length-sorted sources (longest first, so memory peaks early) and each
@@ -104,6 +106,7 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
         generator: the random stream for sampling (default: a new one from ``opts.seed``).
         constraints: per sentence, target phrases (ids) its translation must contain
             (``mt.constraints``; beam search only).
+        shortlist: the target pieces each sentence may use (``mt.shortlist``), or None: all.
     """
     if constraints is not None and opts.sampling:
         raise ValueError("constraints need beam search; they do not combine with sampling")
@@ -131,9 +134,11 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
         if not bound:
             return plain(batch)
         src, pre = inputs(bound)
-        found = dict(zip(bound, constrained_beam_search(
-            model, src, [constraints[i] for i in bound], opts.beam, opts.lenpen, opts.nbest,
-            prefixes=pre, **lens), strict=True))
+        found = dict(zip(bound, restricted_search(
+            lambda m, pre, phrases: constrained_beam_search(m, src, phrases, opts.beam,
+                                                            opts.lenpen, opts.nbest,
+                                                            prefixes=pre, **lens),
+            model, shortlist, src, pre, [constraints[i] for i in bound]), strict=True))
         free = [i for i in batch if not constraints[i]]
         if free:
             found.update(zip(free, plain(free), strict=True))
@@ -141,15 +146,19 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
 
     def plain(batch: list[int]) -> list[list[Hypothesis]]:
         src, pre = inputs(batch)
+        return restricted_search(lambda m, pre, _: unconstrained(m, src, pre), model, shortlist,
+                                 src, pre)
+
+    def unconstrained(m, src: torch.Tensor, pre: list[list[int]] | None
+                      ) -> list[list[Hypothesis]]:
         if opts.sampling:
-            return sample_search(model, src, opts.nbest, opts.lenpen, prefixes=pre,
+            return sample_search(m, src, opts.nbest, opts.lenpen, prefixes=pre,
                                  temperature=opts.temperature, top_k=opts.top_k,
                                  top_p=opts.top_p, epsilon=opts.epsilon, generator=generator,
                                  **lens)
         if opts.beam == 1:
-            return [[h] for h in greedy_search(model, src, lenpen=opts.lenpen, prefixes=pre,
-                                              **lens)]
-        return beam_search(model, src, opts.beam, opts.lenpen, opts.nbest, prefixes=pre, **lens)
+            return [[h] for h in greedy_search(m, src, lenpen=opts.lenpen, prefixes=pre, **lens)]
+        return beam_search(m, src, opts.beam, opts.lenpen, opts.nbest, prefixes=pre, **lens)
 
     # Sampling draws from one random stream in batch order, so it stays on one thread.
     return map_batches(search, [len(s) for s in sources], opts.batch_tokens,
@@ -195,7 +204,8 @@ def check_eval(model) -> None:
 def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
                  progress: bool | Any = False, prefixes: list[str] | None = None, *,
                  generator: torch.Generator | None = None, warn: bool = True,
-                 constraints: list[list[str]] | None = None) -> list[LineResult]:
+                 constraints: list[list[str]] | None = None,
+                 shortlist: Shortlist | None = None) -> list[LineResult]:
     """Encodes, splits over-long lines into pieces, searches them all, and groups them by line
     (with ``opts.mbr``: each piece's ``opts.mbr_candidates`` cut to the one MBR chooses).
 
@@ -215,6 +225,7 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         constraints: per line, target phrases its translation must contain (``mt.constraints``).
             A line translated in pieces cannot say which piece a phrase belongs to: its
             constraints go unused.
+        shortlist: the target pieces each line may use (``mt.shortlist``), or None: all.
     """
     check_eval(model)
     lines = text_list(lines, "lines")
@@ -254,7 +265,8 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     search = replace(opts, nbest=opts.mbr_candidates, mbr="") if opts.mbr else opts
     hyps = (translate_ids(model, sources, search, progress,
                           forced if prefix_ids is not None else None, generator=generator,
-                          constraints=wanted if phrase_ids is not None else None)
+                          constraints=wanted if phrase_ids is not None else None,
+                          shortlist=shortlist)
             if sources else [])
     out = [LineResult([], [], text) for text in lines]
     for i, src, h in zip(owner, sources, hyps, strict=True):
@@ -342,22 +354,26 @@ def line_texts(tokenizer, result: LineResult) -> list[tuple[str, float]]:
 def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | None = None,
                     progress: bool = False,
                     prefixes: list[str] | None = None,
-                    constraints: list[list[str]] | None = None) -> list[list[tuple[str, float]]]:
+                    constraints: list[list[str]] | None = None,
+                    shortlist: Shortlist | None = None) -> list[list[tuple[str, float]]]:
     """Translates sentences; returns per line its n-best (text, score), best first.
 
     Empty lines (that encode to EOS alone: whitespace, a byte-order mark...) give ``[("", 0.0)]``
     without being searched. ``model`` may be an Ensemble (its members share ``tokenizer``).
-    ``constraints``: per line, target phrases its translation must contain (``mt.constraints``).
+    ``constraints``: per line, target phrases its translation must contain (``mt.constraints``);
+    ``shortlist``: the target pieces each line may use (``mt.shortlist``).
     """
     results = search_lines(model, tokenizer, lines, opts or SearchOptions(), progress, prefixes,
-                           constraints=constraints)
+                           constraints=constraints, shortlist=shortlist)
     return [line_texts(tokenizer, r) for r in results]
 
 
 def best_translations(model, tokenizer, lines: list[str], opts: SearchOptions, *,
-                      constraints: list[list[str]] | None = None) -> list[str]:
+                      constraints: list[list[str]] | None = None,
+                      shortlist: Shortlist | None = None) -> list[str]:
     """Each line's best translation (the first of its ``translate_lines`` n-best), searched under
     ``torch.inference_mode``: what validation, the final test and ``mt-eval`` score."""
     with torch.inference_mode():
         return [nbest[0][0] for nbest in translate_lines(model, tokenizer, lines, opts,
-                                                         constraints=constraints)]
+                                                         constraints=constraints,
+                                                         shortlist=shortlist)]

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID
-from mt.incremental import Decoder, max_positions
+from mt.incremental import Decoder, Restricted, max_positions
 from mt.kvcache import float32_products_on_onednn
 
 
@@ -281,6 +281,8 @@ def sample_search(model, src: Tensor, nbest: int = 1, lenpen: float = 0.0, **kwa
     prefixes = kwargs.pop("prefixes", None)
     if prefixes is not None:
         prefixes = [p for p in prefixes for _ in range(nbest)]
+    if isinstance(model, Restricted):  # a shortlist's sentences, repeated as the sources are
+        model = model.repeat_interleave(nbest)
     hyps = greedy_search(model, src.repeat_interleave(nbest, dim=0), lenpen=lenpen,
                          prefixes=prefixes, sampling=True, **kwargs)
     return [sorted(hyps[i : i + nbest], key=lambda h: -h.score)

@@ -62,6 +62,7 @@ from mt.options import (
     search_options,
     unused_options,
 )
+from mt.shortlist import Shortlist
 from mt.textio import (
     STDOUT_NAMES,
     InputError,
@@ -109,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target phrases each translation must contain, one line per input line, "
                         "phrases separated by tabs (empty: none); beam search, best with --beam "
                         "above the phrases' total pieces")
+    p.add_argument("--shortlist", metavar="FILE", default=None,
+                   help="a vocabulary shortlist made by mt-shortlist for this model: each line "
+                        "may use only its shortlist's target pieces (faster on CPU; scores are "
+                        "normalised over those pieces)")
     p.add_argument("--score", metavar="FILE", default=None,
                    help="score the translations in FILE (one per input line) instead of "
                         "searching: each output line is the score --nbest would give that "
@@ -178,7 +183,8 @@ def _format_score(result: LineResult, fields: list[list[str]]) -> str:
     return " ||| ".join([line, *fields[0]]) if fields else line
 
 
-def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace) -> None:
+def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace,
+                 shortlist: Shortlist | None = None) -> None:
     """A prompt on stderr; each line typed is translated and printed (flushed) at once.
 
     Lines are read as bytes and decoded as a file's are (``--errors``). Under ``strict`` a line
@@ -199,7 +205,7 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
         except InputError as err:
             print(f"translate: {err}", file=sys.stderr)
             continue
-        results = search_lines(model, tokenizer, [line], opts)
+        results = search_lines(model, tokenizer, [line], opts, shortlist=shortlist)
         fields = _fields(model, tokenizer, results, args)
         for text in _format(lineno - 1, line_texts(tokenizer, results[0]), fields[0],
                             args.nbest):
@@ -233,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         model, tokenizer, names = load_models(args.model, args.device, args.dtype,
                                               pack=not args.no_pack, weights=args.weights)
+        shortlist = Shortlist.load(args.shortlist, tokenizer) if args.shortlist else None
     except ValueError as err:
         raise SystemExit(f"translate: {err}") from None
     try:  # a prefix or phrase the target vocabulary cannot spell stops translate before any work
@@ -250,12 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     opts = search_options(args, args.workers or default_workers(args.device))
     if interactive:
         with torch.inference_mode():
-            _interactive(model, tokenizer, opts, args)
+            _interactive(model, tokenizer, opts, args, shortlist)
         return
     log.info("model %s%s", " + ".join(names), "" if total is None else f", {total} lines")
     start = time.perf_counter()
     done, unfit, missed, unused = _translate_chunks(model, tokenizer, opts, args, parallel,
-                                                    total)
+                                                    total, shortlist)
     if unfit:
         log.warning(NOT_SCORED if args.score else IN_PIECES, unfit, max_positions(model))
     if missed:
@@ -275,9 +282,9 @@ def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         raise SystemExit("translate: --mbr chooses among translations it searches; it does not "
                          "combine with --score")
     if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file
-                                   or args.constraints_file):
+                                   or args.constraints_file or args.shortlist):
         raise SystemExit("translate: --score scores given translations; it does not combine with "
-                         "--sampling, --nbest, --prefix-file or --constraints-file")
+                         "--sampling, --nbest, --prefix-file, --constraints-file or --shortlist")
     mistake = search_mistake(args) or device_mistake(args.device)
     if mistake:
         raise SystemExit(f"translate: {mistake}")
@@ -345,8 +352,8 @@ def _spelled(tokenizer, option: str, lines: list[str], path: str, first_line: in
 
 
 def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Namespace,
-                      parallel: dict[str, str], total: int | None
-                      ) -> tuple[int, int, int, int]:
+                      parallel: dict[str, str], total: int | None,
+                      shortlist: Shortlist | None = None) -> tuple[int, int, int, int]:
     """Reads, translates (or scores) and writes the input a chunk at a time.
 
     Returns:
@@ -389,7 +396,8 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
                                if args.constraints_file else None)
                     results = search_lines(model, tokenizer, lines, opts, progress,
                                            side.get("--prefix-file"), generator=generator,
-                                           warn=False, constraints=phrases)
+                                           warn=False, constraints=phrases,
+                                           shortlist=shortlist)
                     unfit += sum(len(r.sources) > 1 for r in results)
                     if phrases is not None:
                         missed += unmet(results, ids["--constraints-file"])

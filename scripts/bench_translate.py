@@ -14,6 +14,10 @@ The length penalty is the same number but not the same formula: mt divides by GN
 rank finished hypotheses differently; at 0 both rank by the log-probability. Each system's
 share of output lines equal to mt float32's says how close the searches came.
 
+With ``--shortlist FILE`` (``mt-shortlist``) a system named with ``+sl`` (``mt-bfloat16+sl``,
+``ct2-int8+sl``) decodes under the shortlist: mt through ``translate --shortlist``, CTranslate2
+through the same lists as its vocabulary map (``use_vmap``).
+
 It reports seconds, sentences and whitespace words per second (model loading excluded), and BLEU
 when a reference is given, as JSON. Rounds are interleaved across systems and the best counts.
 Needs the ``bench`` extra.
@@ -39,6 +43,7 @@ from mt.export import export_ctranslate2
 from mt.inference import load_models
 from mt.lines import translate_ids
 from mt.options import SearchOptions
+from mt.shortlist import Shortlist
 from mt.workers import balanced_batches
 
 SYSTEMS = ("mt-float32", "mt-bfloat16", "mt-int8", "ct2-float32", "ct2-int8")
@@ -59,13 +64,17 @@ def main(argv: list[str] | None = None) -> None:
                    help="CTranslate2 cuts its own batches by the same token budget (default: "
                         "here 1-2%% faster for it than mt's) or decodes mt's")
     p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+                   help=f"comma-separated subset of {', '.join(SYSTEMS)}, each also with "
+                        "+sl (under --shortlist)")
+    p.add_argument("--shortlist", help="a shortlist file (mt-shortlist) for the +sl systems")
     p.add_argument("--out", help="JSON file (default: stdout)")
     args = p.parse_args(argv)
     set_up_process()
     systems = args.systems.split(",")
-    if unknown := sorted(set(systems) - set(SYSTEMS)):
-        p.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    if unknown := sorted({n for n in systems if n.removesuffix("+sl") not in SYSTEMS}):
+        p.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)} (each also +sl)")
+    if any(n.endswith("+sl") for n in systems) and not args.shortlist:
+        p.error("the +sl systems need --shortlist FILE")
     with open(args.input, encoding="utf-8") as f:
         lines = f.read().splitlines()
     refs = None
@@ -78,11 +87,12 @@ def main(argv: list[str] | None = None) -> None:
     runs = {}
     for name in systems:
         if name.startswith("mt-"):
-            model, tok, _ = load_models([args.model], "cpu", name[3:])
+            model, tok, _ = load_models([args.model], "cpu", name[3:].removesuffix("+sl"))
             ids = tok.encode_src(lines)
+            shortlist = Shortlist.load(args.shortlist, tok) if name.endswith("+sl") else None
 
-            def run(model=model, tok=tok, ids=ids) -> list[str]:
-                hyps = translate_ids(model, ids, opts)
+            def run(model=model, tok=tok, ids=ids, shortlist=shortlist) -> list[str]:
+                hyps = translate_ids(model, ids, opts, shortlist=shortlist)
                 return tok.decode_tgt([h[0].tokens for h in hyps])
 
             runs[name] = run
@@ -93,9 +103,10 @@ def main(argv: list[str] | None = None) -> None:
 
         model, tok, _ = load_model(args.model, "cpu")
         for name in (n for n in systems if n.startswith("ct2-")):
-            q = name[4:]
-            out = f"{tmp.name}/{q}"
-            export_ctranslate2(model, tok, out, None if q == "float32" else q)
+            q, restricted = name[4:].removesuffix("+sl"), name.endswith("+sl")
+            out = f"{tmp.name}/{name[4:]}"
+            export_ctranslate2(model, tok, out, None if q == "float32" else q,
+                               Shortlist.load(args.shortlist, tok) if restricted else None)
             joint = Path(out, "spm.model").exists()
             name_src, name_tgt = ("spm", "spm") if joint else ("src", "tgt")
             sp_src = spm.SentencePieceProcessor(model_file=f"{out}/{name_src}.model")
@@ -111,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
             # here), mt's never-emitted PAD/BOS; empty lines give empty outputs in both
             search = dict(beam_size=args.beam, length_penalty=args.lenpen,
                           max_decoding_length=int(1.5 * max(map(len, pieces), default=0)) + 10,
-                          suppress_sequences=[["<pad>"], ["<s>"]])
+                          suppress_sequences=[["<pad>"], ["<s>"]], use_vmap=restricted)
 
             def run(translator=translator, sp=sp, pieces=pieces, batches=batches,
                     search=search) -> list[str]:
@@ -157,8 +168,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:12s} {best:7.2f} s  {entry['sentences_per_s']:8.1f} sentences/s"
               + (f"  BLEU {entry['bleu']:.2f}" if "bleu" in entry else ""), file=sys.stderr)
     ratios = {}
-    for a, b in (("mt-float32", "ct2-float32"), ("mt-int8", "ct2-int8"),
-                 ("mt-bfloat16", "ct2-int8")):
+    pairs = [(a + sl, b + sl) for sl in ("", "+sl") for a, b in (
+        ("mt-float32", "ct2-float32"), ("mt-int8", "ct2-int8"), ("mt-bfloat16", "ct2-int8"))]
+    pairs += [(a + "+sl", a) for a in SYSTEMS]  # the shortlist's own gain
+    for a, b in pairs:
         if a in times and b in times:
             ratios[f"{a} / {b}"] = round(min(times[b]) / min(times[a]), 2)
     report["ratios"] = ratios  # speed ratios (> 1: mt faster)

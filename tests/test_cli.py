@@ -104,19 +104,26 @@ def test_bench_translate_decodes_what_translate_decodes(trained_run, corpus_dir,
     set equals the one mt-train wrote for the same checkpoint and search (greedy), and the
     CTranslate2 export of those weights is timed beside it."""
     pytest.importorskip("ctranslate2")
+    from mt.shortlist import main as shortlist_main
+
     out = tmp_path / "bench.json"
+    model = str(trained_run / "checkpoints" / "averaged.pt")
+    shortlist_main(["-m", model, "--src", str(corpus_dir / "train.en"), "--tgt",
+                    str(corpus_dir / "train.zz"), "-o", str(tmp_path / "sl.pt")])
     cmd = [PYTHON, str(Path(__file__).resolve().parents[1] / "scripts" / "bench_translate.py"),
-           "-m", str(trained_run / "checkpoints" / "averaged.pt"),
-           "-i", str(corpus_dir / "test.en"), "-r", str(corpus_dir / "test.zz"), "--beam", "1",
-           "--threads", "1", "--repeat", "1", "--systems", "mt-float32,ct2-float32",
-           "--out", str(out)]
+           "-m", model, "-i", str(corpus_dir / "test.en"), "-r", str(corpus_dir / "test.zz"),
+           "--beam", "1", "--threads", "1", "--repeat", "1", "--systems",
+           "mt-float32,ct2-float32,mt-float32+sl,ct2-float32+sl", "--shortlist",
+           str(tmp_path / "sl.pt"), "--out", str(out)]
     result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     expected = json.loads((trained_run / "test.json").read_text())["averaged"]["bleu"]
     assert report["systems"]["mt-float32"]["bleu"] == round(expected, 2)
     assert report["systems"]["ct2-float32"]["seconds"] > 0
-    assert set(report["ratios"]) == {"mt-float32 / ct2-float32"}
+    assert set(report["ratios"]) == {"mt-float32 / ct2-float32", "mt-float32+sl / mt-float32",
+                                     "mt-float32+sl / ct2-float32+sl"}
+    assert report["systems"]["mt-float32+sl"]["bleu"] > 0
     assert report["systems"]["mt-float32"]["same_as_mt_float32"] == 1.0
     assert 0 <= report["systems"]["ct2-float32"]["same_as_mt_float32"] <= 1
 
