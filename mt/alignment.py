@@ -85,6 +85,42 @@ def _entries(r: LineResult) -> range:
     return range(len(r.hyps[0])) if len(r.hyps) == 1 else range(1)
 
 
+def _jobs(results: list[LineResult], lines: set[int] | None = None) -> list[tuple[int, int, int]]:
+    """(line, entry, piece) of each (source piece, hypothesis) pair of ``lines`` (default all)."""
+    return [(li, e, p) for li, r in enumerate(results) if lines is None or li in lines
+            for e in _entries(r) for p in range(len(r.hyps))]
+
+
+def _attended(model, tokenizer, results: list[LineResult], jobs: list[tuple[int, int, int]],
+              layer: int | None, batch_tokens: int) -> dict[tuple[int, int, int], list[int]]:
+    """Per job, the source token each target token attends to most (EOS not included) in one
+    decoder layer's cross-attention, heads averaged, teacher-forced on the translation; only word
+    pieces are candidates: not EOS, padding or a piece of whitespace alone."""
+    model = first_member(model)
+    if layer is None:
+        layer = -2 if len(model.decoder_layers) > 1 else -1
+    device = next(model.parameters()).device
+    sp = tokenizer.src
+    blank = torch.tensor([sp.is_control(i) or (not sp.is_unknown(i)
+                                                and not sp.id_to_piece(i).lstrip("\u2581"))
+                          for i in range(sp.get_piece_size())])
+    order = sorted(range(len(jobs)), key=lambda j: -len(results[jobs[j][0]].sources[jobs[j][2]]))
+    lengths = [len(results[li].sources[p]) + len(results[li].hyps[p][e].tokens) + 1
+               for li, e, p in jobs]
+    out = {}
+    for batch in budget_batches(lengths, order, batch_tokens):
+        src = pad([results[jobs[j][0]].sources[jobs[j][2]] for j in batch]).to(device)
+        tgt_ids = [results[li].hyps[p][e].tokens + [EOS_ID]
+                   for li, e, p in (jobs[j] for j in batch)]
+        tgt = pad(tgt_ids).to(device)
+        attn = cross_attention(model, src, tgt, layer)  # (B, T, S)
+        attn.masked_fill_(blank[src.cpu()].to(device)[:, None, :], -1.0)
+        best = attn.argmax(dim=-1).tolist()  # (B, T)
+        for j, row, t in zip(batch, best, tgt_ids, strict=True):
+            out[jobs[j]] = row[: len(t) - 1]
+    return out
+
+
 def align_lines(model, tokenizer, results: list[LineResult], layer: int | None = None,
                 batch_tokens: int = 4096) -> list[list[str]]:
     """Pharaoh word alignments ('i-j': source word i, target word j, from 0) of every n-best entry.
@@ -102,34 +138,7 @@ def align_lines(model, tokenizer, results: list[LineResult], layer: int | None =
     Returns:
         per line, per n-best entry, the alignment string ("" for an empty line).
     """
-    model = first_member(model)
-    if layer is None:
-        layer = -2 if len(model.decoder_layers) > 1 else -1
-    device = next(model.parameters()).device
-    jobs = []  # (line, entry, piece) for each (source piece, hypothesis) pair to align
-    for li, r in enumerate(results):
-        for e in _entries(r):
-            for p in range(len(r.hyps)):
-                jobs.append((li, e, p))
-    links: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-    sp = tokenizer.src
-    blank = torch.tensor([sp.is_control(i) or (not sp.is_unknown(i)
-                                                and not sp.id_to_piece(i).lstrip("\u2581"))
-                          for i in range(sp.get_piece_size())])
-    order = sorted(range(len(jobs)), key=lambda j: -len(results[jobs[j][0]].sources[jobs[j][2]]))
-    lengths = [len(results[li].sources[p]) + len(results[li].hyps[p][e].tokens) + 1
-               for li, e, p in jobs]
-    for batch in budget_batches(lengths, order, batch_tokens):
-        src = pad([results[jobs[j][0]].sources[jobs[j][2]] for j in batch]).to(device)
-        tgt_ids = [results[li].hyps[p][e].tokens + [EOS_ID]
-                   for li, e, p in (jobs[j] for j in batch)]
-        tgt = pad(tgt_ids).to(device)
-        attn = cross_attention(model, src, tgt, layer)  # (B, T, S)
-        # Only word pieces can be linked: not EOS, padding or a piece of whitespace alone.
-        attn.masked_fill_(blank[src.cpu()].to(device)[:, None, :], -1.0)
-        best = attn.argmax(dim=-1).tolist()  # (B, T)
-        for j, row, t in zip(batch, best, tgt_ids, strict=True):
-            links[jobs[j]] = list(enumerate(row[: len(t) - 1]))  # target token -> source token
+    links = _attended(model, tokenizer, results, _jobs(results), layer, batch_tokens)
     out: list[list[str]] = []
     for li, r in enumerate(results):
         if not r.hyps:
@@ -145,7 +154,7 @@ def align_lines(model, tokenizer, results: list[LineResult], layer: int | None =
             for p in range(len(r.hyps)):
                 toks = r.hyps[p][e].tokens
                 tgt_words = _word_index(tokenizer.tgt, toks, tgt_offset)
-                for tj, si in links[(li, e, p)]:
+                for tj, si in enumerate(links[(li, e, p)]):
                     if si >= len(r.sources[p]) - 1:  # a source of EOS alone has nothing to link
                         continue
                     i, j = src_words[starts[p] + si], tgt_words[tj]
@@ -193,5 +202,49 @@ def word_scores(tokenizer, results: list[LineResult]) -> list[list[str]]:
                 words.extend(sums)
                 eos += h.token_logprobs[-1] + carry
             line_out.append(" ".join(f"{x:.4f}" for x in [*words, eos]))
+        out.append(line_out)
+    return out
+
+
+def replace_unknowns(model, tokenizer, results: list[LineResult], layer: int | None = None,
+                     batch_tokens: int = 4096) -> list[list[str]]:
+    """Every n-best entry's text with each ``<unk>`` the model wrote (printed as " ⁇ ") replaced
+    by the source piece it attends to most, as the input spells it (fairseq's and Marian's
+    ``--replace-unk``, without a dictionary): a name or symbol the target vocabulary lacks is
+    copied through. The attention is ``align_lines``' (the same ``layer``); only lines whose
+    translations hold ``<unk>`` are run through the model again.
+
+    Returns:
+        per line, per n-best entry (as ``line_texts`` gives them), the text.
+    """
+    from mt.lines import line_texts
+
+    unk = tokenizer.tgt.unk_id()
+    lines = {li for li, r in enumerate(results)
+             if any(unk in h.tokens for piece in r.hyps for h in piece)}
+    links = _attended(model, tokenizer, results, _jobs(results, lines), layer, batch_tokens)
+    src_sp, tgt_sp = tokenizer.src, tokenizer.tgt
+    out: list[list[str]] = []
+    for li, r in enumerate(results):
+        if li not in lines:
+            out.append([text for text, _ in line_texts(tokenizer, r)])
+            continue
+        spelled = src_sp.encode(r.text, out_type=str)  # <unk> as the characters it stands for
+        ids = [t for s in r.sources for t in s[:-1]]
+        if src_sp.piece_to_id(spelled) != ids:  # not the line's plain encoding: the pieces
+            spelled = src_sp.id_to_piece(ids)
+        starts = [0]  # each source piece's first token in the line
+        for s in r.sources[:-1]:
+            starts.append(starts[-1] + len(s) - 1)
+        line_out = []
+        for e in _entries(r):
+            texts = []
+            for p in range(len(r.hyps)):
+                pieces = tgt_sp.id_to_piece(r.hyps[p][e].tokens)
+                for j, si in enumerate(links[(li, e, p)]):
+                    if r.hyps[p][e].tokens[j] == unk and si < len(r.sources[p]) - 1:
+                        pieces[j] = spelled[starts[p] + si].lstrip("\u2581")
+                texts.append(tgt_sp.decode_pieces(pieces))
+            line_out.append(" ".join(texts))
         out.append(line_out)
     return out

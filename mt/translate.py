@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
-from mt.alignment import align_lines, word_scores
+from mt.alignment import align_lines, replace_unknowns, word_scores
 from mt.config import positive_int
 from mt.constraints import encode_phrases, split_phrases
 from mt.incremental import first_member, max_positions
@@ -126,7 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append ' ||| ' and each word's log-probability (the sum of its pieces'), "
                         "EOS's last, to every output line (after --alignment's links)")
     p.add_argument("--alignment-layer", type=int, default=None,
-                   help="decoder layer for --alignment (Python index; default: penultimate)")
+                   help="decoder layer for --alignment and --replace-unk (Python index; default: "
+                        "penultimate)")
+    p.add_argument("--replace-unk", action="store_true",
+                   help="replace each <unk> of a translation (printed ' ⁇ ') by the source piece "
+                        "it attends to most, as the input spells it: copies names and symbols "
+                        "the target vocabulary lacks")
     p.add_argument("--chunk-lines", type=positive_int, default=100_000,
                    help="lines read, sorted by length, translated and written at a time: bounds "
                         "the memory of a large file and streams a pipe (default: 100000)")
@@ -163,6 +168,18 @@ def _fields(model, tokenizer, results: list[LineResult], args: argparse.Namespac
         return [[] for _ in results]
     return [[[part[li][e] for part in parts] for e in range(len(parts[0][li]))]
             for li in range(len(results))]
+
+
+def _texts(model, tokenizer, results: list[LineResult], args: argparse.Namespace,
+           batch_tokens: int = 4096) -> list[list[tuple[str, float]]]:
+    """Per line, its n-best (text, score); with ``--replace-unk`` each <unk> copied from the
+    source."""
+    nbests = [line_texts(tokenizer, r) for r in results]
+    if not args.replace_unk:
+        return nbests
+    texts = replace_unknowns(model, tokenizer, results, args.alignment_layer, batch_tokens)
+    return [[(t, score) for t, (_, score) in zip(line, nbest, strict=True)]
+            for line, nbest in zip(texts, nbests, strict=True)]
 
 
 def _format(i: int, nbest: list[tuple[str, float]], fields: list[list[str]],
@@ -207,7 +224,7 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
             continue
         results = search_lines(model, tokenizer, [line], opts, shortlist=shortlist)
         fields = _fields(model, tokenizer, results, args)
-        for text in _format(lineno - 1, line_texts(tokenizer, results[0]), fields[0],
+        for text in _format(lineno - 1, _texts(model, tokenizer, results, args)[0], fields[0],
                             args.nbest):
             print(text, file=out, flush=True)
 
@@ -282,17 +299,18 @@ def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         raise SystemExit("translate: --mbr chooses among translations it searches; it does not "
                          "combine with --score")
     if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file
-                                   or args.constraints_file or args.shortlist):
+                                   or args.constraints_file or args.shortlist or args.replace_unk):
         raise SystemExit("translate: --score scores given translations; it does not combine with "
-                         "--sampling, --nbest, --prefix-file, --constraints-file or --shortlist")
+                         "--sampling, --nbest, --prefix-file, --constraints-file, --shortlist or "
+                         "--replace-unk")
     mistake = search_mistake(args) or device_mistake(args.device)
     if mistake:
         raise SystemExit(f"translate: {mistake}")
     unused = unused_options(args, parser)
     if args.weights is not None and len(args.model) == 1:
         unused.append("--weights has no effect with one model")
-    if args.alignment_layer is not None and not args.alignment:
-        unused.append("--alignment-layer has no effect without --alignment")
+    if args.alignment_layer is not None and not (args.alignment or args.replace_unk):
+        unused.append("--alignment-layer has no effect without --alignment or --replace-unk")
     for warning in unused:
         log.warning(warning)
     if args.weights is not None and len(args.weights) != len(args.model) > 1:
@@ -405,9 +423,12 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
                         unused += sum(bool(p) and not r.sources for p, r in zip(
                             ids["--prefix-file"], results, strict=True))
                 fields = _fields(model, tokenizer, results, args, args.batch_tokens)
-                for i, (r, f) in enumerate(zip(results, fields, strict=True), start=done):
+                texts = (_texts(model, tokenizer, results, args, args.batch_tokens)
+                         if not args.score else fields)
+                for i, (r, f, nbest) in enumerate(zip(results, fields, texts, strict=True),
+                                                  start=done):
                     lines_out = ([_format_score(r, f)] if args.score
-                                 else _format(i, line_texts(tokenizer, r), f, args.nbest))
+                                 else _format(i, nbest, f, args.nbest))
                     out.write("".join(line + "\n" for line in lines_out))
                 out.flush()
                 done += len(chunk)

@@ -933,7 +933,7 @@ def test_search_options_out_of_range_are_one_line_errors(models, tmp_path, bad, 
     (["--mbr-candidates", "8"], ["--mbr-candidates has no effect without --mbr"]),
     (["--sampling", "--beam", "7"],
      ["--beam has no effect with --sampling (--nbest sets the samples per line)"]),
-    (["--alignment-layer", "0"], ["--alignment-layer has no effect without --alignment"]),
+    (["--alignment-layer", "0"], ["--alignment-layer has no effect without --alignment or --replace-unk"]),
     (["--weights", "2"], ["--weights has no effect with one model"]),
     (["--score", "GIVEN", "--beam", "3", "--min-len", "2"],
      ["--beam has no effect with --score", "--min-len has no effect with --score"]),
@@ -1204,3 +1204,29 @@ def test_the_python_api_refuses_what_it_would_misread(models):
         load_models([models["a"]], "cpu", "fp16")
     with pytest.raises(ValueError, match="device gpu: not a device"):
         load_models([models["a"]], "gpu")
+
+
+def test_replace_unk_copies_what_the_source_spells(models, tmp_path, capsys):
+    """A model that writes nothing but <unk>: without --replace-unk its lines are ' ⁇ ' marks;
+    with it, every character comes from its own input line (a line of one piece, '€', gives
+    that piece), one output line per input line, empty lines included, in pieces or not."""
+    _, tok, _ = load_model(models["a"])
+    torch.manual_seed(0)
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=2, d_model=32, ffn_dim=64, heads=2,
+                      dropout=0.0, max_positions=16, src_vocab_size=tok.src_vocab_size,
+                      tgt_vocab_size=tok.tgt_vocab_size, final_logits_bias=True)
+    model = build_model(cfg)
+    with torch.no_grad():
+        model.final_logits_bias[tok.tgt.unk_id()] = 30.0
+    path = tmp_path / "unk.pt"
+    save_atomic(model_state(model, tok, None), path)
+    lines = ["€", "", "the dog ß sees a ball", " ".join(["man"] * 30)]  # the last in pieces
+    src = _write(tmp_path / "in.txt", lines)
+    plain = _run(["-m", str(path), "-i", src, *FAST], capsys)
+    assert len(plain) == 4 and "⁇" in plain[0] and plain[1] == ""
+    out = _run(["-m", str(path), "-i", src, "--replace-unk", *FAST], capsys)
+    assert len(out) == 4 and out[1] == "" and out[0] == "€" * len(out[0]) and out[0]
+    for line, text in zip(lines, out, strict=True):
+        assert "⁇" not in text and set(text) <= set(line)
+    with pytest.raises(SystemExit, match="does not combine with .*--replace-unk"):
+        main(["-m", str(path), "-i", src, "--score", src, "--replace-unk"])
