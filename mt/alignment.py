@@ -122,7 +122,7 @@ def _attended(model, tokenizer, results: list[LineResult], jobs: list[tuple[int,
 
 
 def align_lines(model, tokenizer, results: list[LineResult], layer: int | None = None,
-                batch_tokens: int = 4096) -> list[list[str]]:
+                batch_tokens: int = 4096, copied: bool = False) -> list[list[str]]:
     """Pharaoh word alignments ('i-j': source word i, target word j, from 0) of every n-best entry.
 
     Each target token is aligned to the source token it attends to most in one decoder layer's
@@ -153,7 +153,7 @@ def align_lines(model, tokenizer, results: list[LineResult], layer: int | None =
             pairs, tgt_offset = set(), 0
             for p in range(len(r.hyps)):
                 toks = r.hyps[p][e].tokens
-                tgt_words = _word_index(tokenizer.tgt, toks, tgt_offset)
+                tgt_words = _word_index(tokenizer.tgt, toks, tgt_offset, source=copied)
                 for tj, si in enumerate(links[(li, e, p)]):
                     if si >= len(r.sources[p]) - 1:  # a source of EOS alone has nothing to link
                         continue
@@ -166,7 +166,7 @@ def align_lines(model, tokenizer, results: list[LineResult], layer: int | None =
     return out
 
 
-def word_scores(tokenizer, results: list[LineResult]) -> list[list[str]]:
+def word_scores(tokenizer, results: list[LineResult], copied: bool = False) -> list[list[str]]:
     """Each word's log-probability in every n-best entry, and EOS's last.
 
     Words are the whitespace-separated words of the translation, as ``--alignment`` counts them;
@@ -190,7 +190,7 @@ def word_scores(tokenizer, results: list[LineResult]) -> list[list[str]]:
             eos = 0.0
             for piece in r.hyps:
                 h = piece[e]
-                index = _word_index(tokenizer.tgt, h.tokens)
+                index = _word_index(tokenizer.tgt, h.tokens, source=copied)
                 sums = [0.0] * (max(index, default=-1) + 1)
                 carry = 0.0  # whitespace pieces, for the next word
                 for w, lp in zip(index, h.token_logprobs, strict=False):
@@ -209,10 +209,13 @@ def word_scores(tokenizer, results: list[LineResult]) -> list[list[str]]:
 def replace_unknowns(model, tokenizer, results: list[LineResult], layer: int | None = None,
                      batch_tokens: int = 4096) -> list[list[str]]:
     """Every n-best entry's text with each ``<unk>`` the model wrote (printed as " ⁇ ") replaced
-    by the source piece it attends to most, as the input spells it (fairseq's and Marian's
-    ``--replace-unk``, without a dictionary): a name or symbol the target vocabulary lacks is
-    copied through. The attention is ``align_lines``' (the same ``layer``); only lines whose
-    translations hold ``<unk>`` are run through the model again.
+    by the source piece it attends to most, as the input spells it (before normalization;
+    fairseq's and OpenNMT-py's ``--replace-unk``, without a dictionary): a name or symbol the
+    target vocabulary lacks is copied through. The attention is ``align_lines``' (the same
+    ``layer``; an Ensemble's first member); only lines whose translations hold ``<unk>`` are run
+    through the model again. Whitespace and control characters are not copied (a tab would
+    break the n-best format), and a copy is put in after decoding, so that text that looks like
+    a piece (``<0xE2>``, ``</s>``) stays text.
 
     Returns:
         per line, per n-best entry (as ``line_texts`` gives them), the text.
@@ -222,17 +225,15 @@ def replace_unknowns(model, tokenizer, results: list[LineResult], layer: int | N
     unk = tokenizer.tgt.unk_id()
     lines = {li for li, r in enumerate(results)
              if any(unk in h.tokens for piece in r.hyps for h in piece)}
-    links = _attended(model, tokenizer, results, _jobs(results, lines), layer, batch_tokens)
+    links = (_attended(model, tokenizer, results, _jobs(results, lines), layer, batch_tokens)
+             if lines else {})
     src_sp, tgt_sp = tokenizer.src, tokenizer.tgt
     out: list[list[str]] = []
     for li, r in enumerate(results):
         if li not in lines:
             out.append([text for text, _ in line_texts(tokenizer, r)])
             continue
-        spelled = src_sp.encode(r.text, out_type=str)  # <unk> as the characters it stands for
-        ids = [t for s in r.sources for t in s[:-1]]
-        if src_sp.piece_to_id(spelled) != ids:  # not the line's plain encoding: the pieces
-            spelled = src_sp.id_to_piece(ids)
+        spelled = _spellings(src_sp, r.text, [t for s in r.sources for t in s[:-1]])
         starts = [0]  # each source piece's first token in the line
         for s in r.sources[:-1]:
             starts.append(starts[-1] + len(s) - 1)
@@ -240,11 +241,41 @@ def replace_unknowns(model, tokenizer, results: list[LineResult], layer: int | N
         for e in _entries(r):
             texts = []
             for p in range(len(r.hyps)):
-                pieces = tgt_sp.id_to_piece(r.hyps[p][e].tokens)
+                tokens = r.hyps[p][e].tokens
+                pieces, copies = tgt_sp.id_to_piece(tokens), []
                 for j, si in enumerate(links[(li, e, p)]):
-                    if r.hyps[p][e].tokens[j] == unk and si < len(r.sources[p]) - 1:
-                        pieces[j] = spelled[starts[p] + si].lstrip("\u2581")
-                texts.append(tgt_sp.decode_pieces(pieces))
+                    if tokens[j] == unk and si < len(r.sources[p]) - 1:
+                        copy = "".join(c for c in spelled[starts[p] + si]
+                                       if c.isprintable() and not c.isspace())
+                        pieces[j] = _PLACEHOLDER
+                        copies.append(copy or "⁇")  # nothing to copy: the unknown mark
+                text = tgt_sp.decode_pieces(pieces).split(_PLACEHOLDER)
+                texts.append("".join(t + c for t, c in zip(text, [*copies, ""], strict=True)))
             line_out.append(" ".join(texts))
         out.append(line_out)
+    return out
+
+
+_PLACEHOLDER = "\ue000"  # a private-use character: no vocabulary has it as a piece
+
+
+def _spellings(sp, text: str, ids: list[int]) -> list[str]:
+    """Per source token, the input characters it stands for, as ``text`` spells them (before
+    normalization, whitespace stripped); a byte piece stands for the whole character it is a
+    byte of. Where a token covers no input character of its own (NFKC made 'ﬃ' 'ff' 'i', '½'
+    '1⁄2'), the normalized characters it covers; where ``ids`` are not the line's plain
+    encoding, the pieces without their '▁'."""
+    pieces = sp.encode(text, out_type=str)
+    if sp.piece_to_id(pieces) != ids:
+        return [p.lstrip("\u2581") for p in sp.id_to_piece(ids)]
+    normalized, origin = sp.normalize(text, with_offsets=True)
+    char_of_byte = [i for i, c in enumerate(normalized) for _ in range(len(c.encode()))]
+    char_of_byte.append(len(normalized))
+    out, at = [], 0  # at: the token's first byte in the normalized text
+    for t, piece in zip(ids, pieces, strict=True):
+        size = 1 if sp.is_byte(t) else len(piece.encode())
+        first, last = char_of_byte[at], char_of_byte[at + size - 1] + 1
+        surface = text[origin[first]:origin[last]].strip()
+        out.append(surface or normalized[first:last].lstrip("\u2581"))
+        at += size
     return out

@@ -130,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "penultimate)")
     p.add_argument("--replace-unk", action="store_true",
                    help="replace each <unk> of a translation (printed ' ⁇ ') by the source piece "
-                        "it attends to most, as the input spells it: copies names and symbols "
-                        "the target vocabulary lacks")
+                        "it attends to most, as the input spells it (before normalization): "
+                        "copies names and symbols the target vocabulary lacks")
     p.add_argument("--chunk-lines", type=positive_int, default=100_000,
                    help="lines read, sorted by length, translated and written at a time: bounds "
                         "the memory of a large file and streams a pipe (default: 100000)")
@@ -161,9 +161,10 @@ def _fields(model, tokenizer, results: list[LineResult], args: argparse.Namespac
     (``--alignment``), then the word scores (``--word-scores``)."""
     parts = []
     if args.alignment:
-        parts.append(align_lines(model, tokenizer, results, args.alignment_layer, batch_tokens))
+        parts.append(align_lines(model, tokenizer, results, args.alignment_layer, batch_tokens,
+                                 args.replace_unk))
     if args.word_scores:
-        parts.append(word_scores(tokenizer, results))
+        parts.append(word_scores(tokenizer, results, args.replace_unk))
     if not parts:
         return [[] for _ in results]
     return [[[part[li][e] for part in parts] for e in range(len(parts[0][li]))]

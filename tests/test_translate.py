@@ -21,10 +21,11 @@ import pytest
 import torch
 
 from mt.checkpoint import load_model, model_state, save_atomic
-from mt.config import ModelConfig, TokenizerConfig
+from mt.config import EOS_ID, ModelConfig, TokenizerConfig
 from mt.constraints import split_phrases
 from mt.inference import Int8Linear, PackedFeedForward, PackedLinear, can_pack, prepare_model
 from mt.model import build_model
+from mt.scoring import cross_attention
 from mt.tokenizer import train_tokenizer
 from mt.translate import SearchOptions, main, search_lines, translate_lines
 
@@ -1212,15 +1213,8 @@ def test_replace_unk_copies_what_the_source_spells(models, tmp_path, capsys):
     with it, every character comes from its own input line (a line of one piece, '€', gives
     that piece), one output line per input line, empty lines included, in pieces or not."""
     _, tok, _ = load_model(models["a"])
-    torch.manual_seed(0)
-    cfg = ModelConfig(encoder_layers=1, decoder_layers=2, d_model=32, ffn_dim=64, heads=2,
-                      dropout=0.0, max_positions=16, src_vocab_size=tok.src_vocab_size,
-                      tgt_vocab_size=tok.tgt_vocab_size, final_logits_bias=True)
-    model = build_model(cfg)
-    with torch.no_grad():
-        model.final_logits_bias[tok.tgt.unk_id()] = 30.0
     path = tmp_path / "unk.pt"
-    save_atomic(model_state(model, tok, None), path)
+    _unk_model(tok, path)
     lines = ["€", "", "the dog ß sees a ball", " ".join(["man"] * 30)]  # the last in pieces
     src = _write(tmp_path / "in.txt", lines)
     plain = _run(["-m", str(path), "-i", src, *FAST], capsys)
@@ -1231,3 +1225,98 @@ def test_replace_unk_copies_what_the_source_spells(models, tmp_path, capsys):
         assert "⁇" not in text and set(text) <= set(line)
     with pytest.raises(SystemExit, match="does not combine with .*--replace-unk"):
         main(["-m", str(path), "-i", src, "--score", src, "--replace-unk"])
+
+
+def _unk_model(tok, path, bias=30.0):
+    torch.manual_seed(0)
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=2, d_model=32, ffn_dim=64, heads=2,
+                      dropout=0.0, max_positions=16, src_vocab_size=tok.src_vocab_size,
+                      tgt_vocab_size=tok.tgt_vocab_size, final_logits_bias=True)
+    model = build_model(cfg)
+    with torch.no_grad():
+        model.final_logits_bias[tok.tgt.unk_id()] = bias
+    save_atomic(model_state(model, tok, None), path)
+    return model.eval()
+
+
+def _oracle(model, tok, r, layer):
+    """The texts --replace-unk should print for one LineResult (lines NFKC leaves alone)."""
+    if not r.hyps:
+        return [""]
+    sp, unk = tok.src, tok.tgt.unk_id()
+    spelled = sp.encode(r.text, out_type=str)
+    starts = [0]
+    for s in r.sources[:-1]:
+        starts.append(starts[-1] + len(s) - 1)
+    entries = range(len(r.hyps[0])) if len(r.hyps) == 1 else range(1)
+    out = []
+    for e in entries:
+        parts = []
+        for p, src in enumerate(r.sources):
+            toks = r.hyps[p][e].tokens
+            with torch.inference_mode():
+                attn = cross_attention(model, torch.tensor([src]), torch.tensor([toks + [EOS_ID]]),
+                                       layer)[0]
+            attn = attn.clone()  # a normal tensor, outside inference mode
+            for k, t in enumerate(src):
+                if sp.is_control(t) or (not sp.is_unknown(t)
+                                        and not sp.id_to_piece(t).lstrip("\u2581")):
+                    attn[:, k] = -1.0
+            best = attn.argmax(-1).tolist()
+            pieces = [spelled[starts[p] + best[j]].lstrip("\u2581") if t == unk
+                      else tok.tgt.id_to_piece(t) for j, t in enumerate(toks)]
+            parts.append(tok.tgt.decode_pieces(pieces))
+        out.append(" ".join(parts))
+    return out
+
+
+LINES = ["€ the ¥ dog", "", "the dog ß sees a ball",
+         " ".join(WORDS[:12]) + " € " + " ".join(WORDS[12:]) + " ¥ man"]  # the last in pieces
+
+
+@pytest.mark.parametrize("layer", [None, -1])
+def test_replace_unk_copies_the_attended_piece(models, tmp_path, capsys, layer):
+    _, tok, _ = load_model(models["a"])
+    path = tmp_path / "unk.pt"
+    model = _unk_model(tok, path)
+    opts = SearchOptions(beam=2, nbest=2, max_len_a=0, max_len_b=4, min_len=1)
+    results = search_lines(model, tok, LINES, opts, warn=False)
+    want = [[f"{i}\t{t}" for t in _oracle(model, tok, r, -2 if layer is None else layer)]
+            for i, r in enumerate(results)]
+    args = ["-m", str(path), "--replace-unk", "--beam", "2", "--nbest", "2", *FAST]
+    if layer is not None:
+        args += ["--alignment-layer", str(layer)]
+    out = _run([*args, "-i", _write(tmp_path / "in.txt", LINES)], capsys)
+    assert [row.rsplit("\t", 1)[0] for row in out] == [w for ws in want for w in ws]
+    mp = pytest.MonkeyPatch()
+    _terminal(mp, "".join(line + "\n" for line in LINES).encode())
+    try:
+        prompt = _run(args, capsys)
+    finally:
+        mp.undo()
+    assert [row.rsplit("\t", 1)[0] for row in prompt] == [w for ws in want for w in ws]
+
+
+def test_replace_unk_leaves_lines_without_unk_alone(models, tmp_path, capsys):
+    src = _write(tmp_path / "in.txt", LINES)
+    args = ["-m", models["a"], "-i", src, "--beam", "3", "--nbest", "3", *FAST]
+    assert _run([*args, "--replace-unk"], capsys) == _run(args, capsys)
+
+
+def test_replace_unk_copies_the_input_spelling_not_nfkc(models, tmp_path, capsys):
+    _, tok, _ = load_model(models["a"])
+    path = tmp_path / "unk.pt"
+    _unk_model(tok, path)
+    lines = ["½", "ＤＯＧ", "x²"]
+    out = _run(["-m", str(path), "-i", _write(tmp_path / "in.txt", lines), "--replace-unk", *FAST],
+               capsys)
+    for line, text in zip(lines, out, strict=True):
+        assert text and set(text) <= set(line), (line, text)
+    # a line separator (NEL survives NFKC, as <unk>) is not copied: it would break the rows
+    # for a reader that splits lines on it; nor is text read as a piece ('</s>')
+    lines = ["\x85", "€ </s>"]
+    out = _run(["-m", str(path), "-i", _write(tmp_path / "sep.txt", lines), "--replace-unk",
+                "--beam", "2", "--nbest", "2", *FAST], capsys)
+    assert len(out) == 4 and all(len(row.split("\t")) == 3 for row in out)
+    assert not any("\x85" in row for row in out)
+    assert all("⁇" not in row.split("\t")[1] for row in out[2:])
