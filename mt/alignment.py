@@ -61,23 +61,39 @@ def _source_words(sp, text: str, ids: list[int]) -> list[int]:
     normalizer says which input character each normalized character came from, so each token is
     placed in the input itself. Tokens that are not the line's plain encoding are numbered by
     the '▁' count."""
-    pieces = sp.encode(text, out_type=str)  # <unk> as the characters it stands for
-    if sp.piece_to_id(pieces) != ids:
+    placed = _token_chars(sp, text, ids)
+    if placed is None:
         return _word_index(sp, ids, source=True)
-    normalized, origin = sp.normalize(text, with_offsets=True)
-    char_of_byte = [i for i, c in enumerate(normalized) for _ in range(len(c.encode()))]
+    _, origin, spans = placed
     word_of, word, spaced = [], -1, True  # each input character's word
     for c in text:
         word += spaced and not c.isspace()
         spaced = c.isspace()
         word_of.append(-1 if spaced else word)
-    out, at = [], 0  # at: the token's first byte in the normalized text
+    return [-1 if start is None else word_of[origin[start]] for start, _, _ in spans]
+
+
+def _token_chars(sp, text: str, ids: list[int]
+                 ) -> tuple[str, list[int], list[tuple[int | None, int, int]]] | None:
+    """Where each source token sits in ``text``, through SentencePiece's normalizer offsets: the
+    normalized text, each normalized character's input character (``origin``), and per token
+    its first normalized character after its '▁' (None for a token of '▁' alone), its first and
+    the one after its last (a byte piece covers its whole character). None when ``ids`` are not
+    the line's plain encoding."""
+    pieces = sp.encode(text, out_type=str)  # <unk> as the characters it stands for
+    if sp.piece_to_id(pieces) != ids:
+        return None
+    normalized, origin = sp.normalize(text, with_offsets=True)
+    char_of_byte = [i for i, c in enumerate(normalized) for _ in range(len(c.encode()))]
+    char_of_byte.append(len(normalized))
+    spans, at = [], 0  # at: the token's first byte in the normalized text
     for t, piece in zip(ids, pieces, strict=True):
         size = 1 if sp.is_byte(t) else len(piece.encode())
         skip = 0 if sp.is_byte(t) else len(piece.encode()) - len(piece.lstrip("\u2581").encode())
-        out.append(word_of[origin[char_of_byte[at + skip]]] if skip < size else -1)
+        spans.append((char_of_byte[at + skip] if skip < size else None, char_of_byte[at],
+                      char_of_byte[at + size - 1] + 1))
         at += size
-    return out
+    return normalized, origin, spans
 
 
 def _entries(r: LineResult) -> range:
@@ -265,17 +281,9 @@ def _spellings(sp, text: str, ids: list[int]) -> list[str]:
     byte of. Where a token covers no input character of its own (NFKC made 'ﬃ' 'ff' 'i', '½'
     '1⁄2'), the normalized characters it covers; where ``ids`` are not the line's plain
     encoding, the pieces without their '▁'."""
-    pieces = sp.encode(text, out_type=str)
-    if sp.piece_to_id(pieces) != ids:
+    placed = _token_chars(sp, text, ids)
+    if placed is None:
         return [p.lstrip("\u2581") for p in sp.id_to_piece(ids)]
-    normalized, origin = sp.normalize(text, with_offsets=True)
-    char_of_byte = [i for i, c in enumerate(normalized) for _ in range(len(c.encode()))]
-    char_of_byte.append(len(normalized))
-    out, at = [], 0  # at: the token's first byte in the normalized text
-    for t, piece in zip(ids, pieces, strict=True):
-        size = 1 if sp.is_byte(t) else len(piece.encode())
-        first, last = char_of_byte[at], char_of_byte[at + size - 1] + 1
-        surface = text[origin[first]:origin[last]].strip()
-        out.append(surface or normalized[first:last].lstrip("\u2581"))
-        at += size
-    return out
+    normalized, origin, spans = placed
+    return [text[origin[first]:origin[last]].strip() or normalized[first:last].lstrip("\u2581")
+            for _, first, last in spans]

@@ -425,7 +425,7 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
                             ids["--prefix-file"], results, strict=True))
                 fields = _fields(model, tokenizer, results, args, args.batch_tokens)
                 texts = (_texts(model, tokenizer, results, args, args.batch_tokens)
-                         if not args.score else fields)
+                         if not args.score else [None] * len(results))
                 for i, (r, f, nbest) in enumerate(zip(results, fields, texts, strict=True),
                                                   start=done):
                     lines_out = ([_format_score(r, f)] if args.score
