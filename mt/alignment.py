@@ -22,6 +22,15 @@ if TYPE_CHECKING:
     from mt.lines import LineResult
 
 
+def layer_mistake(model, layer: int | None) -> str | None:
+    """Why ``--alignment-layer`` cannot read ``layer`` of this model's decoder, in words; None if
+    it can (None is the default layer)."""
+    n_layers = len(first_member(model).decoder_layers)
+    if layer is not None and not -n_layers <= layer < n_layers:
+        return f"--alignment-layer {layer}: the decoder has {n_layers} layers"
+    return None
+
+
 def _word_index(sp, ids: list[int], first: int = 0, source: bool = False) -> list[int]:
     """Word number (from ``first``) of each token, as the text's whitespace-separated words count
     them: a piece starting with '▁' starts a word, a piece of whitespace alone belongs to no word

@@ -88,14 +88,17 @@ def config_hash(model_config: dict) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def translate_test(model, tokenizer, sources: list[str], opts, shortlist=None
+def translate_test(model, tokenizer, sources: list[str], opts, shortlist=None, *,
+                   replace_unk: bool = False, layer: int | None = None
                    ) -> tuple[list[str], dict]:
     """Best translations and decoding speed (target tokens of the hypotheses per second);
-    ``shortlist``: an mt.shortlist.Shortlist, or None."""
+    ``shortlist``: an mt.shortlist.Shortlist, or None; ``replace_unk`` and ``layer``: as
+    ``translate --replace-unk --alignment-layer``."""
     from mt.lines import best_translations
 
     start = time.perf_counter()
-    hyps = best_translations(model, tokenizer, sources, opts, shortlist=shortlist)
+    hyps = best_translations(model, tokenizer, sources, opts, shortlist=shortlist,
+                             replace_unk=replace_unk, layer=layer)
     seconds = time.perf_counter() - start
     tokens = sum(len(ids) for ids in tokenizer.encode_tgt(hyps))
     return hyps, {"decode_seconds": seconds, "hyp_tokens": tokens,
@@ -300,6 +303,11 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
             shortlist = Shortlist.load(args.shortlist, tokenizer) if args.shortlist else None
         except ValueError as err:
             raise EvalError(f"-m {system.path}: {err}") from None
+        from mt.alignment import layer_mistake
+
+        mistake = layer_mistake(model, args.alignment_layer)
+        if mistake:
+            raise EvalError(f"-m {system.path}: {mistake}")
         loaded[n] = (model, tokenizer, shortlist)
         _check_direction(names, test)
         configs = [m.cfg for m in getattr(model, "models", [model])]
@@ -309,11 +317,14 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
                        else [dict(vars(c)) for c in configs],
                        "load_seconds": time.perf_counter() - start,
                        **({"weights": args.weights} if len(paths) > 1 and args.weights else {}),
-                       **({"shortlist": args.shortlist} if args.shortlist else {})}
+                       **({"shortlist": args.shortlist} if args.shortlist else {}),
+                       **({"replace_unk": True, "alignment_layer": args.alignment_layer}
+                          if args.replace_unk else {})}
     model, tokenizer, shortlist = loaded[n]
     opts = search_options(args, args.workers or default_workers(args.device))
     log.info("translating %s (%d lines) with %s", test.name, len(sources), system.path)
-    hyps, speed = translate_test(model, tokenizer, sources, opts, shortlist)
+    hyps, speed = translate_test(model, tokenizer, sources, opts, shortlist,
+                                 replace_unk=args.replace_unk, layer=args.alignment_layer)
     speed.update(search=asdict(opts), device=args.device, dtype=args.dtype)
     log.info("%s: %.1f s, %.0f tokens/s", system.name, speed["decode_seconds"],
              speed["tokens_per_second"])
@@ -403,6 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shortlist", metavar="FILE", default=None,
                    help="a vocabulary shortlist (mt-shortlist) for every -m system, as "
                         "translate --shortlist")
+    g.add_argument("--replace-unk", action="store_true",
+                   help="replace each <unk> of a translation by the source piece it attends to "
+                        "most, as translate --replace-unk")
+    g.add_argument("--alignment-layer", type=int, default=None, metavar="L",
+                   help="decoder layer whose cross-attention --replace-unk reads (default: "
+                        "penultimate)")
     g.add_argument("--output", help="write translations here; {test} and {n} (system number) "
                    "are replaced")
     p.translation_actions = list(g._group_actions)  # said to do nothing without -m

@@ -370,10 +370,18 @@ def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | No
 
 def best_translations(model, tokenizer, lines: list[str], opts: SearchOptions, *,
                       constraints: list[list[str]] | None = None,
-                      shortlist: Shortlist | None = None) -> list[str]:
+                      shortlist: Shortlist | None = None, replace_unk: bool = False,
+                      layer: int | None = None) -> list[str]:
     """Each line's best translation (the first of its ``translate_lines`` n-best), searched under
-    ``torch.inference_mode``: what validation, the final test and ``mt-eval`` score."""
+    ``torch.inference_mode``: what validation, the final test and ``mt-eval`` score.
+    ``replace_unk``: each <unk> copied from the source, as ``translate --replace-unk`` (reading
+    the cross-attention of decoder ``layer``)."""
     with torch.inference_mode():
-        return [nbest[0][0] for nbest in translate_lines(model, tokenizer, lines, opts,
-                                                         constraints=constraints,
-                                                         shortlist=shortlist)]
+        results = search_lines(model, tokenizer, lines, opts, constraints=constraints,
+                               shortlist=shortlist)
+        if replace_unk:
+            from mt.alignment import replace_unknowns
+
+            texts = replace_unknowns(model, tokenizer, results, layer, opts.batch_tokens)
+            return [nbest[0] for nbest in texts]
+    return [line_texts(tokenizer, r)[0][0] for r in results]

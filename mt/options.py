@@ -140,7 +140,11 @@ def unused_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     unused = [("--seed", "without --sampling", given("seed") and not args.sampling),
               ("--mbr-candidates", "without --mbr", given("mbr_candidates") and not args.mbr),
               ("--beam", "with --sampling (--nbest sets the samples per line)",
-               given("beam") and args.sampling)]
+               given("beam") and args.sampling),
+              ("--alignment-layer", "without --alignment or --replace-unk"
+               if hasattr(args, "alignment") else "without --replace-unk",
+               getattr(args, "alignment_layer", None) is not None
+               and not (getattr(args, "alignment", False) or getattr(args, "replace_unk", False)))]
     unused += [(flag, "with --score", scoring and given(dest)) for flag, dest in (
         ("--beam", "beam"), ("--min-len", "min_len"), ("--max-len-a", "max_len_a"),
         ("--max-len-b", "max_len_b"), ("--no-repeat-ngram-size", "no_repeat_ngram_size"))]

@@ -30,10 +30,10 @@ from contextlib import contextmanager
 
 import torch
 
-from mt.alignment import align_lines, replace_unknowns, word_scores
+from mt.alignment import align_lines, layer_mistake, replace_unknowns, word_scores
 from mt.config import positive_int
 from mt.constraints import encode_phrases, split_phrases
-from mt.incremental import first_member, max_positions
+from mt.incremental import max_positions
 from mt.inference import (
     DTYPES,
     cap_kernel_caches,
@@ -267,11 +267,9 @@ def main(argv: list[str] | None = None) -> None:
                     _spelled(tokenizer, option, part, path, n * args.chunk_lines + 1)
     except ValueError as err:
         raise SystemExit(f"translate: {err}") from None
-    if args.alignment_layer is not None:
-        n_layers = len(first_member(model).decoder_layers)
-        if not -n_layers <= args.alignment_layer < n_layers:
-            raise SystemExit(f"translate: --alignment-layer {args.alignment_layer}: the decoder "
-                             f"has {n_layers} layers")
+    mistake = layer_mistake(model, args.alignment_layer)
+    if mistake:
+        raise SystemExit(f"translate: {mistake}")
     opts = search_options(args, args.workers or default_workers(args.device))
     if interactive:
         with torch.inference_mode():
@@ -310,8 +308,6 @@ def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     unused = unused_options(args, parser)
     if args.weights is not None and len(args.model) == 1:
         unused.append("--weights has no effect with one model")
-    if args.alignment_layer is not None and not (args.alignment or args.replace_unk):
-        unused.append("--alignment-layer has no effect without --alignment or --replace-unk")
     for warning in unused:
         log.warning(warning)
     if args.weights is not None and len(args.weights) != len(args.model) > 1:

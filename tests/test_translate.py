@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import gzip
 import io
+import json
 import logging
 import os
 import random
@@ -1301,6 +1302,37 @@ def test_replace_unk_leaves_lines_without_unk_alone(models, tmp_path, capsys):
     src = _write(tmp_path / "in.txt", LINES)
     args = ["-m", models["a"], "-i", src, "--beam", "3", "--nbest", "3", *FAST]
     assert _run([*args, "--replace-unk"], capsys) == _run(args, capsys)
+
+
+def test_mt_eval_replace_unk_scores_what_translate_writes(models, tmp_path, capsys, caplog):
+    """mt-eval --replace-unk (and its --alignment-layer) scores exactly translate's output with
+    the same flags; a layer the decoder lacks is one line naming -m and the flag."""
+    from mt import evaluate
+
+    _, tok, _ = load_model(models["a"])
+    path = tmp_path / "unk.pt"
+    _unk_model(tok, path)
+    src = _write(tmp_path / "in.txt", LINES)
+    ref = _write(tmp_path / "ref.txt", LINES)
+    search = ["--beam", "2", "--max-len-a", "0", "--max-len-b", "4", "--min-len", "1"]
+    for layer in ([], ["--alignment-layer", "0"]):
+        want = _run(["-m", str(path), "-i", src, "--replace-unk", *layer, *search, "--quiet"],
+                    capsys)
+        assert "⁇" not in "".join(want)
+        evaluate.main(["-m", str(path), "--src", src, "--ref", ref, "--replace-unk", *layer,
+                       *search, "--output", str(tmp_path / "hyp.txt"), "--json", "-q"])
+        system = json.loads(capsys.readouterr().out)["tests"][0]["systems"][0]
+        assert (tmp_path / "hyp.txt").read_text(encoding="utf-8").splitlines() == want
+        assert system["replace_unk"] and system["alignment_layer"] == (int(layer[1]) if layer
+                                                                       else None)
+    evaluate.main(["-m", str(path), "--src", src, "--ref", ref, *search, "--alignment-layer",
+                   "0", "--output", str(tmp_path / "plain.txt")])
+    assert "⁇" in (tmp_path / "plain.txt").read_text(encoding="utf-8")
+    assert "--alignment-layer has no effect without --replace-unk" in caplog.text
+    with pytest.raises(SystemExit, match=f"^mt-eval: -m {path}: --alignment-layer 2: the "
+                       "decoder has 2 layers$"):
+        evaluate.main(["-m", str(path), "--src", src, "--ref", ref, "--replace-unk",
+                       "--alignment-layer", "2", *search])
 
 
 def test_replace_unk_copies_the_input_spelling_not_nfkc(models, tmp_path, capsys):
