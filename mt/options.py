@@ -6,6 +6,7 @@ same words. Free of torch, so that ``--help`` answers at once.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 from mt.config import count_or_off, positive_int
@@ -102,8 +103,10 @@ def search_mistake(args: argparse.Namespace | SearchOptions) -> str | None:
                                     ("--epsilon", args.epsilon != 0.0)) if on]
     if shaped and not args.sampling:
         return f"{shaped[0]} shapes the sampling distribution; add --sampling"
-    if args.temperature <= 0:
-        return f"--temperature must be positive, got {args.temperature}"
+    if not 0 < args.temperature < math.inf:
+        return f"--temperature must be positive and finite, got {args.temperature}"
+    if not math.isfinite(args.lenpen):
+        return f"--lenpen must be a finite number, got {args.lenpen}"
     if not 0 <= args.top_p <= 1:
         return f"--top-p must be between 0 and 1, got {args.top_p}"
     if args.top_k < 0:
@@ -112,7 +115,7 @@ def search_mistake(args: argparse.Namespace | SearchOptions) -> str | None:
         return f"--epsilon must be in [0, 1), got {args.epsilon}"
     if args.batch_tokens < 1:
         return f"--batch-tokens must be at least 1, got {args.batch_tokens}"
-    if args.max_len_a < 0 or args.max_len_b < 0:
+    if not (args.max_len_a >= 0 and args.max_len_b >= 0):  # nan too; inf: the model's maximum
         return (f"--max-len-a and --max-len-b must be at least 0, got {args.max_len_a:g} and "
                 f"{args.max_len_b}")
     if args.mbr and nbest != 1:

@@ -21,6 +21,7 @@ log-probabilities are averaged (and renormalised), each member with its own cach
 from __future__ import annotations
 
 import functools
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -70,7 +71,10 @@ def length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
 def max_lengths(src: Tensor, max_len_a: float, max_len_b: int, limit: int) -> Tensor:
     """Per-sentence output budget ``a * src_len + b`` (EOS included), capped by ``limit``."""
     src_len = (src != PAD_ID).sum(dim=1)
-    return (src_len.float() * max_len_a + max_len_b).long().clamp(min=1, max=limit)
+    # Clamped before the cast: a huge budget (inf: no limit but the model's) cast first
+    # would wrap to a negative one.
+    budget = src_len.float() * max_len_a + max_len_b
+    return budget.clamp(min=1, max=limit).long()
 
 
 class _Prefix:
@@ -225,8 +229,8 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
         one Hypothesis per sentence, in input order. Its scores are the model's own
         log-probabilities (untempered) of the chosen tokens.
     """
-    if sampling and temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
+    if sampling and not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
     if not 0 <= epsilon < 1:
         raise ValueError(f"epsilon must be in [0, 1), got {epsilon}")
     if no_repeat_ngram < 0:

@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -253,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     if interactive and parallel:
         raise SystemExit(f"translate: {next(iter(parallel))} needs -i (or piped input)")
     _refuse_overwrite(args, parallel)
+    _refuse_shared_streams(args, parallel)
     total = None if interactive else _count_input(args, parallel)
     try:
         model, tokenizer, names = load_models(args.model, args.device, args.dtype,
@@ -320,21 +322,51 @@ def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                          "(a beam of 1 has no room for a hypothesis that places a phrase)")
 
 
+def _read_files(args: argparse.Namespace, parallel: dict[str, str]
+                ) -> list[tuple[str, str, os.stat_result]]:
+    """(option, name, stat) of every file translate reads, the input first; stdin (no -i, or
+    -i -) is its file descriptor's. A file that cannot be stat'ed (no such file: said later; no
+    stdin at all) is left out."""
+    out = []
+    for option, path in (("-i", args.input), *parallel.items()):
+        try:
+            if path in (None, "-"):
+                out.append((option, "-", os.fstat(sys.stdin.fileno())))
+            else:
+                out.append((option, path, os.stat(path)))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def _refuse_overwrite(args: argparse.Namespace, parallel: dict[str, str]) -> None:
     """SystemExit when -o names a file that translate reads (the input or a side file): the
     translations would replace it."""
     if not (args.output and os.path.exists(args.output)):
         return
     out = os.stat(args.output)
-    stdin = args.input in (None, "-")
-    for option, path in (("input (stdin)" if stdin else "-i", args.input), *parallel.items()):
-        try:  # stdin (no -i, or -i -) may be the file itself: translate -o f < f
-            read = os.fstat(sys.stdin.fileno()) if path in (None, "-") else os.stat(path)
-        except (OSError, ValueError):  # no such file (said later), or no stdin at all
-            continue
+    for option, path, read in _read_files(args, parallel):  # stdin may be it: -o f < f
         if (read.st_dev, read.st_ino) == (out.st_dev, out.st_ino):
-            raise SystemExit(f"translate: -o {args.output} is the {option} file; the "
+            name = "input (stdin)" if (option, path) == ("-i", "-") else option
+            raise SystemExit(f"translate: -o {args.output} is the {name} file; the "
                              "translations would replace it: write them elsewhere")
+
+
+def _refuse_shared_streams(args: argparse.Namespace, parallel: dict[str, str]) -> None:
+    """SystemExit when two of the files read line by line are one stream (stdin twice, one pipe
+    or FIFO twice): each would take every other line, and lines would be paired with the wrong
+    ones. A regular file given twice is read twice, from its start each time: that is fine."""
+    seen: dict[tuple[int, int], str] = {}
+    for option, path, read in _read_files(args, parallel):
+        if stat.S_ISREG(read.st_mode):
+            continue
+        name = f"{option} {path}" if path != "-" else (
+            "the input (stdin)" if option == "-i" else f"{option} - (stdin)")
+        key = (read.st_dev, read.st_ino)
+        if key in seen:
+            raise SystemExit(f"translate: {name} and {seen[key]} are one stream, which cannot "
+                             "be read twice: give one of them as a file")
+        seen[key] = name
 
 
 def _count_input(args: argparse.Namespace, parallel: dict[str, str]) -> int | None:

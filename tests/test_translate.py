@@ -489,6 +489,31 @@ def test_an_output_that_is_one_of_the_inputs_is_refused_and_left_alone(models, t
     assert Path(given).read_text() == "der Hund\neine Katze\n"
 
 
+def test_one_stream_read_twice_is_refused(models, tmp_path, capsys):
+    """stdin (a pipe) as the input and a side file, or one FIFO twice, would deal their lines
+    out in turn (line 1 scored against line 2): refused in one line before any work. A regular
+    file read twice is fine."""
+    src = _write(tmp_path / "in.txt", ["the dog", "a cat", "the man", "a ball"])
+    cmd = [sys.executable, "-m", "mt.translate", "-m", models["a"], *FAST]
+    for args, said in [(["--score", "-"], "--score - (stdin) and the input (stdin) are one "
+                                          "stream"),
+                       (["-i", src, "--prefix-file", "-", "--constraints-file", "/dev/stdin"],
+                        "--constraints-file /dev/stdin and --prefix-file - (stdin) are one "
+                        "stream")]:
+        result = subprocess.run([*cmd, *args], input=Path(src).read_text(), capture_output=True,
+                                text=True)
+        assert result.returncode == 1 and result.stdout == ""
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"translate: {said}, which cannot be read twice: give one of them as a file")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(SystemExit, match=f"^translate: --score {fifo} and -i {fifo} are one "
+                                         "stream"):
+        main(["-m", models["a"], "-i", str(fifo), "--score", str(fifo), *FAST])
+    given = _run(["-m", models["a"], "-i", src, "--score", src, *FAST], capsys)
+    assert len(given) == 4
+
+
 def test_output_file_appears_only_whole(models, tmp_path, monkeypatch):
     """A run that fails half-way (stdin's mistakes are found only when read) leaves no output
     file, not even its .partial; a line-parallel file that ends early is named."""
@@ -922,12 +947,29 @@ def test_mbr_prints_the_choice_among_the_searchs_candidates(models, tmp_path, ca
     (["--max-len-a", "0", "--max-len-b", "1"], "--max-len-a 0 --max-len-b 1 leaves a short line"),
     (["--max-len-a", "0.1", "--max-len-b", "1"], "--max-len-a 0.1 --max-len-b 1 leaves a short"),
     (["-m", "SAME", "--weights", "1", "inf"], "--weights must be above 0 and finite"),
-    (["--max-len-b", "-3"], "--max-len-a and --max-len-b must be at least 0")])
+    (["--max-len-b", "-3"], "--max-len-a and --max-len-b must be at least 0"),
+    (["--max-len-a", "nan"], "--max-len-a and --max-len-b must be at least 0, got nan"),
+    (["--sampling", "--temperature", "inf"], "--temperature must be positive and finite"),
+    (["--sampling", "--temperature", "nan"], "--temperature must be positive and finite"),
+    (["--lenpen", "nan"], "--lenpen must be a finite number, got nan"),
+    (["--lenpen", "inf"], "--lenpen must be a finite number")])
 def test_search_options_out_of_range_are_one_line_errors(models, tmp_path, bad, message):
     path = _write(tmp_path / "in.txt", ["a dog"])
     bad = [models["a"] if b == "SAME" else b for b in bad]
     with pytest.raises(SystemExit, match=f"^translate: {message}"):
         main(["-m", models["a"], "-i", path, *bad])
+
+
+def test_a_budget_past_the_model_maximum_is_the_model_maximum(models, tmp_path, capsys):
+    """--max-len-a inf, or a budget past what a 64-bit integer holds, is capped at the model's
+    maximum like any budget above it (cast before the cap, it wrapped to EOS alone)."""
+    path = _write(tmp_path / "in.txt", ["the dog sees a ball", "a man"])
+    base = ["-m", models["a"], "-i", path, "--beam", "2", "--quiet"]
+    want = _run([*base, "--max-len-a", "0", "--max-len-b", "1000"], capsys)
+    assert len(want) == 2 and all(want)  # the bug: empty lines
+    for budget in (["--max-len-a", "inf"], ["--max-len-a", "1e19"],
+                   ["--max-len-b", str(10 ** 19)]):
+        assert _run([*base, *budget], capsys) == want, budget
 
 
 @pytest.mark.parametrize("flags, warned", [
