@@ -256,9 +256,12 @@ def _load_one(cfg: DataConfig, split: str, cache_dir: str | None):
             cache_dir=cache_dir,
         )
     except datasets.exceptions.DatasetGenerationError as err:
-        if isinstance(err.__cause__, DataError):  # the user's problem, with file and line
-            raise err.__cause__ from None
-        raise
+        if not isinstance(err.__cause__, DataError):
+            raise
+        mistake = err.__cause__  # the user's problem, with file and line
+    # Raised outside the handler: inside it, the DataError's context would become the wrapper
+    # whose cause it is, a loop for anything that walks the chain.
+    raise mistake from None
 
 
 def _load_hub(cfg: DataConfig, split: str, cache_dir: str | None):

@@ -556,9 +556,11 @@ def _ctrl_c_within(err: BaseException) -> bool:
     writer's cleanup raise a RuntimeError of its own, with the KeyboardInterrupt only as its
     context (the atomic write has kept the last checkpoint whole all the same)."""
     seen: BaseException | None = err
-    while seen is not None:
+    walked: set[int] = set()  # a chain can loop: an error re-raised from its own handler
+    while seen is not None and id(seen) not in walked:
         if isinstance(seen, KeyboardInterrupt):
             return True
+        walked.add(id(seen))
         seen = seen.__cause__ or seen.__context__
     return False
 

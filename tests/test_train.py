@@ -955,6 +955,31 @@ def test_a_last_pt_without_training_state_is_refused_in_one_line(tmp_path, corpu
     assert "holds weights only, no training state" in result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("mistake, message", [
+    ("utf8", "train.en:3: invalid UTF-8"), ("count", "train.zz")])
+def test_a_bad_line_in_the_corpus_is_one_line_not_a_hang(tmp_path, corpus_dir, tokenizer_dir,
+                                                          mistake, message):
+    """A corpus mistake (mt.data.DataError, raised through datasets' generator) ended as an
+    exception chain that loops; mt-train's walk of the chain for a Ctrl-C spun forever at 100%
+    CPU instead of saying the file and line."""
+    bad = tmp_path / "corpus"
+    shutil.copytree(corpus_dir, bad)
+    if mistake == "utf8":
+        lines = (bad / "train.en").read_bytes().split(b"\n")
+        lines[2] += b" \xff"
+        (bad / "train.en").write_bytes(b"\n".join(lines))
+    else:
+        with open(bad / "train.zz", "a") as f:
+            f.write("one line too many\n")
+    cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(bad, tokenizer_dir),
+           f"hydra.run.dir={tmp_path / 'run'}", "trainer.max_steps=2"]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("mt-train: ") and message in last, last
+
+
 @pytest.mark.parametrize("override, message", [
     ("data.test=tst", "tst.en: no such file"), ("data.valid=tst", "tst.en: no such file"),
     ("data.extra_valid=[test,tst]", "tst.en: no such file"),
