@@ -32,6 +32,16 @@ from mt.tokenizer import Tokenizer
 FORMAT = "mt-checkpoint-1"
 
 
+def remove_unfinished(directory: Path) -> int:
+    """Deletes the temporary files of ``save_atomic`` writes that never finished (the writer was
+    killed with SIGKILL, or the machine went down: each is a checkpoint's size) and says how
+    many. For a run's own directory, when it starts: no other writer is at work there."""
+    unfinished = list(directory.glob(".*.pt.*.tmp")) if directory.is_dir() else []
+    for path in unfinished:
+        path.unlink(missing_ok=True)
+    return len(unfinished)
+
+
 def save_atomic(obj: Any, path: str | os.PathLike) -> None:
     """Writes to a temporary file in the same directory, fsyncs, then renames over ``path``.
 

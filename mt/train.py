@@ -104,6 +104,9 @@ class Trainer:
         torch.manual_seed(seed)
         random.seed(seed)
         self.ckpt_dir = run_dir / "checkpoints"
+        if self.rank == 0 and (removed := checkpoint.remove_unfinished(self.ckpt_dir)):
+            log.info("removed %d unfinished checkpoint write(s) from %s (a killed run's)",
+                     removed, self.ckpt_dir)
         # The model's shape and tokenizer: a resumed run's own (whatever model=... says now), or
         # those of the model that a fine-tuning run starts from; else the config's.
         last = self.ckpt_dir / "last.pt"
@@ -294,16 +297,21 @@ class Trainer:
         with self._averaged():
             inference = checkpoint.model_state(self.model, self.corpus.tokenizer,
                                                self.config_dict)
+        # last.pt comes after the files of this validation: a run killed between them resumes
+        # from the last.pt before, validates this step again and writes them again. Written
+        # first, it would hold this validation as done, and its best.pt never came.
+        t = self.cfg.trainer
+        steps = step_checkpoint and (t.keep_last > 0 or t.keep_best > 0 or t.average_last > 0)
+        if steps:
+            checkpoint.save_atomic(inference, self.ckpt_dir / f"step_{self.step}.pt")
+        if improved:
+            checkpoint.save_atomic(inference, self.ckpt_dir / "best.pt")
         checkpoint.save_atomic({**inference, "trainer": self._trainer_state(rng)},
                                self.ckpt_dir / "last.pt")
-        t = self.cfg.trainer
-        if step_checkpoint and (t.keep_last > 0 or t.keep_best > 0 or t.average_last > 0):
-            checkpoint.save_atomic(inference, self.ckpt_dir / f"step_{self.step}.pt")
+        if steps:
             checkpoint.prune_step_checkpoints(self.ckpt_dir, self.history,
                                               max(t.keep_last, t.average_last),
                                               t.keep_best, t.best_metric)
-        if improved:
-            checkpoint.save_atomic(inference, self.ckpt_dir / "best.pt")
 
     # -- validation
 

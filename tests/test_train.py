@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -633,6 +634,49 @@ def test_extra_valid_splits_are_scored_beside_valid_and_change_nothing_else(
         assert (extra / "valid" / "dev2" / f"step_{step}.hyp").read_text() == hyps
         test = (extra / "valid" / "test" / f"step_{step}.hyp").read_text().splitlines()
         assert len(test) == 8  # data.max_valid_sentences cuts each split alike
+
+
+@pytest.mark.parametrize("victim", ["best.pt", "last.pt"])
+def test_a_kill_between_the_files_of_a_validation_loses_none_of_them(tmp_path, corpus_dir,
+                                                                     tokenizer_dir, victim):
+    """A validation writes step_N.pt, best.pt and last.pt, each atomically. last.pt was written
+    first: a kill before best.pt resumed past this validation, and its best.pt never came. A
+    kill in any of them now leaves a run that ends with the same files and weights as one never
+    stopped, and the resumed run deletes the killed write's temporary file."""
+    steps = ["trainer.max_steps=14", "trainer.validate_every=7", "trainer.test_at_end=false"]
+    full = tmp_path / "full"
+    run_train(tmp_path, full, corpus_dir, tokenizer_dir, *steps)
+    killer = tmp_path / "kill_at_write.py"  # SIGKILL half-way through the victim's first write
+    killer.write_text(textwrap.dedent(f"""
+        import os, signal, sys, torch
+        real = torch.save
+        def save(obj, path, *args, **kwargs):
+            if os.path.basename(path).startswith(".{victim}."):  # save_atomic's temporary file
+                with open(path, "wb") as f:
+                    f.write(b"half a checkpoint")
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(obj, path, *args, **kwargs)
+        torch.save = save
+        sys.argv = ["mt-train", *sys.argv[1:]]
+        from mt.train import main
+        main()
+    """))
+    killed = tmp_path / "killed"
+    cmd = [PYTHON, str(killer), *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={killed}", *steps]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    assert len(list((killed / "checkpoints").glob(".*.tmp"))) == 1
+    resumed = run_train(tmp_path, killed, corpus_dir, tokenizer_dir, *steps)
+    assert "removed 1 unfinished checkpoint write(s)" in resumed.stderr
+    names = sorted(p.name for p in (full / "checkpoints").iterdir())
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == names
+    assert "best.pt" in names and "step_7.pt" in names
+    for name in names:
+        a = torch.load(full / "checkpoints" / name, weights_only=True)["model"]
+        b = torch.load(killed / "checkpoints" / name, weights_only=True)["model"]
+        assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
 def test_a_ctrl_c_inside_a_checkpoint_write_still_says_how_to_resume(tmp_path, corpus_dir,
