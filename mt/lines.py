@@ -22,7 +22,7 @@ from mt.config import EOS_ID, UNK_ID
 from mt.constraints import constrained_beam_search, encode_phrases, satisfied
 from mt.incremental import first_member, max_positions
 from mt.mbr import mbr_lines
-from mt.options import SearchOptions
+from mt.options import SearchOptions, search_mistake
 from mt.scoring import forced_scores
 from mt.search import Hypothesis, beam_search, greedy_search, sample_search
 from mt.shortlist import Shortlist, restricted_search
@@ -110,13 +110,9 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
     """
     if constraints is not None and opts.sampling:
         raise ValueError("constraints need beam search; they do not combine with sampling")
-    if opts.sampling:
-        if opts.temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {opts.temperature}")
-        if opts.nbest < 1:
-            raise ValueError(f"nbest (samples per line) must be at least 1, got {opts.nbest}")
-    elif not 1 <= opts.nbest <= opts.beam:
-        raise ValueError(f"nbest must be between 1 and beam={opts.beam}, got {opts.nbest}")
+    mistake = search_mistake(opts)  # again: a SearchOptions can be changed after it is made
+    if mistake:
+        raise ValueError(mistake)
     device = next(first_member(model).parameters()).device
     if opts.sampling and generator is None:
         generator = torch.Generator(device=device).manual_seed(opts.seed)

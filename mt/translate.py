@@ -334,7 +334,7 @@ def _read_files(args: argparse.Namespace, parallel: dict[str, str]
                 out.append((option, "-", os.fstat(sys.stdin.fileno())))
             else:
                 out.append((option, path, os.stat(path)))
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):  # AttributeError: stdin closed (<&-)
             continue
     return out
 
@@ -358,7 +358,7 @@ def _refuse_shared_streams(args: argparse.Namespace, parallel: dict[str, str]) -
     ones. A regular file given twice is read twice, from its start each time: that is fine."""
     seen: dict[tuple[int, int], str] = {}
     for option, path, read in _read_files(args, parallel):
-        if stat.S_ISREG(read.st_mode):
+        if stat.S_ISREG(read.st_mode) and path != "-":  # stdin is one stream, even `< file`
             continue
         name = f"{option} {path}" if path != "-" else (
             "the input (stdin)" if option == "-i" else f"{option} - (stdin)")

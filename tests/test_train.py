@@ -1027,7 +1027,8 @@ def test_a_bad_line_in_the_corpus_is_one_line_not_a_hang(tmp_path, corpus_dir, t
 @pytest.mark.parametrize("override, message", [
     ("data.test=tst", "tst.en: no such file"), ("data.valid=tst", "tst.en: no such file"),
     ("data.extra_valid=[test,tst]", "tst.en: no such file"),
-    ("model.norm=Pre", "model.norm must be post or pre, got 'Pre'")])
+    ("model.norm=Pre", "model.norm must be post or pre, got 'Pre'"),
+    ("trainer.lenpen=inf", "trainer.lenpen must be finite, got inf")])
 def test_a_mistake_found_late_fails_before_training(tmp_path, corpus_dir, tokenizer_dir,
                                                     override, message):
     """The test split is read after the last step: a typo in data.test cost the whole run; the

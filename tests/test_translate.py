@@ -505,6 +505,12 @@ def test_one_stream_read_twice_is_refused(models, tmp_path, capsys):
         assert result.returncode == 1 and result.stdout == ""
         assert result.stderr.strip().splitlines()[-1] == (
             f"translate: {said}, which cannot be read twice: give one of them as a file")
+    with open(src) as stdin:  # `< in.txt`: stdin is a regular file, and still one stream
+        result = subprocess.run([*cmd, "--prefix-file", "-", "--constraints-file", "-"],
+                                stdin=stdin, capture_output=True, text=True)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "translate: --prefix-file - (stdin) and the input (stdin) are one stream")
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     with pytest.raises(SystemExit, match=f"^translate: --score {fifo} and -i {fifo} are one "
@@ -512,6 +518,10 @@ def test_one_stream_read_twice_is_refused(models, tmp_path, capsys):
         main(["-m", models["a"], "-i", str(fifo), "--score", str(fifo), *FAST])
     given = _run(["-m", models["a"], "-i", src, "--score", src, *FAST], capsys)
     assert len(given) == 4
+    with open(src) as stdin:  # `--score in.txt < in.txt`: the file is opened anew
+        result = subprocess.run([*cmd, "--score", src], stdin=stdin, capture_output=True,
+                                text=True)
+    assert result.returncode == 0 and len(result.stdout.splitlines()) == 4, result.stderr
 
 
 def test_output_file_appears_only_whole(models, tmp_path, monkeypatch):
