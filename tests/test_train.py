@@ -641,8 +641,9 @@ def test_a_kill_between_the_files_of_a_validation_loses_none_of_them(tmp_path, c
                                                                      tokenizer_dir, victim):
     """A validation writes step_N.pt, best.pt and last.pt, each atomically. last.pt was written
     first: a kill before best.pt resumed past this validation, and its best.pt never came. A
-    kill in any of them now leaves a run that ends with the same files and weights as one never
-    stopped, and the resumed run deletes the killed write's temporary file."""
+    kill in best.pt's write (or in last.pt's, the last) now leaves a run that ends with the same
+    files and weights as one never stopped, and the resumed run deletes the killed write's
+    temporary file."""
     steps = ["trainer.max_steps=14", "trainer.validate_every=7", "trainer.test_at_end=false"]
     full = tmp_path / "full"
     run_train(tmp_path, full, corpus_dir, tokenizer_dir, *steps)
