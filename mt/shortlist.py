@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import sys
     import time
+    from pathlib import Path
 
     from mt.config import positive_int
     from mt.inference import load_models
@@ -293,6 +294,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--src", required=True, help="source side of the corpus, one sentence a line")
     p.add_argument("--tgt", required=True, help="target side, line by line with --src")
     p.add_argument("-o", "--output", required=True, help="the shortlist file to write")
+    p.add_argument("--force", action="store_true", help="replace -o if it exists")
+    p.add_argument("--errors", choices=("strict", "replace"), default="strict",
+                   help="invalid UTF-8 in the corpus: stop with the line number, or read it "
+                        "with U+FFFD (default: strict)")
     p.add_argument("--per-source", type=positive_int, default=50, metavar="K",
                    help="likeliest target pieces kept per source piece (default: 50)")
     p.add_argument("--frequent", type=int, default=500, metavar="N",
@@ -305,9 +310,21 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.frequent < 0:
         raise SystemExit(f"mt-shortlist: --frequent must be 0 or more, got {args.frequent}")
+    out = Path(args.output)
+    if out.is_dir() or args.output.endswith(os.sep):
+        raise SystemExit(f"mt-shortlist: -o {args.output} is a directory; name the file to write")
     try:
-        _, tokenizer, _ = load_models([args.model], "cpu", pack=False)
-        sources, targets = list(read_lines(args.src)), list(read_lines(args.tgt))
+        _, tokenizer, names = load_models([args.model], "cpu", pack=False)
+        if out.exists():  # before the work, not after it
+            read = [*names, args.src, args.tgt]
+            if any(os.path.exists(f) and out.samefile(f) for f in read):
+                raise SystemExit(f"mt-shortlist: -o {args.output} is a file it reads (the model "
+                                 "or the corpus); write the shortlist elsewhere")
+            if not args.force:
+                raise SystemExit(f"mt-shortlist: {args.output} exists; choose another -o or "
+                                 "pass --force to replace it")
+        sources = list(read_lines(args.src, args.errors))
+        targets = list(read_lines(args.tgt, args.errors))
         if len(sources) != len(targets):
             raise ValueError(f"{args.src} has {len(sources)} lines but {args.tgt} has "
                              f"{len(targets)}")

@@ -35,7 +35,7 @@ def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> s
         return raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r")
     except UnicodeDecodeError as err:
         raise InputError(f"{name}:{lineno}: invalid UTF-8 ({err.reason}); "
-                         "use --errors replace to translate it anyway") from None
+                         "use --errors replace to read it anyway") from None
 
 
 def _lines(stream: BinaryIO, name: str, errors: str) -> Iterator[str]:

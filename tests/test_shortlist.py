@@ -222,6 +222,30 @@ def test_shortlist_refusals_name_the_file_or_option(shortlisted, tmp_path, capsy
     with pytest.raises(SystemExit, match=f"{s['input']} has 12 lines but {short} has 1"):
         shortlist_main(["-m", s["model"], "--src", s["input"], "--tgt", str(short), "-o",
                         str(tmp_path / "x.pt")])
+    # -o never replaces what it reads (the model was written over, exit 0), nor, without
+    # --force, any file; a directory or bad UTF-8 is one line that helps
+    args = ["-m", s["model"], "--src", s["input"], "--tgt", s["input"], "-o"]
+    before = open(s["model"], "rb").read()
+    for out in (s["model"], s["input"]):
+        with pytest.raises(SystemExit, match=f"^mt-shortlist: -o {out} is a file it reads"):
+            shortlist_main([*args, out, "--force"])
+    assert open(s["model"], "rb").read() == before
+    with pytest.raises(SystemExit, match=f"^mt-shortlist: {short} exists; choose another -o or "
+                                         "pass --force"):
+        shortlist_main([*args, str(short)])
+    shortlist_main([*args, str(short), "--force"])
+    assert Shortlist.load(short, s["tok"]).tgt_vocab_size == s["tok"].tgt_vocab_size
+    for out in (str(tmp_path), str(tmp_path / "new") + "/"):
+        with pytest.raises(SystemExit, match=f"^mt-shortlist: -o {out} is a directory"):
+            shortlist_main([*args, out])
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"a\n\xff b\n" + b"c\n" * 10)
+    with pytest.raises(SystemExit, match=f"^mt-shortlist: {bad}:2: invalid UTF-8 .*; use "
+                                         "--errors replace to read it anyway$"):
+        shortlist_main(["-m", s["model"], "--src", str(bad), "--tgt", s["input"], "-o",
+                        str(tmp_path / "y.pt")])
+    shortlist_main(["-m", s["model"], "--src", str(bad), "--tgt", s["input"], "-o",
+                    str(tmp_path / "y.pt"), "--errors", "replace"])
 
 
 def test_ctranslate2_vocabulary_map_is_the_same_shortlist(shortlisted, tmp_path):
