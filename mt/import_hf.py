@@ -45,21 +45,51 @@ NEVER = -1e4  # final-logit bias of a row that must take no probability (exp(-1e
 
 # --------------------------------------------------------------------------- import: HF Marian
 
-def _read_hf_weights(directory: Path) -> dict[str, Tensor]:
-    if (directory / "model.safetensors").exists():
-        from safetensors.torch import load_file
+class _Entries(dict):
+    """A dict read from ``source`` whose missing key is a ValueError naming the file and key
+    (a bare KeyError printed only the key: "mt-import: 'encoder_ffn_dim'")."""
 
-        return load_file(directory / "model.safetensors")
-    if (directory / "pytorch_model.bin").exists():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{directory}: no model.safetensors or pytorch_model.bin")
+    def __init__(self, items: dict, source: Path, hint: str = "") -> None:
+        super().__init__(items)
+        self.source, self.hint = source, hint
+
+    def __missing__(self, key: str):
+        raise ValueError(f"{self.source}: no {key!r}{self.hint}")
+
+
+def _read_json(path: Path) -> _Entries:
+    try:
+        return _Entries(json.loads(path.read_text(encoding="utf-8")), path)
+    except (ValueError, AttributeError) as err:  # not JSON, or JSON but not an object
+        raise ValueError(f"{path}: not a JSON object ({err})") from None
+
+
+def _read_hf_weights(directory: Path) -> _Entries:
+    path = directory / "model.safetensors"
+    if not path.exists():
+        path = directory / "pytorch_model.bin"
+    if not path.exists():
+        raise FileNotFoundError(f"{directory}: no model.safetensors or pytorch_model.bin")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            weights = load_file(path)
+        else:
+            weights = torch.load(path, map_location="cpu", weights_only=True)
+    except ImportError:
+        raise
+    except Exception as err:  # each reader fails in its own words (safetensors', pickle's)
+        said = str(err).strip().splitlines() or [type(err).__name__]
+        raise ValueError(f"{path}: cannot read the weights ({said[0]})") from None
+    return _Entries(weights, path, "; config.json's layers do not match the weights")
 
 
 def _first(weights: dict[str, Tensor], names: list[str], directory: Path) -> Tensor:
     for name in names:
         if name in weights:
             return weights[name]
-    raise KeyError(f"{directory}: the weights have none of {names}")
+    raise ValueError(f"{directory}: the weights have none of {names}")
 
 
 def remap_spm(proto: bytes, pieces: list[str], language_codes: bool = False) -> bytes:
@@ -165,7 +195,7 @@ def import_hf(directory: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
     """Reads a Hugging Face Marian directory (config.json, weights, *.spm, vocab.json) into an mt
     model and tokenizer with mt's special ids. Needs neither ``transformers`` nor a network."""
     d = Path(directory)
-    config = json.loads((d / "config.json").read_text())
+    config = _read_json(d / "config.json")
     if config.get("model_type") != "marian":
         raise ValueError(f"{d / 'config.json'}: model_type={config.get('model_type')!r}; "
                          "only Marian models (model_type=marian, e.g. OPUS-MT) can be imported")
@@ -181,10 +211,10 @@ def import_hf(directory: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
     weights = _read_hf_weights(d)
     share = config.get("share_encoder_decoder_embeddings", True)
     tie_out = config.get("tie_word_embeddings", True)
-    src_vocab = json.loads((d / "vocab.json").read_text())
+    src_vocab = _read_json(d / "vocab.json")
     tgt_vocab = src_vocab
     if not share and (d / "target_vocab.json").exists():
-        tgt_vocab = json.loads((d / "target_vocab.json").read_text())
+        tgt_vocab = _read_json(d / "target_vocab.json")
     src_table = _first(weights, ["model.encoder.embed_tokens.weight", "model.shared.weight"], d)
     tgt_table = _first(weights, ["model.decoder.embed_tokens.weight", "model.shared.weight"], d)
     out_table = tgt_table if tie_out else _first(weights, ["lm_head.weight"], d)
@@ -222,7 +252,11 @@ def import_hf(directory: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
     sd["tgt_embed.weight"] = _take(tgt_table, tgt_order)
     sd["output_proj.weight"] = _take(out_table, tgt_order)
     sd["final_logits_bias"] = _take(bias, tgt_order, fill=NEVER)
-    model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+    try:
+        model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+    except RuntimeError as err:  # "size mismatch for ...", one line per tensor
+        raise ValueError(f"{d}: the weights do not have config.json's sizes ("
+                         f"{str(err).splitlines()[1].strip()})") from None
     model.eval()
 
     src_spm, tgt_spm = (d / "source.spm").read_bytes(), (d / "target.spm").read_bytes()
@@ -231,6 +265,17 @@ def import_hf(directory: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
     if codes:
         log.info("%d target-language codes (%s%s): start each source line with one, as in '%s "
                  "Hello'", len(codes), " ".join(codes[:5]), " ..." * (len(codes) > 5), codes[0])
-    src_proto = remap_spm(src_spm, src_pieces, language_codes=True)
-    tgt_proto = remap_spm(tgt_spm, _pieces(tgt_order, tgt_vocab))
+    src_proto = _remap_file(d / "source.spm", src_spm, src_pieces, language_codes=True)
+    tgt_proto = _remap_file(d / "target.spm", tgt_spm, _pieces(tgt_order, tgt_vocab))
     return model, Tokenizer(src_proto, None if tgt_proto == src_proto else tgt_proto)
+
+
+def _remap_file(path: Path, proto: bytes, pieces: list[str], language_codes: bool = False
+                ) -> bytes:
+    """``remap_spm`` of the model read from ``path``, whose parse error names the file."""
+    from google.protobuf.message import DecodeError
+
+    try:
+        return remap_spm(proto, pieces, language_codes)
+    except DecodeError as err:
+        raise ValueError(f"{path}: not a SentencePiece model ({err})") from None

@@ -15,6 +15,7 @@ import io
 import json
 import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -509,6 +510,45 @@ def test_import_multilingual_opus_takes_language_codes_as_hf(tmp_path, corpus_di
     export_main(["-m", str(tmp_path / "opus.pt"), "--format", "hf", "--out", str(tmp_path / "re")])
     again = transformers.MarianTokenizer.from_pretrained(tmp_path / "re")
     assert again(texts)["input_ids"] == ids
+
+
+def test_a_damaged_marian_directory_is_one_line_naming_the_file(tmp_path, corpus_dir):
+    """Each damage was a traceback (weights, a SentencePiece model, sizes that do not match) or
+    a line naming no file ("mt-import: 'encoder_ffn_dim'")."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("google.protobuf")
+    good = _opus_like_dir(tmp_path, corpus_dir, transformers, False)[0]
+    weights = next(p.name for p in good.iterdir() if p.name in ("model.safetensors",
+                                                                 "pytorch_model.bin"))
+
+    def config(**changes):
+        def change(d):
+            c = json.loads((d / "config.json").read_text())
+            c.update(changes)
+            for key in [k for k, v in changes.items() if v is None]:
+                del c[key]
+            (d / "config.json").write_text(json.dumps(c))
+        return change
+
+    def write(name, data):
+        return lambda d: (d / name).write_bytes(data)
+
+    for name, damage, said in [
+        ("weights", write(weights, b"garbage"), f"{weights}: cannot read the weights ("),
+        ("spm", write("source.spm", b"garbage"), "source.spm: not a SentencePiece model ("),
+        ("json", write("config.json", b"{not json"), "config.json: not a JSON object ("),
+        ("key", config(encoder_ffn_dim=None), "config.json: no 'encoder_ffn_dim'"),
+        ("layers", config(encoder_layers=3), f"{weights}: no 'model.encoder.layers.2."),
+        ("sizes", config(d_model=64), "the weights do not have config.json's sizes (size "
+                                      "mismatch for ")]:
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        damage(d)
+        with pytest.raises(SystemExit) as err:
+            import_main(["--from", "hf", str(d), "--out", str(tmp_path / f"{name}.pt")])
+        message = str(err.value)
+        assert message.startswith(f"mt-import: {d}") and said in message, message
+        assert "\n" not in message
 
 
 def test_import_rejects_other_architectures(tmp_path):
