@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mt.config import positive_int
+from mt.config import count_or_off, positive_int
 from mt.options import add_search_arguments, search_mistake, search_options, unused_options
 from mt.report import METRICS, compare, make_metric, render, score_system, sentence_scores
 from mt.testsets import (
@@ -388,15 +388,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lowercase", "-lc", action="store_true", help="case-insensitive BLEU, chrF")
     g.add_argument("--confidence", "-ci", action="store_true",
                    help="bootstrap 95%% confidence interval of each score")
-    g.add_argument("--confidence-n", type=int, default=1000, metavar="N",
+    g.add_argument("--confidence-n", type=positive_int, default=1000, metavar="N",
                    help="bootstrap resamples (default: 1000)")
     g.add_argument("--paired-bs", action="store_true",
                    help="paired bootstrap resampling test of each system against the first")
     g.add_argument("--paired-ar", action="store_true",
                    help="paired approximate randomization test against the first")
-    g.add_argument("--paired-bs-n", type=int, default=1000, metavar="N",
+    g.add_argument("--paired-bs-n", type=positive_int, default=1000, metavar="N",
                    help="bootstrap resamples (default: 1000)")
-    g.add_argument("--paired-ar-n", type=int, default=10000, metavar="N",
+    g.add_argument("--paired-ar-n", type=positive_int, default=10000, metavar="N",
                    help="approximate randomization trials (default: 10000)")
     g = p.add_argument_group("translation (with -m)")
     add_search_arguments(g, nbest=False)
@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write each sentence's scores (JSON lines: its metrics, hypothesis and "
                         "references; BLEU with effective order) to PATH, for error analysis; "
                         "{test} and {n} (system number) are replaced")
-    g.add_argument("--width", "-w", type=int, default=2, help="decimals in tables")
+    g.add_argument("--width", "-w", type=count_or_off, default=2, help="decimals in tables")
     g.add_argument("--quiet", "-q", action="store_true", help="warnings and errors only")
     return p
 

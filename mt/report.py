@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 from mt.testsets import EvalError, download_timeout, offline_var
@@ -268,8 +267,13 @@ def _escape_markdown(text: str) -> str:
     return text.replace("|", r"\|").replace("*", r"\*")
 
 
+_LATEX = {"\\": r"\textbackslash{}", "^": r"\textasciicircum{}", "~": r"\textasciitilde{}",
+          "±": r"$\pm$", **{c: "\\" + c for c in "&%$#_{}"}}
+
+
 def _escape_latex(text: str) -> str:
-    return re.sub(r"([&%$#_{}])", r"\\\1", text).replace("±", r"$\pm$")
+    """Text as LaTeX typesets it (a file name holds '_', '~' or '\\', a system name anything)."""
+    return "".join(_LATEX.get(c, c) for c in text)
 
 
 def _text_row(cells: list[str], widths: list[int]) -> str:
@@ -286,7 +290,7 @@ def render(result: dict, fmt: str, width: int = 2) -> str:
         header, rows = table_rows(entry, width)
         notes = _notes(entry)
         if fmt == "markdown":
-            lines = [f"**{_title(entry)}**", "", "| " + " | ".join(header) + " |",
+            lines = [f"**{_escape_markdown(_title(entry))}**", "", "| " + " | ".join(header) + " |",
                      "|" + "|".join([" --- "] + [" ---: "] * (len(header) - 1)) + "|"]
             lines += ["| " + " | ".join(_escape_markdown(c) for c in r) + " |" for r in rows]
             lines += [""] + [f"- `{n}`" if sig else f"\n{_escape_markdown(n)}\n"

@@ -142,7 +142,11 @@ def load_named_test(name: str, langpair: str | None = None) -> TestSet:
             raise EvalError(f"{file}: no language {lang!r} (it has {', '.join(languages)})")
 
     def path(template: str) -> str:
-        p = Path(template.format(src=src_lang, tgt=tgt_lang))
+        try:
+            p = Path(template.format(src=src_lang, tgt=tgt_lang))
+        except (KeyError, IndexError, ValueError) as err:  # {target}, {0}, a lone brace
+            raise EvalError(f"{file}: {template!r}: the placeholders are {{src}} and {{tgt}} "
+                            f"({type(err).__name__}: {err})") from None
         return str(p if p.is_absolute() else (REPO_ROOT / p).resolve())
 
     refs = spec["ref"] if isinstance(spec["ref"], list) else [spec["ref"]]

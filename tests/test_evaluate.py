@@ -221,6 +221,12 @@ def test_formats_show_the_same_scores(files, capsys):
         assert f"{bleu:.2f}" in out
         assert out.count("\n") >= 4
     assert f"{bleu:.2f}" in text and "BLEU: nrefs:1|" in text
+    odd = files["tmp"] / "sys_a^2~b\\c&d.de"  # LaTeX's special characters in a file name
+    odd.write_bytes(Path(files["good"]).read_bytes())
+    main(["--hyp", str(odd), "--ref", files["ref"], "--quiet", "--format", "latex"])
+    out = capsys.readouterr().out
+    assert (r"sys\_a\textasciicircum{}2\textasciitilde{}b\textbackslash{}c\&d.de" in out
+            and "~" not in out and "^" not in out)
     main([*argv, "--format", "json"])
     assert json.loads(capsys.readouterr().out)["tests"] == saved["tests"]
 
@@ -272,6 +278,10 @@ def test_several_named_test_sets_in_one_call(files, tmp_path, monkeypatch, capsy
     assert one["systems"][0]["hypotheses"] == str(tmp_path / "one.hyp")
     assert one["systems"][0]["scores"]["bleu"]["score"] > two["systems"][0]["scores"]["bleu"][
         "score"]
+    (conf / "typo.yaml").write_text("langpair: en-de\nsrc: x.{src}\nref: x.{target}\n")
+    with pytest.raises(SystemExit, match=r"^mt-eval: .*typo.yaml: 'x.\{target\}': the "
+                                         r"placeholders are \{src\} and \{tgt\}"):
+        main(["--hyp", str(tmp_path / "one.hyp"), "--test", "typo"])
 
 
 def test_sacrebleu_test_set_offline_fails_fast_with_one_line(tmp_path):
@@ -334,6 +344,16 @@ def test_sacrebleu_test_set_from_the_cache_equals_the_cli(files):
     assert test["origin"] == "sacrebleu" and test["sentences"] == 50
     assert test["systems"][0]["scores"]["bleu"]["score"] == pytest.approx(theirs["score"],
                                                                           abs=1e-3)
+
+
+@pytest.mark.parametrize("flag, value", [("--width", "-1"), ("--paired-bs-n", "0"),
+                                         ("--paired-ar-n", "-3"), ("--confidence-n", "0")])
+def test_counts_out_of_range_are_refused(files, capsys, flag, value):
+    """--width -1 was a traceback; a resample count of 0 silently ran the default (or showed
+    no interval)."""
+    with pytest.raises(SystemExit):
+        main(["--hyp", files["good"], "--ref", files["ref"], flag, value])
+    assert f"argument {flag}" in capsys.readouterr().err
 
 
 def test_json_and_another_format_is_refused(files):
