@@ -48,11 +48,13 @@ log = logging.getLogger("mt.evaluate")
 
 
 def score(hypotheses: list[str], references: list[str], *, tokenize: str | None = None,
-          lowercase: bool = False) -> dict:
+          lowercase: bool = False, trg_lang: str = "") -> dict:
     """Corpus BLEU and chrF of detokenized hypotheses against one reference each.
 
     Used by ``mt.runlog`` for training's validation and final test; ``mt-eval`` has more
-    metrics. It goes through ``score_system``, so a training log's BLEU equals mt-eval's on the
+    metrics. ``trg_lang``: the target language, whose BLEU tokenizer sacrebleu picks (zh,
+    ja-mecab, ko-mecab; else 13a), as ``mt-eval`` and ``sacrebleu -l`` do. It goes through
+    ``score_system``, so a training log's BLEU equals mt-eval's on the
     same files.
 
     Returns:
@@ -66,7 +68,7 @@ def score(hypotheses: list[str], references: list[str], *, tokenize: str | None 
     if not hypotheses:
         raise ValueError("no hypotheses to score")
     s = score_system(hypotheses, [references], ["bleu", "chrf"], tokenize=tokenize,
-                     lowercase=lowercase)
+                     lowercase=lowercase, trg_lang=trg_lang)
     return {**{k: s[k] for k in ("bleu", "bleu_signature", "chrf", "chrf_signature")},
             "sentences": len(hypotheses)}
 

@@ -29,16 +29,35 @@ def perplexity(nll: float) -> float:
     return math.exp(min(nll, 50))
 
 
+def bleu_language(tgt_lang: str) -> str:
+    """The ``trg_lang`` that training's BLEU is computed for: ``tgt_lang``, so that Chinese,
+    Japanese and Korean targets get sacrebleu's tokenizer for them, as mt-eval gives (13a split
+    a Chinese line into one token: BLEU 0). Where that tokenizer cannot load (ja-mecab and
+    ko-mecab need sacrebleu's [ja] / [ko] extras), one warning and 13a, rather than a run that
+    stops at its first validation."""
+    from mt.report import make_metric
+    from mt.testsets import EvalError
+
+    try:
+        make_metric("bleu", trg_lang=tgt_lang)
+    except EvalError as err:
+        log.warning("valid and test BLEU use the 13a tokenizer: %s",
+                    str(err).removesuffix(" (or choose another --tokenize)"))
+        return ""
+    return tgt_lang
+
+
 def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
              trainer: TrainerConfig, device: torch.device, hyp_file: Path | None = None,
-             split: str = "valid") -> dict:
+             split: str = "valid", trg_lang: str = "") -> dict:
     """Loss and perplexity on the valid pairs (teacher forced, without label smoothing, so runs
     with different smoothing compare), and BLEU and chrF of the search the test at the end uses.
 
     The caller puts the model in eval mode and under inference mode (and autocast, if any).
     ``hyp_file``: where to write the translations scored, one line per source line
     (``write_lines``), so that a score can be read against what the model produced.
-    ``split``: the pairs' name, for the warning about pairs too long.
+    ``split``: the pairs' name, for the warning about pairs too long. ``trg_lang``: BLEU's
+    target language (``bleu_language``).
     """
     from mt.evaluate import score
     from mt.lines import best_translations
@@ -69,7 +88,7 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
     hyps = best_translations(model, tokenizer, src, opts)
     if hyp_file is not None:
         write_lines(hyp_file, hyps)
-    scores = score(hyps, tgt)
+    scores = score(hyps, tgt, trg_lang=trg_lang)
     loss = loss_sum / max(tokens, 1)
     return {"valid_loss": loss, "valid_ppl": perplexity(loss),
             "valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
@@ -211,7 +230,7 @@ class Window:
 
 
 def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
-           valid: tuple[list[str], list[str]] | None = None) -> None:
+           valid: tuple[list[str], list[str]] | None = None, trg_lang: str | None = None) -> None:
     """Averaging, the valid and test scores of best.pt and averaged.pt, and what to run next (rank
     0 only).
 
@@ -238,6 +257,9 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
                         "average", cfg.trainer.average_last, len(paths))
     on_valid = valid is not None and averaged and bool(valid[0])
     on_test = cfg.trainer.test_at_end and bool(cfg.data.test)
+    if trg_lang is None and (on_valid or on_test):  # BLEU's target language (bleu_language)
+        trg_lang = bleu_language(cfg.data.tgt_lang)
+    lang = trg_lang or ""
     opts = SearchOptions(beam=cfg.trainer.beam_size, lenpen=cfg.trainer.lenpen)
     src, ref = [], []
     if on_test:
@@ -253,14 +275,14 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
         model, tok, _ = checkpoint.load_model(path, device)
         if on_valid:
             hyps = best_translations(model, tok, valid[0], opts)
-            valid_scores[name] = {k: v for k, v in score(hyps, valid[1]).items()
+            valid_scores[name] = {k: v for k, v in score(hyps, valid[1], trg_lang=lang).items()
                                   if k in ("bleu", "chrf", "sentences")}
         if not on_test:
             continue
         start = time.perf_counter()
         hyps = best_translations(model, tok, src, opts)
         seconds = time.perf_counter() - start
-        result = score(hyps, ref)
+        result = score(hyps, ref, trg_lang=lang)
         suffix = "" if name == "best" else ".averaged"
         write_lines(run_dir / f"{cfg.data.test}{suffix}.hyp", hyps)
         report[name] = {**result, "checkpoint": str(path), "seconds": seconds}

@@ -62,7 +62,7 @@ from mt.optim import (
     lr_lambda,
     take_optim_config,
 )
-from mt.runlog import Metrics, Window, finish, validate
+from mt.runlog import Metrics, Window, bleu_language, finish, validate
 from mt.tokenizer import META_FILE, Tokenizer
 
 log = logging.getLogger("mt.train")
@@ -138,6 +138,7 @@ class Trainer:
                 split_files(cfg.data, split)
         self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
                              Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
+        self.bleu_lang = bleu_language(cfg.data.tgt_lang)  # zh, ja, ko: their BLEU tokenizer
         tok = self.corpus.tokenizer
         if cfg.model.tie_embeddings == "all" and not tok.joint:
             # Two vocabularies of one size pass the model's size check, but id 11 would be
@@ -329,7 +330,8 @@ class Trainer:
                 extra = split != self.cfg.data.valid
                 hyps = self.run_dir / "valid" / (split if extra else "") / f"step_{self.step}.hyp"
                 scores = validate(self.model, c.tokenizer, src, tgt, self.cfg.trainer, self.device,
-                                  hyps if self.cfg.trainer.save_valid_hyps else None, split)
+                                  hyps if self.cfg.trainer.save_valid_hyps else None, split,
+                                  self.bleu_lang)
                 metrics.update({f"{split}/{key.removeprefix('valid_')}": v
                                 for key, v in scores.items()} if extra else scores)
         self.model.train()
@@ -600,7 +602,7 @@ def _run(dcfg: DictConfig) -> float | None:
     best = trainer.fit()
     if trainer.rank == 0:
         finish(trainer.cfg, trainer.run_dir, trainer.device,
-               trainer.corpus.valid[cfg.data.valid])
+               trainer.corpus.valid[cfg.data.valid], trainer.bleu_lang)
     if trainer.world > 1:
         dist.destroy_process_group()
     return best

@@ -1143,6 +1143,37 @@ def test_valid_loss_leaves_out_a_pair_longer_than_the_model_and_bleu_keeps_it(to
     assert both["valid_chrf"] != fits["valid_chrf"]  # the long pair is in BLEU and chrF
 
 
+def test_training_bleu_tokenizes_as_its_target_language(tokenizer_dir, monkeypatch, caplog):
+    """Validation BLEU used 13a whatever the target: a Chinese line was one token (BLEU 0 where
+    mt-eval and sacrebleu -l en-zh gave 74). Now sacrebleu's tokenizer for data.tgt_lang; one
+    that cannot load (ja-mecab without sacrebleu[ja]) is a warning and 13a."""
+    import importlib.util
+
+    from sacrebleu.metrics import BLEU
+
+    from mt import lines
+    from mt.config import ModelConfig, TrainerConfig
+    from mt.model import build_model
+    from mt.runlog import bleu_language, validate
+    from mt.tokenizer import Tokenizer
+
+    hyps, refs = ["我爱你们。", "今天天气很好"], ["我爱你们。", "今天天气不好"]
+    monkeypatch.setattr(lines, "best_translations", lambda *args, **kwargs: hyps)
+    tok = Tokenizer.load(tokenizer_dir)
+    model = build_model(ModelConfig(encoder_layers=1, decoder_layers=1, d_model=32, ffn_dim=64,
+                                    heads=2, src_vocab_size=tok.src_vocab_size,
+                                    tgt_vocab_size=tok.tgt_vocab_size)).eval()
+    with torch.inference_mode():
+        zh = validate(model, tok, ["a", "b"], refs, TrainerConfig(beam_size=1),
+                      torch.device("cpu"), trg_lang=bleu_language("zh"))
+    assert zh["valid_bleu"] == pytest.approx(BLEU(trg_lang="zh").corpus_score(hyps, [refs]).score)
+    assert zh["valid_bleu"] > 50 > BLEU().corpus_score(hyps, [refs]).score
+    assert bleu_language("de") == "de"
+    if importlib.util.find_spec("MeCab") is None:
+        assert bleu_language("ja") == ""
+        assert "valid and test BLEU use the 13a tokenizer" in caplog.text
+
+
 def test_a_sweep_keeps_stdout_for_results(tmp_path, corpus_dir, tokenizer_dir):
     """Hydra's launcher lines ("Launching 2 jobs locally") went to stdout, which carries results
     only; each job trains in a directory of its own."""
