@@ -22,12 +22,12 @@ if TYPE_CHECKING:
     from mt.lines import LineResult
 
 
-def layer_mistake(model, layer: int | None) -> str | None:
-    """Why ``--alignment-layer`` cannot read ``layer`` of this model's decoder, in words; None if
-    it can (None is the default layer)."""
+def layer_mistake(model, layer: int | None, flag: str = "--alignment-layer") -> str | None:
+    """Why ``flag`` cannot read ``layer`` of this model's decoder, in words; None if it can
+    (None is the default layer)."""
     n_layers = len(first_member(model).decoder_layers)
     if layer is not None and not -n_layers <= layer < n_layers:
-        return f"--alignment-layer {layer}: the decoder has {n_layers} layers"
+        return f"{flag} {layer}: the decoder has {n_layers} layers"
     return None
 
 

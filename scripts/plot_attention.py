@@ -12,11 +12,13 @@ pieces (EOS included), columns source pieces; the arg-max of each row is outline
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
+from mt.alignment import layer_mistake
 from mt.checkpoint import load_model
-from mt.config import EOS_ID
+from mt.config import EOS_ID, positive_int
 from mt.scoring import cross_attention
 from mt.search import beam_search
 from mt.textio import utf8_stdout
@@ -29,9 +31,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", default=None, help="a translation to force (default: beam search)")
     p.add_argument("--layer", type=int, default=None,
                    help="decoder layer (Python index; default: penultimate)")
-    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--beam", type=positive_int, default=5)
     p.add_argument("-o", "--output", default="attention.png")
     args = p.parse_args(argv)
+    if not Path(args.output).parent.is_dir():
+        p.error(f"-o {args.output}: no such directory {Path(args.output).parent}")
 
     try:
         import matplotlib
@@ -46,16 +50,24 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as err:  # a missing or corrupt model: the message names it
         p.exit(1, f"plot_attention.py: {err}\n")
     n = len(model.decoder_layers)
-    if args.layer is not None and not -n <= args.layer < n:
-        p.error(f"--layer {args.layer}: the model's decoder has {n} layers (0 to {n - 1}, or "
-                f"-{n} to -1)")
+    mistake = layer_mistake(model, args.layer, "--layer")
+    if mistake:
+        p.error(mistake)
     layer = args.layer if args.layer is not None else (-2 if n > 1 else -1)
+
+    def too_long(pieces: int) -> None:  # translate cuts such a line in pieces; a plot cannot
+        if pieces > model.cfg.max_positions:
+            p.error(f"{pieces} pieces, beyond the model's maximum of {model.cfg.max_positions}: "
+                    "plot a shorter sentence")
+
     src_ids = tok.encode_src([args.sentence])[0]
+    too_long(len(src_ids))
     src = torch.tensor([src_ids])
     if args.target is None:
         tgt_ids = beam_search(model, src, beam_size=args.beam)[0][0].tokens
     else:
         tgt_ids = tok.encode_tgt([args.target])[0]
+    too_long(len(tgt_ids) + 1)
     weights = cross_attention(model, src, torch.tensor([tgt_ids + [EOS_ID]]), layer)[0]  # (T, S)
 
     src_labels = [tok.src.id_to_piece(t) for t in src_ids]

@@ -2,6 +2,7 @@
 scores that a teacher-forced forward pass reproduces, exactness against brute force."""
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -517,7 +518,12 @@ def test_plot_attention_names_a_layer_the_model_lacks(tmp_path, tokenizer_dir, c
             script.main([*args, "--layer", layer])
         assert err.value.code == 2
         message = capsys.readouterr().err.strip().splitlines()[-1]
-        assert f"--layer {layer}: the model's decoder has 2 layers" in message
+        assert f"--layer {layer}: the decoder has 2 layers" in message
+    long_ = " ".join(["a b c"] * 40)  # beyond the model's positions: a ValueError from the model
+    with pytest.raises(SystemExit) as err:
+        script.main(["-m", str(tmp_path / "m.pt"), long_, "-o", str(tmp_path / "a.png")])
+    assert err.value.code == 2
+    assert "beyond the model's maximum" in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "a.png").exists()
     script.main([*args, "--layer", "-2"])
     assert (tmp_path / "a.png").stat().st_size > 0
@@ -537,6 +543,12 @@ def test_plot_attention_without_matplotlib_or_a_model_says_so_in_one_line(tmp_pa
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     args = ["-m", str(tmp_path / "missing.pt"), "a b c", "-o", str(tmp_path / "a.png")]
+    for bad, said in ((["--beam", "0"], "argument --beam: must be at least 1, got 0"),
+                      (["-o", str(tmp_path / "no" / "a.png")], "-o .*: no such directory")):
+        with pytest.raises(SystemExit) as err:  # usage errors, before any work
+            script.main([*args, *bad])
+        assert err.value.code == 2
+        assert re.search(said, capsys.readouterr().err.strip().splitlines()[-1])
     if importlib.util.find_spec("matplotlib") is not None:
         with pytest.raises(SystemExit) as err:
             script.main(args)
