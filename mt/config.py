@@ -400,9 +400,8 @@ def check_values(cfg: TrainConfig) -> None:
         for key, value in values.items():
             if not value >= least:  # NaN fails too
                 raise ValueError(f"{key} must be at least {least}, got {value}")
-    for key, value in (("trainer.lenpen", t.lenpen), ("optim.lr", o.lr)):
-        if value == math.inf:  # else found at the first validation or step, perhaps hours in
-            raise ValueError(f"{key} must be finite, got {value}")
+    if t.lenpen == math.inf:  # else found at the first validation, perhaps hours in
+        raise ValueError(f"trainer.lenpen must be finite, got {t.lenpen}")
     below_one = {"optim.label_smoothing": o.label_smoothing, "model.dropout": m.dropout,
                  "model.attention_dropout": m.attention_dropout,
                  "model.activation_dropout": m.activation_dropout,
