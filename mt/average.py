@@ -16,6 +16,7 @@ which has no scripts/ folder.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -88,6 +89,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--force", action="store_true", help="replace -o if it exists")
     args = p.parse_args(argv)
+    if args.output.endswith(os.sep) or Path(args.output).is_dir():  # `-o new/` made a file `new`
+        raise SystemExit(f"mt-average: -o {args.output} is a directory; name the checkpoint "
+                         "file to write")
+    if len(args.inputs) > 1 and (bad := next((x for x in args.inputs if Path(x).is_dir()), None)):
+        raise SystemExit(f"mt-average: {bad} is a folder; name checkpoint files, or give one "
+                         "folder with --last N or --best N")
     one = Path(args.inputs[0]) if len(args.inputs) == 1 else None
     if one and not one.exists():
         raise SystemExit(f"mt-average: {one}: no such file or folder")

@@ -249,9 +249,13 @@ def test_average_script_errors_are_one_line_and_fewer_than_asked_is_said(tmp_pat
                              str(tmp_path / "two.pt")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "pick from a checkpoints folder" in result.stderr
     assert not (tmp_path / "two.pt").exists()
-    result = subprocess.run([PYTHON, *script, *files, "-o", str(tmp_path)], capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 1 and "is a directory" in result.stderr.strip().splitlines()[-1]
+    for args, said in (([*files, "-o", str(tmp_path)], "is a directory"),
+                       ([*files, "-o", f"{tmp_path / 'new'}/"], "is a directory"),  # was a file
+                       ([*files, str(tmp_path), "-o", str(tmp_path / "x.pt")], "is a folder")):
+        result = subprocess.run([PYTHON, *script, *args], capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 1 and said in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "new").exists() and not (tmp_path / "x.pt").exists()
 
 
 def test_a_ctrl_c_inside_torch_save_does_not_abort_the_process(tmp_path):
