@@ -16,12 +16,12 @@ which has no scripts/ folder.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from mt import checkpoint
 from mt.config import BEST_METRICS, positive_int
+from mt.textio import output_mistake
 
 
 def pick(folder: Path, last: int | None, best: int | None) -> list[Path]:
@@ -56,25 +56,22 @@ def pick(folder: Path, last: int | None, best: int | None) -> list[Path]:
     return picked
 
 
-def _refuse_output(out: Path, inputs: list[Path], force: bool) -> None:
-    """SystemExit unless ``out`` is free to write: an existing file only with ``force``, and
+def _refuse_output(path: str, inputs: list[Path], force: bool) -> None:
+    """SystemExit unless ``path`` is free to write: an existing file only with ``force``, and
     never one of the checkpoints averaged (a step_N.pt whose score in last.pt would then rank
     the average) or a file with a run's training state (a last.pt: the run could not resume)."""
-    if not out.exists() or out.is_dir():  # a directory: the write says so
-        return
-    if any(p.exists() and out.samefile(p) for p in inputs):
-        raise SystemExit(f"mt-average: -o {out} is one of the checkpoints averaged; write the "
-                         "average elsewhere")
-    try:
-        trains = "trainer" in checkpoint.load(out, mmap=True)
-    except ValueError:  # not a checkpoint (or a directory): nothing of a run to lose
-        trains = False
-    if trains:
-        raise SystemExit(f"mt-average: -o {out} holds a run's training state (its last.pt); "
-                         "the run could not resume from an average: write it elsewhere")
-    if not force:
-        raise SystemExit(f"mt-average: {out} exists; choose another -o or pass --force to "
-                         "replace it")
+    out = Path(path)
+    if out.is_file():
+        try:
+            trains = "trainer" in checkpoint.load(out, mmap=True)
+        except ValueError:  # not a checkpoint: nothing of a run to lose
+            trains = False
+        if trains:
+            raise SystemExit(f"mt-average: -o {out} holds a run's training state (its last.pt); "
+                             "the run could not resume from an average: write it elsewhere")
+    if mistake := output_mistake("-o", path, force, inputs,
+                                 "one of the checkpoints averaged", "checkpoint file"):
+        raise SystemExit(f"mt-average: {mistake}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,9 +86,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--force", action="store_true", help="replace -o if it exists")
     args = p.parse_args(argv)
-    if args.output.endswith(os.sep) or Path(args.output).is_dir():  # `-o new/` made a file `new`
-        raise SystemExit(f"mt-average: -o {args.output} is a directory; name the checkpoint "
-                         "file to write")
     if len(args.inputs) > 1 and (bad := next((x for x in args.inputs if Path(x).is_dir()), None)):
         raise SystemExit(f"mt-average: {bad} is a folder; name checkpoint files, or give one "
                          "folder with --last N or --best N")
@@ -108,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                          "named files are averaged as given")
     try:
         paths = pick(folder, args.last, args.best) if folder else [Path(x) for x in args.inputs]
-        _refuse_output(Path(args.output), paths, args.force)  # before the work, not after it
+        _refuse_output(args.output, paths, args.force)  # before the work, not after it
         averaged = checkpoint.average(paths)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"mt-average: {err}") from None

@@ -136,6 +136,7 @@ def import_main(argv: list[str] | None = None) -> None:
     """``mt-import --from hf DIR --out FILE``: a Marian (OPUS-MT) directory -> an mt checkpoint."""
     from mt.checkpoint import model_state, save_atomic
     from mt.import_hf import import_hf
+    from mt.textio import output_mistake
 
     p = argparse.ArgumentParser(prog="mt-import", description=(
         "Import a Hugging Face Marian model directory (e.g. OPUS-MT) as an mt checkpoint."))
@@ -148,12 +149,8 @@ def import_main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     # As mt-export: an existing file is replaced only when asked (--out DIR/pytorch_model.bin
     # would otherwise overwrite the very weights being imported).
-    if Path(args.out).is_dir():
-        sys.exit(f"mt-import: --out {args.out} is a directory; name the checkpoint file to write "
-                 "(e.g. model.pt)")
-    if Path(args.out).exists() and not args.force:
-        sys.exit(f"mt-import: {args.out} exists; choose another --out or pass --force to "
-                 "replace it")
+    if mistake := output_mistake("--out", args.out, args.force, what="checkpoint file"):
+        sys.exit(f"mt-import: {mistake}")
     try:
         model, tokenizer = import_hf(args.dir)
     except ImportError as err:

@@ -230,7 +230,7 @@ class Window:
 
 
 def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
-           valid: tuple[list[str], list[str]] | None = None, trg_lang: str | None = None) -> None:
+           valid: tuple[list[str], list[str]] | None = None, trg_lang: str = "") -> None:
     """Averaging, the valid and test scores of best.pt and averaged.pt, and what to run next (rank
     0 only).
 
@@ -239,6 +239,7 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
     ``data.max_valid_sentences`` of them), decoded alike (float32, the validation's search;
     best.pt's score in the history may come from bf16), printed on one line and kept in
     test.json. Both test scores are printed too, so that nothing is chosen on the test set here.
+    ``trg_lang``: BLEU's target language (``bleu_language``).
     """
     from mt.evaluate import score
     from mt.lines import best_translations
@@ -257,9 +258,6 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
                         "average", cfg.trainer.average_last, len(paths))
     on_valid = valid is not None and averaged and bool(valid[0])
     on_test = cfg.trainer.test_at_end and bool(cfg.data.test)
-    if trg_lang is None and (on_valid or on_test):  # BLEU's target language (bleu_language)
-        trg_lang = bleu_language(cfg.data.tgt_lang)
-    lang = trg_lang or ""
     opts = SearchOptions(beam=cfg.trainer.beam_size, lenpen=cfg.trainer.lenpen)
     src, ref = [], []
     if on_test:
@@ -275,14 +273,14 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
         model, tok, _ = checkpoint.load_model(path, device)
         if on_valid:
             hyps = best_translations(model, tok, valid[0], opts)
-            valid_scores[name] = {k: v for k, v in score(hyps, valid[1], trg_lang=lang).items()
+            valid_scores[name] = {k: v for k, v in score(hyps, valid[1], trg_lang=trg_lang).items()
                                   if k in ("bleu", "chrf", "sentences")}
         if not on_test:
             continue
         start = time.perf_counter()
         hyps = best_translations(model, tok, src, opts)
         seconds = time.perf_counter() - start
-        result = score(hyps, ref, trg_lang=lang)
+        result = score(hyps, ref, trg_lang=trg_lang)
         suffix = "" if name == "best" else ".averaged"
         write_lines(run_dir / f"{cfg.data.test}{suffix}.hyp", hyps)
         report[name] = {**result, "checkpoint": str(path), "seconds": seconds}

@@ -278,11 +278,10 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import sys
     import time
-    from pathlib import Path
 
     from mt.config import positive_int
     from mt.inference import load_models
-    from mt.textio import InputError, read_lines
+    from mt.textio import InputError, output_mistake, read_lines
 
     p = argparse.ArgumentParser(
         prog="mt-shortlist",
@@ -310,19 +309,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.frequent < 0:
         raise SystemExit(f"mt-shortlist: --frequent must be 0 or more, got {args.frequent}")
-    out = Path(args.output)
-    if out.is_dir() or args.output.endswith(os.sep):
-        raise SystemExit(f"mt-shortlist: -o {args.output} is a directory; name the file to write")
+    if mistake := output_mistake("-o", args.output, True):  # a directory
+        raise SystemExit(f"mt-shortlist: {mistake}")
     try:
         _, tokenizer, names = load_models([args.model], "cpu", pack=False)
-        if out.exists():  # before the work, not after it
-            read = [*names, args.src, args.tgt]
-            if any(os.path.exists(f) and out.samefile(f) for f in read):
-                raise SystemExit(f"mt-shortlist: -o {args.output} is a file it reads (the model "
-                                 "or the corpus); write the shortlist elsewhere")
-            if not args.force:
-                raise SystemExit(f"mt-shortlist: {args.output} exists; choose another -o or "
-                                 "pass --force to replace it")
+        # before the work, not after it
+        if mistake := output_mistake("-o", args.output, args.force, [*names, args.src, args.tgt],
+                                     "a file it reads (the model or the corpus)"):
+            raise SystemExit(f"mt-shortlist: {mistake}")
         sources = list(read_lines(args.src, args.errors))
         targets = list(read_lines(args.tgt, args.errors))
         if len(sources) != len(targets):

@@ -61,6 +61,24 @@ def is_regular(path: str | None) -> bool:
         raise InputError(f"{path}: cannot read ({err.strerror})") from None
 
 
+def output_mistake(flag: str, path: str, force: bool, reads: Iterable[str | os.PathLike] = (),
+                   read_as: str = "a file it reads", what: str = "file") -> str | None:
+    """Why a command must not write ``flag path``, in words; None if it may. A directory (or a
+    name ending in '/', a folder not yet made: written as a file of that name); one of the
+    files it ``reads`` (said as ``read_as``), even with ``force``; any other existing file
+    without ``force``."""
+    out = Path(path)
+    if out.is_dir() or str(path).endswith(os.sep):
+        return f"{flag} {path} is a directory; name the {what} to write"
+    if not out.exists():
+        return None
+    if any(os.path.exists(f) and out.samefile(f) for f in reads):
+        return f"{flag} {path} is {read_as}; write it elsewhere"
+    if not force:
+        return f"{path} exists; choose another {flag} or pass --force to replace it"
+    return None
+
+
 def read_lines(path: str | None, errors: str = "strict") -> Iterator[str]:
     """The lines of a file, or of stdin for None or '-', read as they are needed; a file named
     ``*.gz`` is decompressed on the way (large corpora are kept gzipped)."""
