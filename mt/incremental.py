@@ -158,9 +158,13 @@ class Decoder:
             out = self.buffer[:rows]
             block = self.ROWS if states.device.type == "cpu" else max(rows, 1)
             for i in range(0, rows, block):
-                # dtype= reads bf16 logits and writes float32 in one pass (no separate cast)
-                torch.log_softmax(self._logits(0, states[i : i + block], slice(i, i + block)),
-                                  -1, dtype=torch.float32, out=out[i : i + block])
+                part = out[i : i + block]
+                logits = self._logits(0, states[i : i + block], slice(i, i + block))
+                if logits.dtype != torch.float32:
+                    # Cast first, then in place: log_softmax(dtype=float32) of bf16 logits took
+                    # 1.3x as long as the two passes (128 x 8,000 values: 1.03 vs 0.78 ms).
+                    logits = part.copy_(logits)
+                torch.log_softmax(logits, -1, out=part)
             return out
         every = slice(None)
         return mix_log_probs((torch.log_softmax(

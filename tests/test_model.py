@@ -533,18 +533,25 @@ def test_attention_matches_the_textbook_formula() -> None:
     torch.testing.assert_close(attn.attend(q, key, v, mask, False), expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
-def test_explicit_attention_equals_the_fused_kernel(causal: bool) -> None:
+def test_explicit_attention_equals_the_fused_kernel(causal: bool, grad: bool) -> None:
     """The matmul-softmax-matmul path taken for bf16 on CPU computes what SDPA computes, padded
-    keys and the causal mask included (compared in float32, where both are exact)."""
+    keys and the causal mask included (compared in float32, where both are exact), in training
+    and without gradients (where its softmax runs in float32 whatever the dtype)."""
     torch.manual_seed(0)
     b, h, length, k = 3, 2, 6, 8
     q, key, v = (torch.randn(b, h, length, k) for _ in range(3))
     mask = None if causal else (torch.arange(length) < torch.tensor([6, 4, 1])[:, None])[:, None,
                                                                                            None]
     expected = F.scaled_dot_product_attention(q, key, v, attn_mask=mask, is_causal=causal)
-    torch.testing.assert_close(explicit_attention(q, key, v, mask, causal, 0.0), expected,
-                               atol=ATOL, rtol=0)
+    with torch.set_grad_enabled(grad):
+        got = explicit_attention(q, key, v, mask, causal, 0.0)
+        # bf16 inputs: the same attention to bf16 accuracy
+        low = explicit_attention(*(t.bfloat16() for t in (q, key, v)), mask, causal, 0.0)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), expected, atol=0.05, rtol=0)
 
 
 def test_bf16_cpu_training_takes_the_explicit_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -151,6 +151,26 @@ def test_log_probs_in_blocks_equal_all_rows_at_once(monkeypatch, search):
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_log_probs_are_the_float32_log_softmax_of_the_models_logits(dtype):
+    """What every search reads: the float32 log-softmax of the model's own logits, whatever the
+    model's dtype (bf16 logits are cast first, then normalised in float32), step after step."""
+    from mt.incremental import Decoder
+
+    model, src = _model().to(dtype), _pad(_sources(5))
+    tokens = torch.tensor([BOS_ID] * 5)
+    with torch.inference_mode():
+        dec = Decoder(model, src, 4)
+        memory, mask = model.encode(src)
+        cache = model.init_cache(memory, mask, 4)
+        for step in range(3):
+            got = dec.log_probs(tokens)
+            logits = model.decode_step(tokens, cache)
+            assert got.dtype == torch.float32 and logits.dtype == dtype
+            assert torch.equal(got, torch.log_softmax(logits.float(), -1)), step
+            tokens = got.argmax(-1)
+
+
 @pytest.mark.parametrize("vocab", [128, 320, 200])
 def test_best_candidates_in_two_steps_equal_one_selection(vocab):
     """_best selects the k best of beams x V candidates through the best blocks of tokens: the
