@@ -84,15 +84,16 @@ class Dropout(nn.Dropout):
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                        dropout: float) -> Tensor:
-    """softmax(q k^T / sqrt(K)) v as three operators, for bf16/fp16 on CPU.
+    """softmax(q k^T / sqrt(K)) v as three operators, for bf16/fp16 on CPU (and for float32
+    while a search runs float32 products in oneDNN: ``MultiHeadAttention.attend``).
 
     PyTorch's fused CPU kernel is slow in reduced precision at translation's short lengths:
     forward plus backward of one attention (2,048 tokens, 4 heads of 64, bf16, 2 cores) takes
     25 ms fused against 3 ms as matmul-softmax-matmul, which made bf16 training slower than fp32.
-    In float32 the fused kernel is the faster one and stays. Without gradients (decoding: the
-    encoder) the softmax runs in float32 and back: PyTorch's bf16 CPU softmax took 2.4x as long
-    (32 x 8 x 46 x 46 scores: 1.73 against 0.72 ms); in training the bf16 one is the faster
-    forward plus backward (under autocast, 6.3 against 6.6 ms), so training keeps it.
+    Without gradients (decoding's encoder, scoring, alignments, validation) the softmax runs in
+    float32 and back: PyTorch's bf16 CPU softmax took 2.4x as long (32 x 8 x 46 x 46 scores:
+    1.73 against 0.72 ms). With gradients it stays in the scores' dtype, whose forward plus
+    backward was the faster one under autocast (6.3 against 6.6 ms).
     """
     scores = torch.matmul(q, k.transpose(-1, -2)) * q.size(-1) ** -0.5
     if causal:

@@ -230,7 +230,7 @@ class Window:
 
 
 def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
-           valid: tuple[list[str], list[str]] | None = None, trg_lang: str = "") -> None:
+           valid: tuple[list[str], list[str]] | None, trg_lang: str) -> None:
     """Averaging, the valid and test scores of best.pt and averaged.pt, and what to run next (rank
     0 only).
 

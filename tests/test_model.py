@@ -547,11 +547,18 @@ def test_explicit_attention_equals_the_fused_kernel(causal: bool, grad: bool) ->
     expected = F.scaled_dot_product_attention(q, key, v, attn_mask=mask, is_causal=causal)
     with torch.set_grad_enabled(grad):
         got = explicit_attention(q, key, v, mask, causal, 0.0)
-        # bf16 inputs: the same attention to bf16 accuracy
         low = explicit_attention(*(t.bfloat16() for t in (q, key, v)), mask, causal, 0.0)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    # bf16: the same attention to bf16 accuracy, and bit for bit the operators spelt out with a
+    # float32 softmax rounded once to bf16 (what the bf16 softmax of the gradient branch gives
+    # too, faster backward aside)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), expected, atol=0.05, rtol=0)
+    qb, kb, vb = (t.bfloat16() for t in (q, key, v))
+    scores = (qb @ kb.transpose(-1, -2)) * k**-0.5
+    keep = torch.ones(length, length, dtype=torch.bool).tril() if causal else mask
+    weights = scores.masked_fill(~keep, -torch.inf).softmax(-1, dtype=torch.float32).bfloat16()
+    assert torch.equal(low, weights @ vb)
 
 
 def test_bf16_cpu_training_takes_the_explicit_path(monkeypatch: pytest.MonkeyPatch) -> None:

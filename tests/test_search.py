@@ -151,12 +151,17 @@ def test_log_probs_in_blocks_equal_all_rows_at_once(monkeypatch, search):
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decoder_log_probs_are_the_float32_log_softmax_of_the_models_logits(dtype):
+@pytest.mark.parametrize("rows", [10_000, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decoder_log_probs_are_the_float32_log_softmax_of_the_models_logits(monkeypatch, dtype,
+                                                                             rows):
     """What every search reads: the float32 log-softmax of the model's own logits, whatever the
-    model's dtype (bf16 logits are cast first, then normalised in float32), step after step."""
+    model's dtype (bf16 logits are cast first, then normalised in float32), step after step:
+    bit for bit in one block of rows; in blocks of 2 rows to the rounding by which a product of
+    2 rows may differ from one of 5."""
     from mt.incremental import Decoder
 
+    monkeypatch.setattr(Decoder, "ROWS", rows)
     model, src = _model().to(dtype), _pad(_sources(5))
     tokens = torch.tensor([BOS_ID] * 5)
     with torch.inference_mode():
@@ -167,8 +172,33 @@ def test_decoder_log_probs_are_the_float32_log_softmax_of_the_models_logits(dtyp
             got = dec.log_probs(tokens)
             logits = model.decode_step(tokens, cache)
             assert got.dtype == torch.float32 and logits.dtype == dtype
-            assert torch.equal(got, torch.log_softmax(logits.float(), -1)), step
+            expected = torch.log_softmax(logits.float(), -1)
+            if rows >= 5:
+                assert torch.equal(got, expected), step
+            else:
+                tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+                torch.testing.assert_close(got, expected, atol=tol, rtol=0)
             tokens = got.argmax(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_log_probs_under_a_shortlist_normalise_over_each_lines_pieces(dtype):
+    """Under a shortlist (``Restricted``) a row's log-probabilities are the model's logits of its
+    own pieces, normalised over them alone; the pieces it may not use are -inf."""
+    from mt.incremental import Decoder, Restricted
+
+    model, src = _model().to(dtype), _pad(_sources(5))
+    vocab = torch.tensor([0, 1, 2, 3, *range(5, V, 3)])
+    allowed = torch.rand(5, vocab.numel(), generator=torch.Generator().manual_seed(0)) < 0.6
+    allowed[:, :4] = True
+    with torch.inference_mode():
+        got = Decoder(Restricted(model, vocab, allowed), src, 4).log_probs(torch.full((5,), 2))
+        memory, mask = model.encode(src)
+        logits = model.decode_step(torch.full((5,), BOS_ID), model.init_cache(memory, mask, 4))
+    expected = torch.log_softmax(logits[:, vocab].float().masked_fill(~allowed, -torch.inf), -1)
+    assert torch.equal(torch.isinf(got), ~allowed)
+    tol = 1e-5 if dtype == torch.float32 else 0.05  # bf16: the subset product may round apart
+    torch.testing.assert_close(got, expected, atol=tol, rtol=0)
 
 
 @pytest.mark.parametrize("vocab", [128, 320, 200])
