@@ -16,8 +16,10 @@ max_new_tokens; CT2 min/max_decoding_length), so all do the same work; speed is 
 
 For each mt system the JSON also gives ``linear_only``: the same linear-layer calls that its search
 made, replayed alone on the same cores, i.e. its speed if everything around the matrix products
-were free. ``targets`` puts the issue's speed targets next to that ceiling: a target above it
-cannot be met by cheaper bookkeeping, only by less or faster arithmetic.
+were free. ``targets`` puts the issue's speed targets next to that ceiling (a target above it
+cannot be met by cheaper bookkeeping, only by less or faster arithmetic) and next to the speed
+the search would have if its linear layers cost nothing (``free_linear_ceiling``: a target above
+that cannot be met by faster linear layers, only by a cheaper rest).
 
     python scripts/bench_decode.py --out bench_decode.json
     python scripts/bench_decode.py --device cuda --batch 32 --out gpu_b32.json
@@ -235,6 +237,15 @@ def linear_only(models: dict, batches: list, steps: int, beam: int, each_batch,
     return out
 
 
+def free_linear_ceiling(tokens_per_s: float, linear_only: float | None) -> float | None:
+    """The speed a search would have if its linear layers cost nothing: its time per token less
+    the time its linear layers alone take (None without that measurement, or when the linear
+    layers alone were not faster than the whole: noise)."""
+    if not linear_only or linear_only <= tokens_per_s:
+        return None
+    return round(1 / (1 / tokens_per_s - 1 / linear_only), 1)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sentences", type=int, default=64)
@@ -396,13 +407,19 @@ def main(argv: list[str] | None = None) -> None:
     for name, tokens in ceiling.items():
         print(f"{name:12s} {tokens:8.1f} target tokens/s with only its linear layers "
               f"({report['linear_only'][name]['gflop_per_s']} GFLOP/s)", file=sys.stderr)
-    # The issue's targets next to what the linear layers alone allow: a target above its
-    # ceiling cannot be met by cheaper bookkeeping, only by less or faster arithmetic.
+    # The issue's targets next to the two bounds a search has: what its linear layers alone
+    # allow (a target above it needs less or faster arithmetic) and what everything else alone
+    # allows (above it, faster linear layers cannot help: the rest of the search must shrink).
     report["targets"] = {
         f"{a} >= {x}x {b}": {"needs": round(x * speed[b], 1), "has": speed[a],
-                             "linear_only_ceiling": ceiling.get(a)}
+                             "linear_only_ceiling": ceiling.get(a),
+                             "free_linear_ceiling": free_linear_ceiling(speed[a], ceiling.get(a))}
         for a, x, b in (("mt-float32", 1.5, "ct2-float32"), ("mt-bfloat16", 2.0, "ct2-int8"))
         if a in speed and b in speed}
+    for name, target in report["targets"].items():
+        print(f"target {name}: needs {target['needs']}, has {target['has']}; linear layers alone "
+              f"{target['linear_only_ceiling']}, all but them {target['free_linear_ceiling']}",
+              file=sys.stderr)
     write_report(report, args.out)
     tmp.cleanup()
 

@@ -56,6 +56,17 @@ def test_recorded_linear_calls_count_every_matrix_product_of_a_beam_search():
         bench.replay_linear_calls(inputs)
 
 
+def test_free_linear_ceiling_is_the_time_left_without_the_linear_layers():
+    """Known answers: 1,000 tokens/s in all with linear layers that alone run 5,000 tokens/s
+    leaves 0.8 ms per token to the rest (1,250 tokens/s); no figure without a measurement or
+    when the linear layers alone were measured no faster than the whole."""
+    bench = _script("bench_decode")
+    assert bench.free_linear_ceiling(1000.0, 5000.0) == 1250.0
+    assert bench.free_linear_ceiling(1890.2, 5633.3) == pytest.approx(2844.6, abs=0.2)
+    assert bench.free_linear_ceiling(1000.0, None) is None
+    assert bench.free_linear_ceiling(1000.0, 990.0) is None
+
+
 def test_training_flops_for_mfu_equal_three_times_a_counted_forward_pass():
     """Known answer: on a batch without padding, bench_train's model FLOPs are 3x (forward +
     backward) what torch's FLOP counter counts in one forward pass of the model."""
