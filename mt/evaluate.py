@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> None:
         if mistake:
             raise SystemExit(f"mt-eval: {mistake}")
         keep_freed_memory()  # a command that decodes: see the docstrings
-        cap_kernel_caches()
+        cap_kernel_caches(args.dtype)
     else:  # hypothesis files only: nothing is translated
         for action in parser.translation_actions:
             if getattr(args, action.dest) != action.default:

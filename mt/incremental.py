@@ -151,8 +151,11 @@ class Decoder:
             tokens = self.vocab[tokens]
         if len(self.models) == 1:
             m = self.models[0]
-            states = m.decode_step(tokens, self.caches[0], project=False)
-            rows = states.size(0)
+            # With the cache's padding rows (a shortlist's bias has none): the last block then
+            # has one of a few sizes too (mt.kvcache.bucket_rows), its padding rows dropped.
+            states = m.decode_step(tokens, self.caches[0], project=False,
+                                   padded=self.vocab is None)
+            rows = tokens.size(0)
             if self.buffer is None or self.buffer.size(0) < rows:
                 self.buffer = states.new_empty(rows, self.size, dtype=torch.float32)
             out = self.buffer[:rows]
@@ -161,6 +164,7 @@ class Decoder:
             for i in range(0, rows, block):
                 part = out[i : i + block]
                 logits = self._logits(0, states[i : i + block], slice(i, i + block))
+                logits = logits[: part.size(0)]
                 if cpu and logits.dtype != torch.float32:
                     # Cast first, then in place: on a CPU log_softmax(dtype=float32) of bf16
                     # logits took 1.3x as long as the two passes (128 x 8,000: 1.03 vs 0.78 ms).

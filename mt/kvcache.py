@@ -73,14 +73,33 @@ def float32_products_in_onednn() -> bool:
     return _onednn_users > 0
 
 
-def block_attention(q: Tensor, k_t: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
+def bucket_rows(rows: int) -> int:
+    """The rows a decoding step computes for ``rows`` hypotheses: rounded up to one of eight
+    sizes per doubling (a multiple of 16 up to 255 rows, of 32 up to 511, of 64 up to 1,023...),
+    at most 1/8 more; 16 rows or fewer as they are.
+
+    oneDNN builds a kernel (a primitive) for every new row count of a product, and beam search
+    shrinks the batch by a few rows at almost every step. On the AMX CPU a new count cost 0.8-4.5
+    ms per bfloat16 linear layer (0.5-1.2 float32, 0.2-1 int8) against 0.1-0.6 ms for the
+    product itself; ``translate`` of Multi30k test2016 built 495 of them, 10% of its time. In
+    buckets, a few dozen per layer shape serve every batch. The extra rows are padding: every
+    operator outside attention works row by row, so they never touch a hypothesis's result.
+    """
+    if rows <= 16:
+        return rows
+    step = max(16, 1 << (rows.bit_length() - 4))
+    return -(-rows // step) * step
+
+
+def block_attention(q: Tensor, k_t: Tensor, v: Tensor, bias: Tensor | None,
+                    out: Tensor | None = None) -> Tensor:
     """Decoding attention, one sentence per batch entry: the queries of its beams together.
 
     q (N, H, Q, K) over keys given transposed, k_t (N, H, K, L), values v (N, H, L, K), bias
     broadcastable to (N, H, Q, L) and added to the scores (0: may attend, -inf: may not), in the
-    scores' dtype -> (N * Q, 1, H * K). An added bias, not a boolean mask: ``masked_fill_`` with
-    a mask broadcast over the heads took 10x as long as this add (0.46 vs 0.04 ms at 292
-    sentences x 4 heads x 5 beams x 81 slots).
+    scores' dtype -> (N * Q, 1, H * K), written into ``out`` when given. An added bias, not a
+    boolean mask: ``masked_fill_`` with a mask broadcast over the heads took 10x as long as this
+    add (0.46 vs 0.04 ms at 292 sentences x 4 heads x 5 beams x 81 slots).
 
     A block of a few queries over a few dozen keys: two small products and a softmax. The fused
     kernel costs more at these shapes: on CPU in bfloat16, with one query per row over the cache,
@@ -95,9 +114,12 @@ def block_attention(q: Tensor, k_t: Tensor, v: Tensor, bias: Tensor | None) -> T
     scores = q @ k_t
     if bias is not None:
         scores.add_(bias)
-    out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
-    n, heads, queries, head_dim = out.shape
-    return out.transpose(1, 2).reshape(n * queries, 1, heads * head_dim)
+    values = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    n, heads, queries, head_dim = values.shape
+    if out is None:
+        return values.transpose(1, 2).reshape(n * queries, 1, heads * head_dim)
+    out.view(n, queries, heads, head_dim).copy_(values.transpose(1, 2))
+    return out
 
 
 class KVCache:
@@ -131,6 +153,10 @@ class KVCache:
     a Multi30k test set decode 1.13-1.22x faster together with the oneDNN products,
     docs/decoding-history.md).
 
+    With ``bucket=True`` (set for oneDNN's packed and int8 layers, ``mt.inference.prepare_model``)
+    a step computes ``padded_rows`` rows (``bucket_rows``): the hypotheses, then padding rows that
+    attention leaves out and gives zeros.
+
     The buffers are allocated at the first step, in the dtype of the keys themselves (under
     autocast they are bf16 while the encoder output is float32). Cross-attention keys/values are
     computed once from the encoder output, also per sentence (keys transposed, ready for the
@@ -145,8 +171,10 @@ class KVCache:
     MIN_KEYS = 16
 
     def __init__(self, layers: int, rows: int, heads: int, head_dim: int, max_len: int,
-                 cross_k: list[Tensor], cross_v: list[Tensor], src_mask: Tensor) -> None:
+                 cross_k: list[Tensor], cross_v: list[Tensor], src_mask: Tensor,
+                 bucket: bool = False) -> None:
         self.max_len = max_len  # target positions this cache may hold
+        self.bucket = bucket  # steps compute bucket_rows(rows) rows
         self.length = 0  # target positions filled so far
         self.slots = 0  # key/value slots filled per sentence (beams per step)
         self.beams = 1  # consecutive rows per sentence
@@ -189,6 +217,11 @@ class KVCache:
                 bias = full.index_copy_(0, self.live, bias)
             self.self_bias = bias
 
+    @property
+    def padded_rows(self) -> int:
+        """The rows a step computes: the hypotheses, then (``bucket``) padding rows."""
+        return bucket_rows(self.rows) if self.bucket else self.rows
+
     def end_step(self) -> None:
         self.length += 1
         self.slots += self.beams
@@ -216,12 +249,24 @@ class KVCache:
     def attend(self, q: Tensor, k_t: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
         """``block_attention`` of the rows' queries q (n, H, beams, K) over keys and values kept
         per cache sentence; with finished sentences still in the cache, they get zero queries
-        and their outputs are dropped. -> (n * beams, 1, H * K)"""
+        and their outputs are dropped. -> (padded_rows, 1, H * K), the padding rows zero."""
+        width = q.size(1) * q.size(3)
+        padded = self.padded_rows
+        out = None
+        if padded > self.rows:
+            out = q.new_empty(padded, 1, width)
+            out[self.rows :].zero_()
         if self.live is None:
-            return block_attention(q, k_t, v, bias)
+            if out is None:
+                return block_attention(q, k_t, v, bias)
+            block_attention(q, k_t, v, bias, out[: self.rows])
+            return out
         full = q.new_zeros(k_t.size(0), *q.shape[1:]).index_copy_(0, self.live, q)
-        out = block_attention(full, k_t, v, bias)
-        return out.view(k_t.size(0), -1, out.size(-1))[self.live].view(-1, 1, out.size(-1))
+        every = block_attention(full, k_t, v, bias).view(k_t.size(0), -1, width)
+        if out is None:
+            return every[self.live].view(-1, 1, width)
+        torch.index_select(every, 0, self.live, out=out[: self.rows].view(-1, q.size(2), width))
+        return out
 
     def _wanted(self, capacity: int = 0) -> int:
         """``capacity`` slots, but at least ``FIRST_STEPS`` more steps at the current beams, and

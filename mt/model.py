@@ -240,16 +240,18 @@ class DecoderLayer(nn.Module):
         return self.ffn_sub.output(y, self.ffn(self.ffn_sub.input(y)))
 
     def step(self, y: Tensor, cache: KVCache, i: int) -> Tensor:
-        """One target position y (R, 1, D) for layer i, appending its keys/values to the cache."""
+        """One target position y (P, 1, D) for layer i, appending its keys/values to the cache:
+        the cache's R rows, then P - R padding rows (``KVCache.padded_rows``)."""
         attn, cross = self.self_attn, self.cross_attn
-        r, heads, hd = y.size(0), attn.heads, attn.head_dim
+        r, heads, hd = cache.rows, attn.heads, attn.head_dim
         n = r // cache.beams
-        qkv = attn.qkv_proj(self.self_sub.input(y)).view(r, 3, heads, hd)
+        qkv = attn.qkv_proj(self.self_sub.input(y)).view(-1, 3, heads, hd)[:r]
         k_t, v = cache.append(i, qkv[:, 1:])
         # The beams of a sentence query its keys together: (N, H, beams, K).
         q = qkv[:, 0].view(n, cache.beams, heads, hd).transpose(1, 2)
         y = self.self_sub.output(y, attn.out_proj(cache.attend(q, k_t, v, cache.self_bias)))
-        q = cross.q_proj(self.cross_sub.input(y)).view(n, cache.beams, heads, hd).transpose(1, 2)
+        q = cross.q_proj(self.cross_sub.input(y))[:r]
+        q = q.view(n, cache.beams, heads, hd).transpose(1, 2)
         out = cache.attend(q, cache.cross_k[i], cache.cross_v[i], cache.src_bias)
         y = self.cross_sub.output(y, cross.out_proj(out))
         return self.ffn_sub.output(y, self.ffn(self.ffn_sub.input(y)))
@@ -281,6 +283,9 @@ class Transformer(nn.Module):
                 f"got source {cfg.src_vocab_size} and target {cfg.tgt_vocab_size} pieces"
             )
         self.cfg = cfg
+        # Decoding steps compute a bucketed number of rows (mt.kvcache.bucket_rows): set where
+        # the linear layers build a kernel per row count (mt.inference.prepare_model).
+        self.pad_step_rows = False
         d = cfg.d_model
         self.src_embed = nn.Embedding(cfg.src_vocab_size, d, padding_idx=PAD_ID)
         if cfg.tie_embeddings == "all":
@@ -380,25 +385,33 @@ class Transformer(nn.Module):
                        self.cfg.d_model // self.cfg.heads, max_len,
                        [dense(k.transpose(-1, -2), (0, pad)) for k, _ in cross],
                        [dense(v, (0, 0, 0, pad)) for _, v in cross],
-                       F.pad(src_mask, (0, pad), value=False))
+                       F.pad(src_mask, (0, pad), value=False), bucket=self.pad_step_rows)
 
-    def decode_step(self, tokens: Tensor, cache: KVCache, project: bool = True) -> Tensor:
+    def decode_step(self, tokens: Tensor, cache: KVCache, project: bool = True,
+                    padded: bool = False) -> Tensor:
         """Next-token logits for the last tokens (B,) given the cache -> (B, V); advances it.
 
         ``project=False`` returns the decoder's final states (B, D) instead, for a caller that
-        applies ``project`` itself (search does, a block of rows at a time).
+        applies ``project`` itself (search does, a block of rows at a time); ``padded=True``
+        returns them with the cache's padding rows after the B (``KVCache.padded_rows``).
         """
         if cache.length >= cache.max_len:
             raise ValueError(
                 f"decode_step at target position {cache.length} is past the cache's "
                 f"max_len={cache.max_len}: pass a larger max_len to init_cache"
             )
+        if tokens.size(0) != cache.rows:
+            raise ValueError(f"decode_step got {tokens.size(0)} tokens for a cache of "
+                             f"{cache.rows} rows")
+        rows = tokens.size(0)
+        if cache.padded_rows > rows:
+            tokens = F.pad(tokens, (0, cache.padded_rows - rows), value=PAD_ID)
         y = self.embed(tokens[:, None], self.tgt_embed, self.tgt_positions, offset=cache.length)
         cache.start_step()
         for i, layer in enumerate(self.decoder_layers):
             y = layer.step(y, cache, i)
         cache.end_step()
-        y = self.decoder_norm(y[:, 0])
+        y = self.decoder_norm(y[:, 0] if padded else y[:rows, 0])
         return self.project(y) if project else y
 
 

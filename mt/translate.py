@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     keep_freed_memory()
-    cap_kernel_caches()
+    cap_kernel_caches(args.dtype)
     _check_flags(args, parser)
     if args.output in STDOUT_NAMES:
         args.output = None

@@ -69,9 +69,11 @@ def set_up_process() -> None:
     dtype (one per batch size the batch shrinks through), so two mt systems in one process
     evicted each other's and the second ran up to 8% slower than alone. Room for all, set before
     the first kernel is made: every system runs as it would in a process of its own that has
-    decoded the input once (rounds after the first reuse its kernels; ``translate`` makes one pass
-    and keeps 64, ``mt.inference.cap_kernel_caches``, at the same one-pass speed:
-    docs/benchmarks.md). And freed memory stays in the heap, as in ``translate`` (every system
+    decoded the input once. Rounds after the first reuse its kernels, so the best round can be
+    faster than one ``translate``, which makes one pass with fewer kept
+    (``mt.inference.cap_kernel_caches``): bfloat16 on one thread, test2016, 5.06 s against
+    5.98 s for the first pass before the row buckets of ``mt.kvcache.bucket_rows``
+    (docs/benchmarks.md). And freed memory stays in the heap, as in ``translate`` (every system
     here shares the process).
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")

@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
-from mt.kvcache import ONEDNN_FLOAT32, KVCache, block_attention, float32_products_on_onednn
+from mt.kvcache import (
+    ONEDNN_FLOAT32,
+    KVCache,
+    block_attention,
+    bucket_rows,
+    float32_products_on_onednn,
+)
 from mt.model import (
     Dropout,
     FeedForward,
@@ -294,6 +300,63 @@ def test_beam_reorders_attend_only_along_each_rows_ancestry(monkeypatch, capacit
         expected = model(src[sentence], fed)[:, -1]  # fed[:, 0] stands in for BOS
     assert cache.self_bias is not None  # the masked path ran
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_bucket_rows_known_answers() -> None:
+    """Eight sizes per doubling above 16 rows, never fewer rows, at most 1/8 more from 128 on:
+    the few kernel shapes a shrinking beam search needs."""
+    assert [bucket_rows(r) for r in (1, 5, 16)] == [1, 5, 16]
+    assert [bucket_rows(r) for r in (17, 100, 128, 129, 255, 256, 257)] == [
+        32, 112, 128, 144, 256, 256, 288]
+    assert [bucket_rows(r) for r in (1460, 1536, 1537)] == [1536, 1536, 1664]
+    sizes = {bucket_rows(r) for r in range(1, 4097)}
+    assert all(bucket_rows(r) >= r for r in range(1, 4097))
+    assert all(bucket_rows(r) <= r * 9 / 8 for r in range(128, 4097))
+    assert len(sizes) == 16 + 7 + 8 * 5  # 1-16, 32-128 by 16, then 8 per doubling to 4,096
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["rows", "bucketed"])
+def test_padded_step_rows_leave_every_hypothesis_unchanged(pad: bool) -> None:
+    """A model whose steps compute bucketed rows (``pad_step_rows``: padding rows after the
+    hypotheses) gives every hypothesis the logits of a full forward pass: through beam expansion
+    to 24 rows (32 computed), parents swapped within sentences, sentences finishing while they
+    stay in the cache (``live``), one leaving it, and growth."""
+    model = tiny_model(norm="pre")
+    model.pad_step_rows = pad
+    src = padded_source([5, 7, 6, 4, 8, 5, 6, 7])
+    g = torch.Generator().manual_seed(7)
+    beams = 3
+
+    def rows_of(kept: list[int]) -> torch.Tensor:  # every beam of these sentence positions
+        return torch.tensor([s * beams + b for s in kept for b in range(beams)])
+
+    # (index, beams) before each step; None: no reorder
+    plan = [None, (torch.arange(8).repeat_interleave(beams), beams), None,
+            (torch.tensor([s * beams + b for s in range(8) for b in (2, 0, 0)]), beams),
+            (rows_of([0, 1, 3, 4, 6, 7]), beams), None, (rows_of([0, 1, 2, 3, 4]), beams),
+            None, None, None, None, None]
+    sentence = torch.arange(8)
+    fed = torch.empty(8, 0, dtype=torch.long)
+    seen_live = seen_padding = False
+    with torch.no_grad():
+        memory, src_mask = model.encode(src)
+        cache = model.init_cache(memory, src_mask, len(plan) + 1)
+        for step in plan:
+            if step is not None:
+                cache.reorder(*step)
+                sentence, fed = sentence[step[0]], fed[step[0]]
+            seen_live |= cache.live is not None
+            seen_padding |= cache.padded_rows > cache.rows
+            tokens = torch.randint(4, VOCAB, (fed.size(0),), generator=g)
+            logits = model.decode_step(tokens, cache)
+            assert logits.shape == (fed.size(0), VOCAB)
+            fed = torch.cat([fed, tokens[:, None]], dim=1)
+            expected = model(src[sentence], fed)[:, -1]  # fed[:, 0] stands in for BOS
+            torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+        with pytest.raises(ValueError, match="got 3 tokens for a cache of 15 rows"):
+            model.decode_step(tokens[:3], cache)
+    assert seen_live and cache.capacity > KVCache.FIRST_STEPS * beams  # kept sentences, growth
+    assert seen_padding == pad
 
 
 def test_float32_attention_products_on_onednn_stay_float32() -> None:

@@ -24,11 +24,19 @@ import torch
 from mt.checkpoint import load_model, model_state, save_atomic
 from mt.config import EOS_ID, ModelConfig, TokenizerConfig
 from mt.constraints import split_phrases
-from mt.inference import Int8Linear, PackedFeedForward, PackedLinear, can_pack, prepare_model
+from mt.inference import (
+    BFLOAT16_KERNELS,
+    Int8Linear,
+    PackedFeedForward,
+    PackedLinear,
+    can_pack,
+    cap_kernel_caches,
+    prepare_model,
+)
 from mt.model import build_model
 from mt.scoring import cross_attention
 from mt.tokenizer import train_tokenizer
-from mt.translate import SearchOptions, main, search_lines, translate_lines
+from mt.translate import SearchOptions, main, search_lines, translate_ids, translate_lines
 
 WORDS = ("the a dog cat man woman child ball park street red blue small big runs walks sees "
          "holds plays sits near under with on in at").split()
@@ -323,6 +331,7 @@ def test_packed_model_computes_the_plain_models_function(models, dtype):
     packed = prepare_model(load_model(models["a"])[0], dtype, "cpu")
     assert any(isinstance(m, PackedFeedForward) for m in packed.modules())
     assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    assert packed.pad_step_rows == (dtype == "bfloat16") and not plain.pad_step_rows
     a, b = (logits.float() for logits in _teacher_forced(models, 3, plain, packed))
     diff = (a - b).abs()
     if dtype == "float32":
@@ -330,6 +339,25 @@ def test_packed_model_computes_the_plain_models_function(models, dtype):
     else:  # bf16 products round differently inside oneDNN's blocked kernels
         assert diff.mean().item() < 0.02 * a.std().item()
         assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.95
+
+
+def test_bucketed_bfloat16_steps_translate_as_unbucketed_ones(models):
+    """Packed bfloat16 steps compute a bucketed number of rows (mt.kvcache.bucket_rows, for
+    oneDNN's kernel per row count); the padding rows change no translation and no score beyond
+    the kernels' rounding: 13 sentences x 3 beams shrinking, as finished ones leave."""
+    if not can_pack("bfloat16", "cpu"):
+        pytest.skip("oneDNN cannot pack bfloat16 layers on this CPU")
+    model, tok, _ = load_model(models["a"])
+    packed = prepare_model(model, "bfloat16", "cpu")
+    rng = random.Random(4)
+    ids = tok.encode_src([_sentence(rng) for _ in range(13)])
+    opts = SearchOptions(beam=3, nbest=3, max_len_a=0, max_len_b=12)
+    bucketed = translate_ids(packed, ids, opts)
+    packed.pad_step_rows = False
+    plain = translate_ids(packed, ids, opts)
+    assert [[h.tokens for h in n] for n in bucketed] == [[h.tokens for h in n] for n in plain]
+    for a, b in zip(bucketed, plain, strict=True):
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-2)
 
 
 def test_int8_linear_rows_do_not_depend_on_each_other():
@@ -433,6 +461,11 @@ def test_translate_caps_the_kernel_caches_unless_the_user_set_them(models, tmp_p
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "8")
     _run(["-m", models["a"], "-i", _write(tmp_path / "in.txt", ["a b"])], capsys)
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+    assert os.environ["LRU_CACHE_CAPACITY"] == "8"
+    # bfloat16 keeps room for the kernels of its bucketed row counts (mt.kvcache.bucket_rows)
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    cap_kernel_caches("bfloat16")
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(BFLOAT16_KERNELS) != "64"
     assert os.environ["LRU_CACHE_CAPACITY"] == "8"
 
 
