@@ -96,6 +96,19 @@ class PackedFeedForward(nn.Module):
         return self.fc2(h if self.activation is None else self.activation(h))
 
 
+def bfloat16_row_buckets() -> bool:
+    """Whether packed bfloat16 models decode in bucketed row counts (``mt.kvcache.bucket_rows``)
+    here, with room for their kernels (``cap_kernel_caches``): on CPUs with AMX.
+
+    oneDNN builds a kernel for every new row count of a product. On the AMX machine that cost
+    0.3-4.5 ms per bfloat16 layer and the buckets made ``translate`` 1.09-1.12x faster; float32
+    and int8 build theirs 2-4x faster, and there the padding rows cost what the kernels saved.
+    On CPUs with bfloat16 but no AMX it was never measured: they compute the rows they have.
+    """
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return amx is not None and bool(amx())
+
+
 def can_pack(dtype: str, device: str) -> bool:
     """oneDNN packing applies to float32 models on a CPU build with oneDNN, and to bfloat16 ones
     where oneDNN has bf16 kernels (AVX512 and newer)."""
@@ -114,9 +127,8 @@ def prepare_model(model: nn.Module, dtype: str = "float32", device: str = "cpu",
         return quantize_int8(model, device).eval()
     model = model.to(DTYPES[dtype])
     if pack and can_pack(dtype, device):
-        # A kernel per row count costs most in bfloat16: there buckets made translate 1.12x
-        # faster; in float32 (and int8) the padding cost what the kernels saved.
-        model.pad_step_rows = isinstance(model, Transformer) and dtype == "bfloat16"
+        model.pad_step_rows = (isinstance(model, Transformer) and dtype == "bfloat16"
+                               and bfloat16_row_buckets())
         for module in list(model.modules()):
             for name, child in module.named_children():
                 if type(child) is FeedForward:
@@ -269,12 +281,14 @@ def cap_kernel_caches(dtype: str | None = None) -> None:
     8,192 oneDNN primitives and ideep's 1,024 layouts. Both are read at their first use, so a
     command calls this before its first product.
 
-    Decoding in bfloat16 keeps ``BFLOAT16_KERNELS`` oneDNN primitives. Its steps come in a
-    bounded set of row counts (``mt.kvcache.bucket_rows``), about 170 kernels for a Multi30k
-    model, where a bfloat16 kernel costs 0.8-4.5 ms to build: with room for them all,
-    ``translate`` of those 10,000 lines took 30.7 s, not 35.8 s, at 1.7 GB instead of 1.4 GB.
+    Decoding in bfloat16 with row buckets (``bfloat16_row_buckets``) keeps ``BFLOAT16_KERNELS``
+    oneDNN primitives: its steps come in a bounded set of row counts (``mt.kvcache.bucket_rows``),
+    about 170 kernels for a Multi30k model, each 0.3-4.5 ms to build. With the buckets and room
+    for them all, ``translate`` of those 10,000 lines took 30.7-30.9 s, not 33.7-34.3 s, at 1.55 GB
+    instead of 1.22-1.28 GB (docs/benchmarks.md).
     """
-    kernels = BFLOAT16_KERNELS if dtype == "bfloat16" else KERNEL_CACHE_CAPACITY
+    bucketed = dtype == "bfloat16" and bfloat16_row_buckets()
+    kernels = BFLOAT16_KERNELS if bucketed else KERNEL_CACHE_CAPACITY
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(kernels))
     os.environ.setdefault("LRU_CACHE_CAPACITY", str(KERNEL_CACHE_CAPACITY))
 

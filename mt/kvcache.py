@@ -74,14 +74,15 @@ def float32_products_in_onednn() -> bool:
 
 
 def bucket_rows(rows: int) -> int:
-    """The rows a decoding step computes for ``rows`` hypotheses: rounded up to one of eight
-    sizes per doubling (a multiple of 16 up to 255 rows, of 32 up to 511, of 64 up to 1,023...),
-    at most 1/8 more; 16 rows or fewer as they are.
+    """The rows a decoding step computes for ``rows`` hypotheses, rounded up: 16 rows or fewer as
+    they are, then a multiple of 16 up to 255 rows, of 32 up to 511, of 64 up to 1,023 and so on
+    (eight sizes per doubling from 128 rows on, at most 1/8 more rows there).
 
     oneDNN builds a kernel (a primitive) for every new row count of a product, and beam search
-    shrinks the batch by a few rows at almost every step. On the AMX CPU a new count cost 0.8-4.5
-    ms per bfloat16 linear layer (0.5-1.2 float32, 0.2-1 int8) against 0.1-0.6 ms for the
-    product itself; ``translate`` of Multi30k test2016 built 495 of them, 10% of its time. In
+    shrinks the batch by a few rows at almost every step. On the AMX CPU a new count cost 0.3-4.5
+    ms per bfloat16 linear layer, more for more rows (0.5-1.2 float32, 0.2-1 int8) against
+    0.1-0.6 ms for the product itself; ``translate`` of test2016 built 495 of them, 10% of its
+    time. In
     buckets, a few dozen per layer shape serve every batch. The extra rows are padding: every
     operator outside attention works row by row, so they never touch a hypothesis's result.
     """
@@ -153,7 +154,7 @@ class KVCache:
     a Multi30k test set decode 1.13-1.22x faster together with the oneDNN products,
     docs/decoding-history.md).
 
-    With ``bucket=True`` (set for oneDNN's packed and int8 layers, ``mt.inference.prepare_model``)
+    With ``bucket=True`` (set for packed bfloat16 models on AMX, ``mt.inference.prepare_model``)
     a step computes ``padded_rows`` rows (``bucket_rows``): the hypotheses, then padding rows that
     attention leaves out and gives zeros.
 
@@ -265,7 +266,11 @@ class KVCache:
         every = block_attention(full, k_t, v, bias).view(k_t.size(0), -1, width)
         if out is None:
             return every[self.live].view(-1, 1, width)
-        torch.index_select(every, 0, self.live, out=out[: self.rows].view(-1, q.size(2), width))
+        rows = out[: self.rows].view(-1, q.size(2), width)
+        if torch.is_grad_enabled():  # out= records no gradient
+            rows.copy_(every[self.live])
+        else:
+            torch.index_select(every, 0, self.live, out=rows)
         return out
 
     def _wanted(self, capacity: int = 0) -> int:

@@ -283,8 +283,8 @@ class Transformer(nn.Module):
                 f"got source {cfg.src_vocab_size} and target {cfg.tgt_vocab_size} pieces"
             )
         self.cfg = cfg
-        # Decoding steps compute a bucketed number of rows (mt.kvcache.bucket_rows): set where
-        # the linear layers build a kernel per row count (mt.inference.prepare_model).
+        # Decoding steps compute a bucketed number of rows (mt.kvcache.bucket_rows): set for
+        # packed bfloat16 models on AMX (mt.inference.prepare_model).
         self.pad_step_rows = False
         d = cfg.d_model
         self.src_embed = nn.Embedding(cfg.src_vocab_size, d, padding_idx=PAD_ID)

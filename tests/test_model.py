@@ -315,12 +315,14 @@ def test_bucket_rows_known_answers() -> None:
     assert len(sizes) == 16 + 7 + 8 * 5  # 1-16, 32-128 by 16, then 8 per doubling to 4,096
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 @pytest.mark.parametrize("pad", [False, True], ids=["rows", "bucketed"])
-def test_padded_step_rows_leave_every_hypothesis_unchanged(pad: bool) -> None:
+def test_padded_step_rows_leave_every_hypothesis_unchanged(pad: bool, grad: bool) -> None:
     """A model whose steps compute bucketed rows (``pad_step_rows``: padding rows after the
     hypotheses) gives every hypothesis the logits of a full forward pass: through beam expansion
     to 24 rows (32 computed), parents swapped within sentences, sentences finishing while they
-    stay in the cache (``live``), one leaving it, and growth."""
+    stay in the cache (``live``), one leaving it, and growth; with gradients on or off (a
+    search runs without them, which lets attention gather into the padded rows directly)."""
     model = tiny_model(norm="pre")
     model.pad_step_rows = pad
     src = padded_source([5, 7, 6, 4, 8, 5, 6, 7])
@@ -338,7 +340,7 @@ def test_padded_step_rows_leave_every_hypothesis_unchanged(pad: bool) -> None:
     sentence = torch.arange(8)
     fed = torch.empty(8, 0, dtype=torch.long)
     seen_live = seen_padding = False
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         memory, src_mask = model.encode(src)
         cache = model.init_cache(memory, src_mask, len(plan) + 1)
         for step in plan:

@@ -45,11 +45,14 @@ def test_a_shortlist_of_every_piece_changes_nothing(name):
     assert _run(search, model, every, sources) == _run(search, model, None, sources)
 
 
+@pytest.mark.parametrize("bucketed", [False, True], ids=["rows", "bucketed"])
 @pytest.mark.parametrize("name", ["greedy", "beam"])
-def test_each_sentence_searches_its_own_pieces_whatever_the_batch(name):
+def test_each_sentence_searches_its_own_pieces_whatever_the_batch(name, bucketed):
     """A batch under a shortlist gives what each sentence alone gives from a model whose other
-    pieces are impossible (-inf logits: the log-softmax then runs over its own pieces)."""
+    pieces are impossible (-inf logits: the log-softmax then runs over its own pieces); also
+    when the batch's steps compute padding rows (``pad_step_rows``: 36 beams, 48 rows)."""
     model, sources, search = _model(vocab=V), _sources(9, vocab=V), _searches()[name]
+    model.pad_step_rows = bucketed
     shortlist = _shortlist()
     prefixes = [[5, 6] if i % 3 == 0 else [] for i in range(len(sources))]
     batched = _run(search, model, shortlist, sources, prefixes)

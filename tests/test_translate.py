@@ -29,10 +29,11 @@ from mt.inference import (
     Int8Linear,
     PackedFeedForward,
     PackedLinear,
+    bfloat16_row_buckets,
     can_pack,
-    cap_kernel_caches,
     prepare_model,
 )
+from mt.kvcache import KVCache
 from mt.model import build_model
 from mt.scoring import cross_attention
 from mt.tokenizer import train_tokenizer
@@ -331,7 +332,8 @@ def test_packed_model_computes_the_plain_models_function(models, dtype):
     packed = prepare_model(load_model(models["a"])[0], dtype, "cpu")
     assert any(isinstance(m, PackedFeedForward) for m in packed.modules())
     assert not any(type(m) is torch.nn.Linear for m in packed.modules())
-    assert packed.pad_step_rows == (dtype == "bfloat16") and not plain.pad_step_rows
+    assert not plain.pad_step_rows
+    assert packed.pad_step_rows == (dtype == "bfloat16" and bfloat16_row_buckets())
     a, b = (logits.float() for logits in _teacher_forced(models, 3, plain, packed))
     diff = (a - b).abs()
     if dtype == "float32":
@@ -341,18 +343,32 @@ def test_packed_model_computes_the_plain_models_function(models, dtype):
         assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.95
 
 
-def test_bucketed_bfloat16_steps_translate_as_unbucketed_ones(models):
-    """Packed bfloat16 steps compute a bucketed number of rows (mt.kvcache.bucket_rows, for
-    oneDNN's kernel per row count); the padding rows change no translation and no score beyond
-    the kernels' rounding: 13 sentences x 3 beams shrinking, as finished ones leave."""
+def test_bucketed_bfloat16_steps_translate_as_unbucketed_ones(models, monkeypatch):
+    """Packed bfloat16 steps may compute a bucketed number of rows (mt.kvcache.bucket_rows, for
+    oneDNN's kernel per row count); the padding rows, in oneDNN's bfloat16 kernels, change no
+    translation and no score beyond their rounding: 13 sentences x 3 beams, shrinking as
+    sentences of shorter sources reach their length limit (39 rows down to 18, padded to 48 and
+    32). The cache's other paths with padding (finished sentences kept in it, gradients) are
+    tests/test_model.py's."""
     if not can_pack("bfloat16", "cpu"):
         pytest.skip("oneDNN cannot pack bfloat16 layers on this CPU")
     model, tok, _ = load_model(models["a"])
     packed = prepare_model(model, "bfloat16", "cpu")
     rng = random.Random(4)
     ids = tok.encode_src([_sentence(rng) for _ in range(13)])
-    opts = SearchOptions(beam=3, nbest=3, max_len_a=0, max_len_b=12)
+    opts = SearchOptions(beam=3, nbest=3, max_len_a=1.0, max_len_b=1)
+    padded = set()  # (rows, padded rows) of the steps that computed padding rows
+    start_step = KVCache.start_step
+
+    def record(cache):
+        if cache.padded_rows > cache.rows:
+            padded.add((cache.rows, cache.padded_rows))
+        start_step(cache)
+
+    monkeypatch.setattr(KVCache, "start_step", record)
+    packed.pad_step_rows = True
     bucketed = translate_ids(packed, ids, opts)
+    assert len(padded) >= 3 and {p for _, p in padded} >= {32, 48}
     packed.pad_step_rows = False
     plain = translate_ids(packed, ids, opts)
     assert [[h.tokens for h in n] for n in bucketed] == [[h.tokens for h in n] for n in plain]
@@ -464,8 +480,10 @@ def test_translate_caps_the_kernel_caches_unless_the_user_set_them(models, tmp_p
     assert os.environ["LRU_CACHE_CAPACITY"] == "8"
     # bfloat16 keeps room for the kernels of its bucketed row counts (mt.kvcache.bucket_rows)
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
-    cap_kernel_caches("bfloat16")
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(BFLOAT16_KERNELS) != "64"
+    _run(["-m", models["a"], "-i", _write(tmp_path / "in.txt", ["a b"]), "--dtype", "bfloat16"],
+         capsys)
+    kept = str(BFLOAT16_KERNELS) if bfloat16_row_buckets() else "64"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == kept
     assert os.environ["LRU_CACHE_CAPACITY"] == "8"
 
 
