@@ -82,9 +82,8 @@ def bucket_rows(rows: int) -> int:
     shrinks the batch by a few rows at almost every step. On the AMX CPU a new count cost 0.3-4.5
     ms per bfloat16 linear layer, more for more rows (0.5-1.2 float32, 0.2-1 int8) against
     0.1-0.6 ms for the product itself; ``translate`` of test2016 built 495 of them, 10% of its
-    time. In
-    buckets, a few dozen per layer shape serve every batch. The extra rows are padding: every
-    operator outside attention works row by row, so they never touch a hypothesis's result.
+    time. In buckets, a few dozen per layer shape serve every batch. The extra rows are padding:
+    every operator outside attention works row by row, so they never touch a hypothesis's result.
     """
     if rows <= 16:
         return rows
