@@ -121,6 +121,7 @@ def test_bench_translate_decodes_what_translate_decodes(trained_run, corpus_dir,
     expected = json.loads((trained_run / "test.json").read_text())["averaged"]["bleu"]
     assert report["systems"]["mt-float32"]["bleu"] == round(expected, 2)
     assert report["systems"]["ct2-float32"]["seconds"] > 0
+    assert all(entry["first_pass_seconds"] > 0 for entry in report["systems"].values())
     assert set(report["ratios"]) == {"mt-float32 / ct2-float32", "mt-float32+sl / mt-float32",
                                      "ct2-float32+sl / ct2-float32",
                                      "mt-float32+sl / ct2-float32+sl"}
