@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mt.incremental import Ensemble
+from mt.kvcache import amx_tiles
 from mt.model import FeedForward, Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -105,8 +106,7 @@ def bfloat16_row_buckets() -> bool:
     and int8 build theirs 2-4x faster, and there the padding rows cost what the kernels saved.
     On CPUs with bfloat16 but no AMX it was never measured: they compute the rows they have.
     """
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return amx is not None and bool(amx())
+    return bool(amx_tiles())
 
 
 def can_pack(dtype: str, device: str) -> bool:

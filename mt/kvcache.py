@@ -19,6 +19,13 @@ import torch
 from torch import Tensor
 
 
+def amx_tiles() -> bool | None:
+    """Whether this CPU has AMX (its tiles multiply bfloat16 and int8 matrices); None where this
+    torch cannot tell."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return None if probe is None else bool(probe())
+
+
 def _onednn_keeps_float32() -> bool:
     """Whether oneDNN may run float32 matrix products without changing their arithmetic.
 
@@ -29,11 +36,10 @@ def _onednn_keeps_float32() -> bool:
     shapes its batched products ran at 50 GFLOP/s on this project's Zen 5 core, oneDNN's 2-2.5x
     faster (docs/decoding-history.md).
     """
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return (platform.machine().lower() in ("x86_64", "amd64")
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.backends.mkldnn, "matmul")
-            and amx is not None and not amx())
+            and amx_tiles() is False)
 
 
 ONEDNN_FLOAT32 = _onednn_keeps_float32()

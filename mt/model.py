@@ -403,9 +403,9 @@ class Transformer(nn.Module):
         if tokens.size(0) != cache.rows:
             raise ValueError(f"decode_step got {tokens.size(0)} tokens for a cache of "
                              f"{cache.rows} rows")
-        rows = tokens.size(0)
-        if cache.padded_rows > rows:
-            tokens = F.pad(tokens, (0, cache.padded_rows - rows), value=PAD_ID)
+        rows, padded_rows = tokens.size(0), cache.padded_rows
+        if padded_rows > rows:
+            tokens = F.pad(tokens, (0, padded_rows - rows), value=PAD_ID)
         y = self.embed(tokens[:, None], self.tgt_embed, self.tgt_positions, offset=cache.length)
         cache.start_step()
         for i, layer in enumerate(self.decoder_layers):
