@@ -31,7 +31,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mt.config import count_or_off, positive_int
-from mt.options import add_search_arguments, search_mistake, search_options, unused_options
+from mt.options import (
+    add_search_arguments,
+    add_worker_arguments,
+    search_mistake,
+    search_options,
+    unused_options,
+)
 from mt.report import METRICS, compare, make_metric, render, score_system, sentence_scores
 from mt.testsets import (
     EvalError,
@@ -403,9 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("translation (with -m)")
     add_search_arguments(g, nbest=False)
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
-    g.add_argument("--workers", type=positive_int, default=None,
-                   help="batches translated at once, one core each, as translate --workers "
-                        "(default: one per core on CPU)")
+    add_worker_arguments(g)
     # The names of mt.inference.DTYPES, spelt out so that --help does not import torch.
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "int8"), default="float32",
                    help="decode in this precision, as translate --dtype (default: float32)")

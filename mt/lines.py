@@ -92,10 +92,11 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
 
     Batches are formed from length-sorted sources (longest first, so memory peaks early) and each
     holds at most ``opts.batch_tokens`` source tokens, padding included. On CPU, ``opts.workers``
-    batches are searched at once, one thread each (so that many batches' activations and caches
-    are in memory together). With several workers the batches are cut to keep them all busy
-    (``mt.workers.balanced_batches``), so, as with another ``batch_tokens``, scores can differ in
-    their last bits (and a near-tie, rarely, flip); the same options always give the same results.
+    batches are searched at once, one core each, in threads or (``opts.processes``) forked
+    processes (so that many batches' activations and caches are in memory together). With
+    several workers the batches are cut to keep them all busy (``mt.workers.balanced_batches``),
+    so, as with another ``batch_tokens``, scores can differ in their last bits (and a near-tie,
+    rarely, flip); the same options always give the same results, in threads or processes.
 
     Args:
         model: a Transformer, or an Ensemble.
@@ -158,7 +159,8 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
 
     # Sampling draws from one random stream in batch order, so it stays on one thread.
     return map_batches(search, [len(s) for s in sources], opts.batch_tokens,
-                        min(opts.workers, 1) if opts.sampling else opts.workers, device, progress)
+                        min(opts.workers, 1) if opts.sampling else opts.workers, device, progress,
+                        opts.processes)
 
 
 @dataclass
@@ -286,7 +288,8 @@ def unmet(results: list[LineResult], constraints: list[list[list[int]]]) -> int:
 
 def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: float = 0.6,
                 batch_tokens: int = 4096, workers: int = 1,
-                progress: bool | Any = False, *, warn: bool = True) -> list[LineResult]:
+                progress: bool | Any = False, *, warn: bool = True,
+                processes: bool = False) -> list[LineResult]:
     """Scores given translations (``translate --score``) instead of searching for them.
 
     Every pair is scored by the model, in batches of at most ``batch_tokens`` tokens of the longer
@@ -295,7 +298,8 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
     hypotheses). An empty source with a translation, or a translation of an empty line, is
     scored (an empty side is EOS alone). A pair with a side longer than the model's maximum
     cannot be scored: it keeps its source and gets no hypothesis (one warning for all of them),
-    as no piece of it can be scored on its own.
+    as no piece of it can be scored on its own. ``workers`` and ``processes`` as in
+    ``SearchOptions``.
 
     Returns:
         per line a LineResult whose one hypothesis carries the score (``forced_scores``); the
@@ -324,7 +328,7 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
         return forced_scores(model, src, tgt, lenpen)
 
     lengths = [max(len(s), len(t)) for s, t in (pairs[i] for i in fits)]
-    hyps = map_batches(score, lengths, batch_tokens, workers, device, progress)
+    hyps = map_batches(score, lengths, batch_tokens, workers, device, progress, processes)
     out = [LineResult([], [], text) if i in empty else LineResult([s], [], text)  # unfit
            for i, ((s, _), text) in enumerate(zip(pairs, lines, strict=True))]
     for i, h in zip(fits, hyps, strict=True):

@@ -59,6 +59,7 @@ from mt.lines import (
 from mt.options import (
     SearchOptions,
     add_search_arguments,
+    add_worker_arguments,
     search_mistake,
     search_options,
     unused_options,
@@ -136,11 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-lines", type=positive_int, default=100_000,
                    help="lines read, sorted by length, translated and written at a time: bounds "
                         "the memory of a large file and streams a pipe (default: 100000)")
-    p.add_argument("--workers", type=positive_int, default=None,
-                   help="batches searched at once, one thread and one core each (CPU); default: "
-                        "one per core torch may use on CPU, 1 on a GPU. Batches are cut to keep "
-                        "every worker busy, so scores may differ in their last bits between "
-                        "worker counts")
+    add_worker_arguments(p)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights and activations; bfloat16 is the fast path on CPUs with "
@@ -428,7 +425,8 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
                         for j, option in enumerate(parallel, start=1)}
                 if args.score:
                     results = score_lines(model, tokenizer, lines, side["--score"], args.lenpen,
-                                          args.batch_tokens, opts.workers, progress, warn=False)
+                                          args.batch_tokens, opts.workers, progress, warn=False,
+                                          processes=opts.processes)
                     unfit += sum(bool(r.sources) and not r.hyps for r in results)  # not empty
                 else:
                     ids = {}

@@ -53,7 +53,7 @@ from mt.export import export_ctranslate2, hf_model, placeholder_vocabulary  # no
 from mt.inference import keep_freed_memory, prepare_model  # noqa: E402
 from mt.model import build_model  # noqa: E402
 from mt.search import beam_search, greedy_search  # noqa: E402
-from mt.workers import worker_threads  # noqa: E402
+from mt.workers import batch_workers  # noqa: E402
 
 CPU_DEFAULT = ("mt-float32", "mt-bfloat16", "mt-int8", "mt-float32-unpacked", "hf-float32",
                "ct2-float32", "ct2-int8")
@@ -261,8 +261,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parallel", choices=("intra", "batches"), default="intra",
                    help="how a system uses --threads cores: intra = one batch at a time, each "
                         "operator split over the threads; batches = --threads batches at once, one "
-                        "thread each (mt: translate --workers, CT2: inter_threads, HF: the same "
-                        "thread pool as mt)")
+                        "core each (mt: translate --workers, as threads unless "
+                        "--worker-processes; CT2: inter_threads; HF: the same workers as mt)")
+    p.add_argument("--worker-processes", action="store_true",
+                   help="with --parallel batches: mt's and HF's workers are forked processes, as "
+                        "translate's are by default on Linux. Each round forks them afresh from "
+                        "this process, which holds every system's model: on rounds of one batch "
+                        "per worker that costs more than it gains, where a translate of a file "
+                        "gains (docs/benchmarks.md)")
     p.add_argument("--repeat", type=int, default=2,
                    help="rounds; each round times every system once (interleaved, so load "
                         "changes on a shared CPU hit all systems alike); the best round counts")
@@ -319,10 +325,12 @@ def main(argv: list[str] | None = None) -> None:
                  "hf-bfloat16": lambda: copy.deepcopy(hf).to(device, torch.bfloat16)}
     hf_models = {name: make() for name, make in hf_models.items() if name in systems}
 
-    def each_batch(fn, todo):
-        """fn over the batches: in turn, or --threads at once (translate --workers's pool)."""
-        with worker_threads(args.threads if by_batch else 1) as pool:
-            return list(pool.map(fn, todo))
+    def each_batch(fn, todo, warmup=False):
+        """fn over the batches: in turn, or --threads at once (translate --workers's). The
+        warm-up runs here, in turn: forked workers start from this process's caches."""
+        with batch_workers(fn, todo, args.threads if by_batch and not warmup else 1,
+                           processes=args.worker_processes) as answers:
+            return list(answers)
 
     def run_mt(m):
         def one(b):
@@ -331,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
             return {len(h[0].tokens) + 1 for h in hyps}  # EOS is a step too
 
         def fn(warmup):
-            lengths = set().union(*each_batch(one, warm if warmup else batches))
+            lengths = set().union(*each_batch(one, warm if warmup else batches, warmup))
             assert warmup or lengths == {steps}, lengths
         return fn
 
@@ -344,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
                                   early_stopping=True, length_penalty=1.0)
                 assert warmup or out.size(1) == steps + 1, out.shape  # start token + steps
 
-        each_batch(one, warm if warmup else batches)
+        each_batch(one, warm if warmup else batches, warmup)
 
     def run_ct2(q):
         import ctranslate2

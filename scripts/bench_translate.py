@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
                    help="batches decoded at once, one core each, in every system")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--worker-threads", action="store_true",
+                   help="mt's workers are threads of this process (translate --worker-threads), "
+                        "not forked processes")
     p.add_argument("--ct2-batches", choices=("mt", "own"), default="own",
                    help="CTranslate2 cuts its own batches by the same token budget (default: "
                         "here 1-2%% faster for it than mt's) or decodes mt's")
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             refs = f.read().splitlines()
 
     opts = SearchOptions(beam=args.beam, lenpen=args.lenpen, batch_tokens=args.batch_tokens,
-                         workers=args.threads)
+                         workers=args.threads, processes=not args.worker_threads)
     runs = {}
     for name in systems:
         if name.startswith("mt-"):

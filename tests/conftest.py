@@ -64,3 +64,25 @@ def tiny_train_args(corpus_dir: Path, tokenizer_dir: Path) -> list[str]:
 
 
 PYTHON = sys.executable
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (FileNotFoundError, ProcessLookupError):  # ended meanwhile
+            continue
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running or sleeping: not gone, and not a zombie that no one has reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False

@@ -16,10 +16,12 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import alive, children
 
 from mt.checkpoint import load_model, model_state, save_atomic
 from mt.config import EOS_ID, ModelConfig, TokenizerConfig
@@ -38,6 +40,7 @@ from mt.model import build_model
 from mt.scoring import cross_attention
 from mt.tokenizer import train_tokenizer
 from mt.translate import SearchOptions, main, search_lines, translate_ids, translate_lines
+from mt.workers import FORK
 
 WORDS = ("the a dog cat man woman child ball park street red blue small big runs walks sees "
          "holds plays sits near under with on in at").split()
@@ -234,6 +237,8 @@ def test_workers_do_not_change_a_single_bit(models, monkeypatch):
             one = translate_lines(model, tok, lines, opts)
         for _ in range(3):
             assert translate_lines(model, tok, lines, opts) == one
+        # and forked worker processes (translate's default on Linux) give them too
+        assert translate_lines(model, tok, lines, replace(opts, processes=True)) == one
     finally:
         torch.set_num_threads(threads)
 
@@ -670,16 +675,26 @@ def test_output_through_symlinks_keeps_them_and_terminate_leaves_nothing(models,
     # its partial file.
     big = _write(tmp_path / "big.txt", ["the dog sees a red ball"] * 20000)
     out = tmp_path / "out.txt"
+    # Batches of 3 lines for 2 workers: forked worker processes, which end with it.
     proc = subprocess.Popen([str(script), "-m", models["a"], "-i", big, "-o", str(out),
-                             "--chunk-lines", "100", *FAST], stderr=subprocess.PIPE, text=True,
+                             "--chunk-lines", "100", "--batch-tokens", "21", "--workers", "2",
+                             *FAST], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.monotonic() + 60
-    while not Path(f"{out}.partial").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    workers = []
+    while (not Path(f"{out}.partial").exists() or len(workers) < 2 and FORK) \
+            and time.monotonic() < deadline:
+        workers = children(proc.pid) if FORK else []
+        time.sleep(0.01)
     proc.terminate()
     assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stderr.read()
     assert "interrupted" in proc.stderr.read()
     assert not out.exists() and not Path(f"{out}.partial").exists()
+    assert len(workers) == 2 or not FORK
+    deadline = time.monotonic() + 10
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(w) for w in workers)
 
 
 def test_gzipped_input_and_output(models, tmp_path, capsys):
@@ -1041,6 +1056,7 @@ def test_a_budget_past_the_model_maximum_is_the_model_maximum(models, tmp_path, 
     (["--alignment-layer", "0"],
      ["--alignment-layer has no effect without --alignment or --replace-unk"]),
     (["--weights", "2"], ["--weights has no effect with one model"]),
+    (["--workers", "1", "--worker-threads"], ["--worker-threads has no effect with --workers 1"]),
     (["--score", "GIVEN", "--beam", "3", "--min-len", "2"],
      ["--beam has no effect with --score", "--min-len has no effect with --score"]),
     (["--sampling", "--seed", "3", "--mbr", "chrf", "--mbr-candidates", "4"], []),
