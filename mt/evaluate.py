@@ -293,7 +293,7 @@ def _members(path: str) -> list[str]:
 
 def _translate(system: System, test: TestSet, sources: list[str] | None, n: int, loaded: dict,
                args: argparse.Namespace) -> tuple[list[str], dict]:
-    from mt.workers import default_workers
+    from mt.workers import WorkerDied, default_workers
 
     if sources is None:
         raise EvalError(f"test set {test.name}: no source file to translate with -m "
@@ -331,8 +331,11 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
     model, tokenizer, shortlist = loaded[n]
     opts = search_options(args, args.workers or default_workers(args.device))
     log.info("translating %s (%d lines) with %s", test.name, len(sources), system.path)
-    hyps, speed = translate_test(model, tokenizer, sources, opts, shortlist,
-                                 replace_unk=args.replace_unk, layer=args.alignment_layer)
+    try:
+        hyps, speed = translate_test(model, tokenizer, sources, opts, shortlist,
+                                     replace_unk=args.replace_unk, layer=args.alignment_layer)
+    except WorkerDied as err:  # the out-of-memory killer, most likely
+        raise EvalError(f"-m {system.path}, {test.name}: {err}") from None
     speed.update(search=asdict(opts), device=args.device, dtype=args.dtype)
     log.info("%s: %.1f s, %.0f tokens/s", system.name, speed["decode_seconds"],
              speed["tokens_per_second"])

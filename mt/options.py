@@ -34,7 +34,9 @@ class SearchOptions:
     mbr: str = ""  # chrf | bleu: one translation per line, chosen among mbr_candidates; "": off
     mbr_candidates: int = 16  # samples (sampling) or the beam's n-best that MBR chooses among
     workers: int = 1  # batches searched at once, each on its own core (see translate_ids)
-    processes: bool = False  # the workers are forked processes (Linux), not threads (mt.workers)
+    # The workers are forked processes (Linux), not threads: only where no other thread of the
+    # program runs torch while the search forks (mt.workers.worker_processes). translate's way.
+    processes: bool = False
 
     def __post_init__(self) -> None:
         """Refuses what the command line refuses (``search_mistake``, in its words), so that a
@@ -143,8 +145,10 @@ def unused_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     scoring = getattr(args, "score", None) is not None
     unused = [("--seed", "without --sampling", given("seed") and not args.sampling),
               ("--mbr-candidates", "without --mbr", given("mbr_candidates") and not args.mbr),
-              ("--worker-threads", "with --workers 1",
-               getattr(args, "worker_threads", False) and getattr(args, "workers", None) == 1),
+              ("--worker-threads", "with one worker (--workers 1, --sampling or a GPU)",
+               getattr(args, "worker_threads", False)
+               and (getattr(args, "workers", None) == 1 or args.sampling
+                    or not str(getattr(args, "device", "cpu")).startswith("cpu"))),
               ("--beam", "with --sampling (--nbest sets the samples per line)",
                given("beam") and args.sampling),
               ("--alignment-layer", "without --alignment or --replace-unk"

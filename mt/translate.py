@@ -79,7 +79,7 @@ from mt.textio import (
     reader_left,
     utf8_stdout,
 )
-from mt.workers import default_workers
+from mt.workers import WorkerDied, default_workers
 
 __all__ = ["SearchOptions", "main", "score_lines", "search_lines", "translate_ids",
            "translate_lines", "cli"]
@@ -466,6 +466,10 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
         print("translate: interrupted" + (f" after {done} lines" if args.output is None
                                           else f"; {args.output} not written"), file=sys.stderr)
         raise _Interrupted(getattr(err, "signal", signal.SIGINT)) from None
+    except WorkerDied as err:  # the out-of-memory killer, most likely
+        where = (f"; {args.output} not written" if args.output is not None
+                 else f" ({done} lines written before it)" if done else "")
+        raise SystemExit(f"translate: {err}{where}") from None
     except BrokenPipeError:  # the reader left (`translate ... | head`): stop without a traceback
         raise reader_left() from None
     except OSError as err:  # writing failed (a full disk); the partial file is gone

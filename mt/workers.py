@@ -13,9 +13,11 @@ from __future__ import annotations
 import ctypes
 import gc
 import multiprocessing
+import pickle
 import signal
 import sys
 import threading
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -93,7 +95,8 @@ def batch_workers(fn: Callable[[Any], Any], items: Sequence, workers: int,
     ``FORK``: ``worker_processes``) or in threads (``worker_threads``)."""
     if workers <= 1:
         yield map(fn, items)
-    elif processes and FORK:
+    elif processes and FORK and not multiprocessing.current_process().daemon:
+        # (a daemonic process, a multiprocessing.Pool's worker, may not have children)
         with worker_processes(fn, items, workers) as answers:
             yield answers
     else:
@@ -181,7 +184,10 @@ def worker_processes(fn: Callable[[Any], Any], items: Sequence, workers: int
     leaving the search waiting; Ctrl-C or an error in the parent ends every worker.
     """
     ctx = multiprocessing.get_context("fork")
-    gc.freeze()  # the children's collections then leave the parent's objects' pages shared
+    frozen = gc.get_freeze_count() == 0  # (a caller's own freeze stays as it was)
+    if frozen:
+        gc.freeze()  # the children's collections then leave the parent's objects' pages shared
+    ignore_term = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     procs, conns = [], []
     try:
         with _signals_held(), warnings.catch_warnings():
@@ -189,7 +195,8 @@ def worker_processes(fn: Callable[[Any], Any], items: Sequence, workers: int
                                     DeprecationWarning)
             for _ in range(workers):
                 here, there = ctx.Pipe()
-                proc = ctx.Process(target=_serve, args=(there, fn, items, [*conns, here]),
+                proc = ctx.Process(target=_serve,
+                                   args=(there, fn, items, [*conns, here], ignore_term),
                                    name="mt-search", daemon=True)
                 proc.start()  # a fork: fn and what it holds (the model) need no pickling
                 there.close()
@@ -199,7 +206,8 @@ def worker_processes(fn: Callable[[Any], Any], items: Sequence, workers: int
         _end(procs)
         raise
     finally:
-        gc.unfreeze()
+        if frozen:
+            gc.unfreeze()
     try:
         yield _in_order(len(items), procs, conns)
     except BaseException:
@@ -227,7 +235,8 @@ def _signals_held() -> Iterator[None]:
         return
     held: list[int] = []
     saved = {s: signal.signal(s, lambda signum, _: held.append(signum))
-             for s in (signal.SIGINT, signal.SIGTERM)}
+             for s in (signal.SIGINT, signal.SIGTERM)
+             if signal.getsignal(s) is not None}  # None: not set from Python, not restorable
     try:
         yield
     finally:
@@ -237,45 +246,70 @@ def _signals_held() -> Iterator[None]:
             signal.raise_signal(s)
 
 
-def _serve(conn, fn: Callable[[Any], Any], items: Sequence, parents: list) -> None:
-    """A worker's loop: an item's index in, ``(True, answer)`` or ``(False, exception)`` out,
-    until None or until the parent is gone.
+def _serve(conn, fn: Callable[[Any], Any], items: Sequence, parents: list,
+           ignore_term: bool) -> None:
+    """A worker's loop: an item's index in, ``(True, answer)`` or ``(False, (exception, its
+    traceback))`` out, until None or until the parent is gone.
 
     Ctrl-C reaches the whole process group; the parent answers it and ends the workers. SIGTERM
-    ends a worker at once (translate's handler, inherited, would make it an exception). The
-    parent's ends of the pipes, copied by the fork, are closed here: while a worker held one, a
-    parent killed outright would leave it waiting on that pipe for ever; the kernel also kills
-    the worker when the parent dies (``PR_SET_PDEATHSIG``).
+    ends a worker at once (translate's handler, inherited, would make it an exception), unless
+    the parent ignored it. The parent's ends of the pipes, copied by the fork, are closed here:
+    while a worker held one, a parent killed outright would leave it waiting on that pipe for
+    ever; the kernel also kills the worker when the parent dies (``PR_SET_PDEATHSIG``).
     """
     for end in parents:
         end.close()
-    _die_with_parent()
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_term else signal.SIG_DFL)
     torch.set_num_threads(1)
     try:
         while (i := conn.recv()) is not None:
             try:
                 answer = (True, fn(items[i]))
             except Exception as err:  # noqa: BLE001 - the parent raises it
-                answer = (False, err)
+                answer = (False, _portable(err))
             try:
                 conn.send(answer)
             except (OSError, EOFError):
                 raise
             except Exception as err:  # noqa: BLE001 - an answer that does not pickle
-                conn.send((False, RuntimeError(f"a search worker's answer cannot be sent back: "
-                                               f"{type(err).__name__}: {err}")))
+                conn.send((False, _portable(RuntimeError(
+                    f"a search worker's answer cannot be sent back: {type(err).__name__}: {err}"
+                ))))
     except (OSError, EOFError):  # the parent is gone
         return
 
 
-def _die_with_parent() -> None:
-    """Asks Linux to kill this process when the thread that forked it ends (prctl)."""
+def _portable(err: Exception) -> tuple[Exception, str]:
+    """An exception as the parent can raise it, with its traceback as text: the exception
+    itself where it survives pickling (its type is what callers catch), else a RuntimeError
+    that names it."""
+    text = "".join(traceback.format_exception(err))
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        pickle.loads(pickle.dumps(err))
+    except Exception:  # noqa: BLE001 - any failure to rebuild it
+        err = RuntimeError(f"{type(err).__name__}: {err}")
+    return err, text
+
+
+class _WorkerTraceback(Exception):
+    """Where a worker's exception came from: its traceback, shown as the exception's cause."""
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.args[0]}"""'
+
+
+def _prctl() -> Callable | None:
+    """libc's prctl, looked up once here rather than in each child just after its fork."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+
+
+_PRCTL = _prctl() if FORK else None
 
 
 def _in_order(n: int, procs: list, conns: list) -> Iterator:
@@ -287,22 +321,28 @@ def _in_order(n: int, procs: list, conns: list) -> Iterator:
     while given < n:
         while idle and handed < n:
             w = idle.pop()
-            conns[w].send(handed)
+            try:
+                conns[w].send(handed)
+            except OSError:  # it died since its last answer
+                raise _death(procs[w]) from None
             busy[w] = handed
             handed += 1
         ready = wait([conns[w] for w in busy] + [procs[w].sentinel for w in busy])
         for w in list(busy):
-            if conns[w] in ready or conns[w].poll():
-                try:
+            try:
+                if conns[w] in ready or conns[w].poll():
                     ok, answer = conns[w].recv()
-                except EOFError:  # it died while writing
-                    ok, answer = False, _death(procs[w])
-                if not ok:
-                    raise answer
-                answers[busy.pop(w)] = answer
-                idle.append(w)
-            elif procs[w].sentinel in ready:
-                raise _death(procs[w])
+                elif procs[w].sentinel in ready:
+                    raise EOFError
+                else:
+                    continue
+            except (OSError, EOFError):  # it died, before or while answering
+                raise _death(procs[w]) from None
+            if not ok:
+                err, text = answer
+                raise err from _WorkerTraceback(text)
+            answers[busy.pop(w)] = answer
+            idle.append(w)
         while given in answers:
             yield answers.pop(given)
             given += 1

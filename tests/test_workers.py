@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from multiprocessing.connection import Connection
 
 import pytest
 import torch
@@ -54,6 +55,92 @@ def test_a_killed_worker_is_an_error_not_a_hang():
     with pytest.raises(WorkerDied, match="killed by signal 9 .out of memory"):
         map_batches(fn, LENGTHS, 12, 2, CPU, False, processes=True)
     assert not multiprocessing.active_children()
+
+
+def test_a_worker_killed_while_idle_or_before_reading_is_an_error_too(monkeypatch):
+    """A worker can die between batches (the out-of-memory killer picks the process that holds
+    the most, and a worker keeps its peak heap): the next hand-over then finds no reader, or
+    the worker's end is reset. Both are the worker's death, not an I/O error of the caller's."""
+    parent = os.getpid()
+    real_send, real_recv = Connection.send, Connection.recv
+
+    def send_then_die(self, obj):  # a worker dies just after answering the first batch
+        if os.getpid() == parent and obj and obj > 1:
+            time.sleep(0.2)  # and is gone when the parent hands it the next one
+        real_send(self, obj)
+        if os.getpid() != parent and obj[0] and 3 in obj[1]:  # item 3: one of the longest
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def die_before_reading(self):  # a worker dies before reading its second item
+        if os.getpid() != parent:
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real_recv(self)
+
+    for name, fake in (("send", send_then_die), ("recv", die_before_reading)):
+        calls: list[int] = []
+        with monkeypatch.context() as m:
+            m.setattr(Connection, name, fake)
+            with pytest.raises(WorkerDied, match="killed by signal 9"):
+                map_batches(lambda batch: batch, LENGTHS, 12, 2, CPU, False, processes=True)
+        assert not multiprocessing.active_children()
+
+
+class _TwoArguments(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a} and {b}")
+
+
+def test_a_workers_exception_keeps_its_type_and_traceback():
+    def fn(batch):
+        if 30 in batch:
+            raise KeyError("item 30")
+        return batch
+
+    with pytest.raises(KeyError, match="item 30") as caught:
+        map_batches(fn, LENGTHS, 12, 2, CPU, False, processes=True)
+    assert "in fn" in str(caught.value.__cause__)  # the worker's own frames
+    # one that pickles but cannot be rebuilt comes back as a RuntimeError that names it
+    with pytest.raises(RuntimeError, match="_TwoArguments: x and y"):
+        map_batches(lambda b: (_ for _ in ()).throw(_TwoArguments("x", "y")), LENGTHS, 12, 2,
+                    CPU, False, processes=True)
+
+
+def test_a_signal_during_the_fork_is_raised_after_it_not_lost():
+    """A raising handler (translate's for SIGTERM) must not fire inside the fork's callbacks,
+    which drop exceptions: the signal waits until the workers exist, then raises."""
+    code = ("import os, signal, multiprocessing, torch\n"
+            "from mt.workers import map_batches\n"
+            "class Term(BaseException): pass\n"
+            "def term(*_): raise Term\n"
+            "signal.signal(signal.SIGTERM, term)\n"
+            "sent = []\n"
+            "def after():\n"
+            "    if not sent: sent.append(1); os.kill(os.getpid(), signal.SIGTERM)\n"
+            "os.register_at_fork(after_in_parent=after)\n"
+            "try:\n"
+            "    map_batches(lambda b: b, [3] * 40, 6, 2, torch.device('cpu'), False,"
+            " processes=True)\n"
+            "    print('lost')\n"
+            "except Term:\n"
+            "    print('raised', len(multiprocessing.active_children()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["raised", "0"], out.stderr
+
+
+def test_a_daemonic_process_searches_in_threads():
+    """A multiprocessing.Pool's worker may not fork workers of its own: threads there."""
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=lambda: queue.put(map_batches(
+        lambda batch: [os.getpid()] * len(batch), LENGTHS, 12, 2, CPU, False, processes=True)),
+        daemon=True)
+    proc.start()
+    pids = queue.get(timeout=60)
+    proc.join(60)
+    assert set(pids) == {proc.pid}
 
 
 def test_workers_end_with_a_parent_killed_outright():
