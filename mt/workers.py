@@ -104,14 +104,6 @@ def batch_workers(fn: Callable[[Any], Any], items: Sequence, workers: int,
             yield pool.map(fn, items)
 
 
-class _Sequential:
-    """The one-worker pool: ``map`` in the calling thread, lazily, like ThreadPoolExecutor's."""
-
-    @staticmethod
-    def map(fn, items):
-        return map(fn, items)
-
-
 def default_workers(device: str) -> int:
     """Batches to search at once: one per core torch may use on a CPU (2.3x one batch split over
     2 cores for bf16 beam search, docs/decoding-history.md), one on a GPU."""
@@ -123,7 +115,7 @@ _THREADS_USERS = [0, 0]  # pools open now, torch's thread count before the first
 
 
 @contextmanager
-def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor | _Sequential]:
+def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor]:
     """A pool that searches ``workers`` batches at once, each thread running its operators on one
     core (torch's intra-op threads are set to 1 while any such pool is open, then restored).
 
@@ -132,9 +124,6 @@ def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor | _Sequential]:
     (docs/decoding-history.md has the measurements). The threads share the model's weights and
     release the GIL inside every operator.
     """
-    if workers <= 1:
-        yield _Sequential()
-        return
     with _THREADS_LOCK:  # torch's thread count is process-wide: the first pool saves it
         if _THREADS_USERS[0] == 0:
             _THREADS_USERS[1] = torch.get_num_threads()
