@@ -157,6 +157,8 @@ def check_output(path: str | None) -> None:
         raise InputError("-o: an empty file name")
     if os.path.isdir(path):
         raise InputError(f"{path}: is a directory")
+    if path.endswith(os.sep):  # a folder not yet made: realpath would drop the '/'
+        raise InputError(f"{path}: names a directory; give the file to write")
     if _written_directly(path):
         if not os.access(path, os.W_OK):
             raise InputError(f"{path}: cannot write (permission denied)")

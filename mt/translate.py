@@ -32,6 +32,7 @@ from contextlib import contextmanager
 import torch
 
 from mt.alignment import align_lines, layer_mistake, replace_unknowns, word_scores
+from mt.checkpoint import resolve
 from mt.config import positive_int
 from mt.constraints import encode_phrases, split_phrases
 from mt.incremental import max_positions
@@ -74,6 +75,7 @@ from mt.textio import (
     count_lines,
     decode_line,
     is_regular,
+    is_stdin,
     parallel_lines,
     read_lines,
     reader_left,
@@ -209,6 +211,10 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
     typed from 0, a refused one included, so that it matches the line number of an error.
     """
     out = utf8_stdout()
+    # One random stream for the session, as for a file: a fresh one per line would sample the
+    # same translations each time a sentence is typed again.
+    generator = (torch.Generator(device=args.device).manual_seed(args.seed) if args.sampling
+                 else None)
     print("translate: type a sentence and press Enter; Ctrl-D ends", file=sys.stderr)
     for lineno in itertools.count(1):
         print("> ", end="", file=sys.stderr, flush=True)
@@ -221,7 +227,8 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
         except InputError as err:
             print(f"translate: {err}", file=sys.stderr)
             continue
-        results = search_lines(model, tokenizer, [line], opts, shortlist=shortlist)
+        results = search_lines(model, tokenizer, [line], opts, shortlist=shortlist,
+                               generator=generator)
         fields = _fields(model, tokenizer, results, args)
         for text in _format(lineno - 1, _texts(model, tokenizer, results, args)[0], fields[0],
                             args.nbest):
@@ -231,8 +238,14 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if sys.stderr is None:  # closed (2>&-): logs and the progress bar go nowhere, the work is done
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the process's life
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if sys.stdin is None and is_stdin(args.input):
+        raise SystemExit("translate: stdin is closed; give the input with -i FILE")
+    if sys.stdout is None and args.output in (None, *STDOUT_NAMES):
+        raise SystemExit("translate: stdout is closed; give the output file with -o FILE")
     keep_freed_memory()
     cap_kernel_caches(args.dtype)
     _check_flags(args, parser)
@@ -337,16 +350,30 @@ def _read_files(args: argparse.Namespace, parallel: dict[str, str]
 
 
 def _refuse_overwrite(args: argparse.Namespace, parallel: dict[str, str]) -> None:
-    """SystemExit when -o names a file that translate reads (the input or a side file): the
-    translations would replace it."""
+    """SystemExit when -o names a file that translate reads (the input, a side file, a model or
+    the shortlist): the translations would replace it."""
     if not (args.output and os.path.exists(args.output)):
         return
     out = os.stat(args.output)
-    for option, path, read in _read_files(args, parallel):  # stdin may be it: -o f < f
+    for option, path, read in _read_files(args, parallel) + _model_files(args):
         if (read.st_dev, read.st_ino) == (out.st_dev, out.st_ino):
             name = "input (stdin)" if (option, path) == ("-i", "-") else option
             raise SystemExit(f"translate: -o {args.output} is the {name} file; the "
                              "translations would replace it: write them elsewhere")
+
+
+def _model_files(args: argparse.Namespace) -> list[tuple[str, str, os.stat_result]]:
+    """(option, name, stat) of the checkpoints (-m, a run directory's as translate picks it) and
+    the --shortlist file; those that cannot be found are left out (loading says why)."""
+    out = []
+    for option, path in [*(("-m", m) for m in args.model), ("--shortlist", args.shortlist)]:
+        try:
+            file = resolve(path) if option == "-m" else path
+            if file:
+                out.append((option, str(file), os.stat(file)))
+        except OSError:  # FileNotFoundError included
+            continue
+    return out
 
 
 def _refuse_shared_streams(args: argparse.Namespace, parallel: dict[str, str]) -> None:

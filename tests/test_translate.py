@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import stat
 import subprocess
@@ -545,6 +546,52 @@ def test_an_output_that_is_one_of_the_inputs_is_refused_and_left_alone(models, t
     assert Path(given).read_text() == "der Hund\neine Katze\n"
 
 
+def test_an_output_that_is_the_model_or_the_shortlist_is_refused(models, tmp_path):
+    """-o naming a checkpoint translate loads (a file, or a run directory's best.pt) or the
+    --shortlist: the translations replaced a 50 MB model with a few lines of text."""
+    src = _write(tmp_path / "in.txt", ["the dog"])
+    run = tmp_path / "run" / "checkpoints"
+    run.mkdir(parents=True)
+    shutil.copy(models["a"], run / "best.pt")
+    shortlist = tmp_path / "list.pt"
+    shortlist.write_bytes(b"a shortlist")  # refused before it is read
+    before = (run / "best.pt").read_bytes()
+    for args, option in [(["-m", str(run / "best.pt"), "-o", str(run / "best.pt")], "-m"),
+                         (["-m", str(tmp_path / "run"), "-o", str(run / "best.pt")], "-m"),
+                         (["-m", models["b"], str(run / "best.pt"), "-o", str(run / "best.pt")],
+                          "-m"),
+                         (["-m", models["a"], "--shortlist", str(shortlist), "-o",
+                           str(shortlist)], "--shortlist")]:
+        with pytest.raises(SystemExit, match=f"^translate: -o .* is the {option} file; the "
+                                             "translations would replace it"):
+            main([*args, "-i", src, *FAST])
+    assert (run / "best.pt").read_bytes() == before
+    assert shortlist.read_bytes() == b"a shortlist"
+
+
+@pytest.mark.parametrize("closed, said", [
+    ("<&-", "stdin is closed; give the input with -i FILE"),
+    (">&-", "stdout is closed; give the output file with -o FILE")])
+def test_a_closed_standard_stream_is_one_line(models, tmp_path, closed, said):
+    """Run from a service or cron with stdin or stdout closed: one line, not a traceback (or,
+    for stdout, a traceback after the whole file was translated)."""
+    src = _write(tmp_path / "in.txt", ["the dog"])
+    args = "" if closed == "<&-" else f"-i {src}"
+    proc = subprocess.run(f"exec {sys.executable} -m mt.translate -m {models['a']} {args} "
+                          f"{' '.join(FAST)} {closed}", shell=True, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr == f"translate: {said}\n"
+
+
+def test_a_closed_stderr_still_translates(models, tmp_path):
+    """2>&-: tqdm and the logs wrote to None and the run failed with no output written."""
+    src = _write(tmp_path / "in.txt", ["the dog", "a cat"])
+    out = tmp_path / "out.txt"
+    proc = subprocess.run(f"exec {sys.executable} -m mt.translate -m {models['a']} -i {src} "
+                          f"-o {out} --max-len-a 0 --max-len-b 4 2>&-", shell=True, timeout=120)
+    assert proc.returncode == 0 and len(out.read_text().splitlines()) == 2
+
+
 def test_one_stream_read_twice_is_refused(models, tmp_path, capsys):
     """stdin (a pipe) as the input and a side file, or one FIFO twice, would deal their lines
     out in turn (line 1 scored against line 2): refused in one line before any work. A regular
@@ -598,6 +645,10 @@ def test_output_file_appears_only_whole(models, tmp_path, monkeypatch):
     assert len(out.read_text(encoding="utf-8").splitlines()) == 5
     with pytest.raises(SystemExit, match="is a directory"):
         main(["-m", models["a"], "-i", str(out), "-o", str(tmp_path), *FAST])
+    # a folder not yet made: without the check, a file named after it was written
+    with pytest.raises(SystemExit, match="new/: names a directory; give the file to write"):
+        main(["-m", models["a"], "-i", str(out), "-o", f"{tmp_path / 'new'}/", *FAST])
+    assert not (tmp_path / "new").exists()
 
 
 def _script_run(args: list[str], **kw) -> subprocess.CompletedProcess:
@@ -1028,7 +1079,8 @@ def test_mbr_prints_the_choice_among_the_searchs_candidates(models, tmp_path, ca
     (["--sampling", "--temperature", "inf"], "--temperature must be positive and finite"),
     (["--sampling", "--temperature", "nan"], "--temperature must be positive and finite"),
     (["--lenpen", "nan"], "--lenpen must be a finite number, got nan"),
-    (["--lenpen", "inf"], "--lenpen must be a finite number")])
+    (["--lenpen", "inf"], "--lenpen must be a finite number"),
+    (["--sampling", "--seed", str(2 ** 64)], "--seed must be within -2\\*\\*63 and 2\\*\\*64")])
 def test_search_options_out_of_range_are_one_line_errors(models, tmp_path, bad, message):
     path = _write(tmp_path / "in.txt", ["a dog"])
     bad = [models["a"] if b == "SAME" else b for b in bad]
@@ -1211,6 +1263,19 @@ def test_interactive_prompt(models, monkeypatch, capsys):
     opts = SearchOptions(beam=2, max_len_a=0, max_len_b=4, min_len=1)
     assert out == [n[0][0] for n in translate_lines(model, tok, ["the dog runs", "", "red ball"],
                                                        opts)]
+
+
+def test_interactive_sampling_draws_on_one_stream_as_a_file_does(models, tmp_path, monkeypatch,
+                                                                  capsys):
+    """A sentence typed twice gets new samples, as the same line twice in a file does: a fresh
+    stream per line gave the same samples each time."""
+    args = ["-m", models["a"], "--sampling", "--nbest", "3", "--seed", "5", *FAST]
+    _terminal(monkeypatch, b"the dog runs\nthe dog runs\n")
+    typed = _run(args, capsys)
+    path = _write(tmp_path / "in.txt", ["the dog runs", "the dog runs"])
+    assert typed == _run([*args, "-i", path, "--chunk-lines", "1"], capsys)
+    assert [row.split("\t")[1:] for row in typed[:3]] != [row.split("\t")[1:]
+                                                          for row in typed[3:]]
 
 
 def test_interactive_prompt_decodes_as_files_do_and_counts_lines(models, monkeypatch, capsys):
