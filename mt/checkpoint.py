@@ -108,22 +108,67 @@ def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     try:
         ckpt = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # torch raises many kinds for a corrupt or foreign file
-        raise ValueError(f"{file}: not a readable mt checkpoint ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''})") from None
+        said = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
+        raise ValueError(f"{file}: not a readable mt checkpoint ({type(err).__name__}"
+                         f"{': ' + said if said else ''})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{file}: not an mt checkpoint (no '{FORMAT}' format tag)")
     ckpt["path"] = str(file)
     return ckpt
 
 
+def require(ckpt: dict, keys: tuple[str, ...] = ("model_config", "model", "tokenizer")) -> None:
+    """A one-line ValueError naming the file when a checkpoint lacks what a model needs (a file
+    saved by other code with the format tag, or cut down by hand), instead of a KeyError later."""
+    missing = [k for k in keys if k not in ckpt]
+    if missing:
+        raise ValueError(f"{ckpt['path']}: not an mt model checkpoint (it has no "
+                         f"{' or '.join(repr(k) for k in missing)})")
+
+
+def _first_reason(err: Exception) -> str:
+    """The line of a (torch) error message that says what is wrong: load_state_dict's first line
+    is only a heading ("Error(s) in loading state_dict for Transformer:")."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        lines = lines[1:]
+    reason = lines[0] if lines else type(err).__name__
+    return reason if len(reason) <= 300 else reason[:297] + "..."
+
+
 def load_model(path: str | os.PathLike,
                device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict]:
-    """Model (eval mode, on ``device``), its tokenizer, and the checkpoint dict (minus weights)."""
+    """Model (eval mode, on ``device``), its tokenizer, and the checkpoint dict (minus weights).
+
+    Raises ValueError, naming the file, for a checkpoint whose parts do not belong together:
+    weights that do not fit its config, or a tokenizer of another size than the embeddings (which
+    would translate a whole file and then fail on a piece id it cannot spell).
+    """
     ckpt = load(path)
-    model = build_model(model_config_from_dict(ckpt["model_config"]))
-    model.load_state_dict(ckpt.pop("model"))
+    require(ckpt)
+    file = ckpt["path"]
+    try:
+        cfg = model_config_from_dict(ckpt["model_config"])
+        model = build_model(cfg)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{file}: its model config cannot be built ({_first_reason(err)})"
+                         ) from None
+    try:
+        tokenizer = Tokenizer.from_state(ckpt["tokenizer"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{file}: its tokenizer cannot be read ({_first_reason(err)})") from None
+    pieces = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+    if pieces != (cfg.src_vocab_size, cfg.tgt_vocab_size):
+        raise ValueError(f"{file}: its tokenizer has {pieces[0]}/{pieces[1]} source/target "
+                         f"pieces, its model {cfg.src_vocab_size}/{cfg.tgt_vocab_size}: they do "
+                         "not belong together")
+    try:
+        model.load_state_dict(ckpt.pop("model"))
+    except RuntimeError as err:
+        raise ValueError(f"{file}: its weights do not fit its model config "
+                         f"({_first_reason(err)})") from None
     model.to(device).eval()
-    return model, Tokenizer.from_state(ckpt["tokenizer"]), ckpt
+    return model, tokenizer, ckpt
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -221,9 +266,11 @@ def average(paths: list[str | os.PathLike]) -> dict:
     if not paths:
         raise ValueError("no checkpoints to average")
     base = load(paths[0])
+    require(base)
     total = {k: v.double() for k, v in base["model"].items()}
     for p in paths[1:]:
         ckpt = load(p)
+        require(ckpt)
         a, b = base["model_config"], ckpt["model_config"]
         differ = [f"{k}={b.get(k)!r}, not {a.get(k)!r}" for k in sorted(a.keys() | b.keys())
                   if k not in _NOT_SHAPE and a.get(k) != b.get(k)]
@@ -233,10 +280,16 @@ def average(paths: list[str | os.PathLike]) -> dict:
         if ckpt["tokenizer"] != base["tokenizer"]:
             raise ValueError(f"{p}: a different tokenizer from {paths[0]} (its embedding rows "
                              "stand for other pieces); cannot average")
-        for k, v in ckpt["model"].items():
+        weights = ckpt["model"]
+        odd = sorted(total.keys() ^ weights.keys()) or [
+            k for k in total if total[k].shape != weights[k].shape]
+        if odd:
+            raise ValueError(f"{p}: its weights differ from {paths[0]}'s at {odd[0]!r} (present "
+                             "in one only, or of another shape); cannot average")
+        for k, v in weights.items():
             total[k] += v.double()
     avg = {k: (v / len(paths)).to(base["model"][k].dtype) for k, v in total.items()}
-    out = {k: base[k] for k in ("format", "model_config", "tokenizer", "config")}
+    out = {k: base.get(k) for k in ("format", "model_config", "tokenizer", "config")}
     out["model"] = avg
     out["averaged_from"] = [str(p) for p in paths]
     return out

@@ -61,6 +61,9 @@ def export_main(argv: list[str] | None = None) -> None:
     if taken and _holds_model(out_dir, args.model):
         sys.exit(f"mt-export: --out {args.out} holds the model {args.model}; --force would "
                  "delete it")
+    if taken and args.shortlist and Path(args.shortlist).resolve().is_relative_to(out_dir):
+        sys.exit(f"mt-export: --out {args.out} holds the shortlist {args.shortlist}; --force "
+                 "would delete it")
     try:
         model, tokenizer, _ = load_model(args.model)
         if args.format == "hf":
@@ -149,7 +152,11 @@ def import_main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     # As mt-export: an existing file is replaced only when asked (--out DIR/pytorch_model.bin
     # would otherwise overwrite the very weights being imported).
-    if mistake := output_mistake("--out", args.out, args.force, what="checkpoint file"):
+    source = Path(args.dir)
+    reads = [f for f in source.iterdir() if f.is_file()] if source.is_dir() else []
+    if mistake := output_mistake("--out", args.out, args.force, reads,
+                                 read_as=f"a file of {args.dir}, which it imports",
+                                 what="checkpoint file"):
         sys.exit(f"mt-import: {mistake}")
     try:
         model, tokenizer = import_hf(args.dir)

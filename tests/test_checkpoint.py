@@ -145,6 +145,65 @@ def test_average_refuses_other_shapes_and_tokenizers_but_not_other_dropouts(
                                                     + tuned.state_dict()[name]) / 2)
 
 
+def test_average_refuses_weights_that_differ_from_the_firsts(tmp_path, tokenizer):
+    """A checkpoint lacking a tensor was averaged silently, the tensor halved (the tied
+    embedding: another model); given first, it was a KeyError traceback."""
+    full = tmp_path / "full.pt"
+    checkpoint.save_atomic(checkpoint.model_state(tiny_model(0), tokenizer, None), full)
+    state = checkpoint.model_state(tiny_model(1), tokenizer, None)
+    name = next(iter(state["model"]))
+    state["model"][f"{name}_extra"] = state["model"].pop(name)
+    checkpoint.save_atomic(state, tmp_path / "odd.pt")
+    for paths in ([full, tmp_path / "odd.pt"], [tmp_path / "odd.pt", full]):
+        with pytest.raises(ValueError, match=r"\.pt: its weights differ from .*\.pt's at '"
+                                             f"{re.escape(name)}(_extra)?' .*cannot average"):
+            checkpoint.average(paths)
+    state = checkpoint.model_state(tiny_model(1), tokenizer, None)
+    state["model"][name] = state["model"][name][:1]
+    checkpoint.save_atomic(state, tmp_path / "short.pt")
+    with pytest.raises(ValueError, match=f"short.pt: .* at '{re.escape(name)}' .*another shape"):
+        checkpoint.average([full, tmp_path / "short.pt"])
+
+
+def test_a_checkpoint_whose_parts_do_not_belong_together_is_one_line(tmp_path, tokenizer,
+                                                                     corpus_dir):
+    """Every command loads models through load_model: mt-export and mt-average printed
+    KeyError tracebacks for a checkpoint without a tokenizer, and a tokenizer of another size
+    than the model translated a whole file before failing on a piece id."""
+    from mt.config import TokenizerConfig
+    from mt.data import read_lines
+    from mt.tokenizer import train_tokenizer
+
+    def saved(name: str, change) -> Path:
+        state = checkpoint.model_state(tiny_model(0), tokenizer, None)
+        change(state)
+        checkpoint.save_atomic(state, tmp_path / name)
+        return tmp_path / name
+
+    small = train_tokenizer(read_lines(corpus_dir / "train.en")[:200],
+                            read_lines(corpus_dir / "train.zz")[:200],
+                            TokenizerConfig(vocab_size=100), seed=2)
+    cases = [
+        (saved("notok.pt", lambda s: s.pop("tokenizer")), "notok.pt: not an mt model checkpoint "
+         "\\(it has no 'tokenizer'\\)"),
+        (saved("nocfg.pt", lambda s: s.pop("model_config")), "nocfg.pt: not an mt model "
+         "checkpoint \\(it has no 'model_config'\\)"),
+        (saved("small.pt", lambda s: s.update(tokenizer=small.to_state())),
+         "small.pt: its tokenizer has 100/100 source/target pieces, its model 200/200"),
+        (saved("badtok.pt", lambda s: s.update(tokenizer={"src": b"not a model"})),
+         "badtok.pt: its tokenizer cannot be read"),
+        (saved("gone.pt", lambda s: s["model"].pop("output_proj.weight")),
+         "gone.pt: its weights do not fit its model config \\(Missing key\\(s\\) in "
+         "state_dict: \"output_proj.weight\""),
+    ]
+    for path, message in cases:
+        with pytest.raises(ValueError, match=f"^{tmp_path}/{message}") as err:
+            checkpoint.load_model(path)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="notok.pt: not an mt model checkpoint"):
+        checkpoint.average([tmp_path / "notok.pt"])
+
+
 def test_best_step_checkpoints_ranks_by_the_recorded_metric():
     paths = [Path(f"step_{n}.pt") for n in (10, 20, 30, 40)]
     history = [{"step": 10, "valid_bleu": 5.0, "valid_loss": 3.0},

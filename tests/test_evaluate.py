@@ -507,6 +507,23 @@ def test_files_it_writes_never_overwrite_what_it_reads_or_each_other(files, capl
         with pytest.raises(SystemExit, match=f"^mt-eval: {message}"):
             main(["--hyp", hyp, "--ref", ref, "-q", *extra])
     assert (Path(hyp).read_text(), Path(ref).read_text()) == before
+    # the checkpoints and the shortlist it loads, refused before they are read
+    run = tmp / "run" / "checkpoints"
+    run.mkdir(parents=True)
+    (run / "best.pt").write_bytes(b"weights")
+    (tmp / "list.pt").write_bytes(b"pieces")
+    for extra, message in [
+        (["-m", str(run / "best.pt"), "--output", str(run / "best.pt")], "--output .* the -m"),
+        (["-m", f"{hyp},{tmp / 'run'}", "--json-out", str(run / "best.pt")], "--json-out .* -m"),
+        (["-m", str(tmp / "run"), "--sentence-scores", str(run / "best.pt")],
+         "--sentence-scores .*best.pt is the -m file"),
+        (["-m", str(tmp / "run"), "--shortlist", str(tmp / "list.pt"), "--json-out",
+          str(tmp / "list.pt")], "--json-out .*list.pt is the --shortlist file"),
+    ]:
+        with pytest.raises(SystemExit, match=f"^mt-eval: {message}"):
+            main(["--src", ref, "--ref", ref, "-q", *extra])
+    assert (run / "best.pt").read_bytes() == b"weights"
+    assert (tmp / "list.pt").read_bytes() == b"pieces"
     with caplog.at_level(logging.WARNING, logger="mt.evaluate"):
         main(["--hyp", hyp, "--ref", ref, "--beam", "3", "--json-out", str(tmp / "r.json")])
     assert [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()] == [

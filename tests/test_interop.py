@@ -290,6 +290,12 @@ def test_export_refuses_to_replace_the_working_directory_or_the_model(tmp_path, 
     with pytest.raises(SystemExit, match="holds the model"):
         export_main(["-m", ckpt, "--format", "hf", "--out", "run", "--force"])
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["m.pt"]
+    (tmp_path / "ct2").mkdir()
+    (tmp_path / "ct2" / "list.pt").write_bytes(b"pieces")  # refused before it is read
+    with pytest.raises(SystemExit, match="--out ct2 holds the shortlist .*list.pt; --force would"):
+        export_main(["-m", ckpt, "--format", "ctranslate2", "--out", "ct2", "--force",
+                     "--shortlist", "ct2/list.pt"])
+    assert (tmp_path / "ct2" / "list.pt").read_bytes() == b"pieces"
 
 
 def test_export_force_never_deletes_the_checkpoint_it_exports(tmp_path, tokenizer_dir):
@@ -404,6 +410,12 @@ def test_import_opus_like_marian_matches_hf(tmp_path, corpus_dir, separate):
     import_main(["--from", "hf", str(d), "--out", str(tmp_path / "opus.pt"), "--force"])
     with pytest.raises(SystemExit, match="is a directory; name the checkpoint file"):
         import_main(["--from", "hf", str(d), "--out", str(tmp_path), "--force"])
+    weights = next(f for f in d.iterdir() if f.suffix in (".safetensors", ".bin"))
+    before = weights.read_bytes()
+    with pytest.raises(SystemExit, match=f"--out .*{weights.name} is a file of .*, which it "
+                                         "imports; write it elsewhere"):  # even with --force
+        import_main(["--from", "hf", str(d), "--out", str(weights), "--force"])
+    assert weights.read_bytes() == before
     model, tok, _ = load_model(tmp_path / "opus.pt")
     assert (model.cfg.activation, tok.joint) == ("silu", False)
     assert model.cfg.tie_embeddings == ("decoder" if separate else "all")
