@@ -94,6 +94,19 @@ def split_files(cfg: DataConfig, split: str) -> list[Path]:
     raise ValueError(f"data.format must be text, tsv or jsonl, got {cfg.format!r}")
 
 
+def check_not_empty(cfg: DataConfig, split: str) -> list[Path]:
+    """The local file(s) of a split, refused (DataError, naming them) when they hold no pair:
+    ``datasets`` would stop with "corresponds to no data", naming neither file nor split, and a
+    valid or test split is read only at its first use (the test split after all the training).
+    Reads up to the first pair only."""
+    files = split_files(cfg, split)
+    joined = "\n".join(str(p) for p in files)
+    if next(read_pairs(joined, cfg.format, cfg.src_lang, cfg.tgt_lang), None) is None:
+        raise DataError(f"{' and '.join(str(p) for p in files)}: no sentence pairs (empty "
+                        f"file{'s' if len(files) > 1 else ''}) for the split {split!r}")
+    return files
+
+
 def _lines(path: Path) -> Iterator[bytes]:
     """Raw lines; a broken gzip stream becomes a DataError naming the file."""
     with _open_text(path) as f:
@@ -240,7 +253,7 @@ def _load_one(cfg: DataConfig, split: str, cache_dir: str | None):
         return _load_hub(cfg, split, cache_dir)
     if cfg.source not in ("files", "demo"):
         raise ValueError(f"data.source must be demo, files or hub, got {cfg.source!r}")
-    files = split_files(cfg, split)
+    files = check_not_empty(cfg, split)
     # Dataset.from_generator caches by its arguments: include size and mtime, so edited files are
     # read again while unchanged ones come straight from the Arrow cache.
     stamp = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]

@@ -64,11 +64,8 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
     from mt.options import SearchOptions
 
     src_ids, tgt_ids = tokenizer.encode_src(src), tokenizer.encode_tgt(tgt)
-    # A pair longer than the model's positions cannot be teacher-forced (training filters such
-    # pairs out); the search below translates its source in pieces, so BLEU keeps it.
     limit = model.cfg.max_positions
-    fits = [i for i, (s, t) in enumerate(zip(src_ids, tgt_ids, strict=True))
-            if len(s) <= limit and len(t) + 1 <= limit]
+    fits = fitting(src_ids, tgt_ids, limit)
     if len(fits) < len(src_ids) and (split, limit) not in _said_too_long:
         _said_too_long.add((split, limit))
         log.warning("valid loss on %s leaves out %d of %d pairs longer than "
@@ -89,9 +86,17 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
     if hyp_file is not None:
         write_lines(hyp_file, hyps)
     scores = score(hyps, tgt, trg_lang=trg_lang)
-    loss = loss_sum / max(tokens, 1)
+    loss = loss_sum / tokens if tokens else math.nan  # no pair fits: no loss, not a perfect 0
     return {"valid_loss": loss, "valid_ppl": perplexity(loss),
             "valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
+
+
+def fitting(src_ids: list[list[int]], tgt_ids: list[list[int]], limit: int) -> list[int]:
+    """The pairs (their indices) a valid loss can be computed on: a pair longer than the model's
+    positions cannot be teacher-forced (training filters such pairs out); the search translates
+    its source in pieces, so BLEU keeps it."""
+    return [i for i, (s, t) in enumerate(zip(src_ids, tgt_ids, strict=True))
+            if len(s) <= limit and len(t) + 1 <= limit]
 
 
 def write_lines(path: Path, lines: list[str]) -> None:

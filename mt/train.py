@@ -47,7 +47,7 @@ from mt.config import (
     start_tokenizer_config,
 )
 from mt.corpus import Corpus
-from mt.data import split_files, tokenizer_config, tokenizer_dir
+from mt.data import check_not_empty, tokenizer_config, tokenizer_dir
 from mt.distributed import barrier, rank_seed, setup_distributed, share_run
 from mt.divergence import BadSteps, Diverged, check_weights
 from mt.inference import cap_kernel_caches
@@ -62,7 +62,7 @@ from mt.optim import (
     lr_lambda,
     take_optim_config,
 )
-from mt.runlog import Metrics, Window, bleu_language, finish, validate
+from mt.runlog import Metrics, Window, bleu_language, finish, fitting, validate
 from mt.tokenizer import META_FILE, Tokenizer
 
 log = logging.getLogger("mt.train")
@@ -131,11 +131,12 @@ class Trainer:
                                                                  start.get("config"))
             if ignored:
                 log.info("%s: the tokenizer is the checkpoint's; ignored %s", origin, ignored)
-        if cfg.data.source == "files":  # missing: say so now, not after the corpus or training
-            tested = cfg.data.test.split("+") if cfg.trainer.test_at_end else []
+        if cfg.data.source == "files":  # missing or empty: say so now, not after training
+            tested = (cfg.data.test.split("+") if cfg.trainer.test_at_end and cfg.data.test
+                      else [])
             valid = [cfg.data.valid, *cfg.data.extra_valid]
             for split in [*"+".join(valid).split("+"), *tested]:
-                split_files(cfg.data, split)
+                check_not_empty(cfg.data, split)
         self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
                              Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
         self.bleu_lang = bleu_language(cfg.data.tgt_lang)  # zh, ja, ko: their BLEU tokenizer
@@ -145,6 +146,13 @@ class Trainer:
             # "▁The" in one and "s" in the other, sharing one embedding.
             raise ValueError(TIED_NEEDS_JOINT)
         cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
+        if cfg.trainer.best_metric == "loss":  # a loss over no pair would be NaN at every check
+            src, tgt = self.corpus.valid[cfg.data.valid]
+            if not fitting(tok.encode_src(src), tok.encode_tgt(tgt), cfg.model.max_positions):
+                raise ValueError(f"trainer.best_metric=loss: no pair of data.valid="
+                                 f"{cfg.data.valid} fits model.max_positions="
+                                 f"{cfg.model.max_positions}, so it has no valid loss; raise "
+                                 "model.max_positions or choose trainer.best_metric=bleu")
         self.model = build_model(cfg.model).to(self.device)
         if start is not None and not resuming:
             self.model.load_state_dict(start["model"])  # its own config: every key fits
@@ -248,6 +256,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.history = state["history"]  # before take_optim_config: its rate has the cuts
+        # and the seconds trained: a time-budgeted schedule's rate depends on them
+        self.seconds_before = self.elapsed = state.get("seconds", 0.0)
         changed = take_optim_config(self.optimizer, self.scheduler, self.cfg)
         if changed:
             log.warning("resuming with %s", ", ".join(changed))
@@ -277,7 +287,6 @@ class Trainer:
         self.bad_steps.skipped = state.get("skipped_steps", 0)
         if "window" in state:
             self.window.load(state["window"])
-        self.seconds_before = self.elapsed = state.get("seconds", 0.0)
         # Each rank's streams go on where they stopped. Else they stay new ones (another world
         # size, or a checkpoint older than rng_ranks, which held rank 0's alone): no exact resume.
         ranks = state.get("rng_ranks", [state["rng"]])

@@ -417,6 +417,72 @@ def trainer_factory(tmp_path, corpus_dir, tokenizer_dir, monkeypatch):
     torch.set_num_threads(threads)
 
 
+def test_empty_valid_or_test_files_are_refused_at_start_naming_them(trainer_factory, tmp_path,
+                                                                    corpus_dir):
+    """datasets said 'Instruction "train" corresponds to no data!' (no file, and the wrong
+    split), for the test split only after all the training."""
+    from mt.data import DataError
+
+    data = tmp_path / "data"
+    shutil.copytree(corpus_dir, data)
+    for split in ("valid", "test"):
+        for lang in ("en", "zz"):
+            (data / f"{split}.{lang}").write_text("")
+        with pytest.raises(DataError, match=f"^{data}/{split}.en and {data}/{split}.zz: no "
+                                            f"sentence pairs \\(empty files\\) for the split "
+                                            f"'{split}'$"):
+            trainer_factory(f"empty_{split}", f"data.dir={data}", "trainer.test_at_end=true")
+        shutil.copy(corpus_dir / f"{split}.en", data / f"{split}.en")
+        shutil.copy(corpus_dir / f"{split}.zz", data / f"{split}.zz")
+    # an empty data.test means no test at the end (it was a path '.en' beside the data)
+    trainer_factory("no_test", "trainer.test_at_end=true", "data.test=")
+
+
+def test_no_valid_loss_is_nan_and_best_metric_loss_is_refused_for_it(trainer_factory, tmp_path,
+                                                                    corpus_dir):
+    """With no valid pair within model.max_positions the valid loss was a perfect 0.000, which
+    trainer.best_metric=loss would keep as the best for ever."""
+    from mt.runlog import validate
+
+    data = tmp_path / "data"
+    shutil.copytree(corpus_dir, data)
+    for lang in ("en", "zz"):  # every valid pair far longer than model.max_positions=128
+        lines = (corpus_dir / f"valid.{lang}").read_text().splitlines()
+        (data / f"valid.{lang}").write_text("".join(" ".join([line] * 40) + "\n"
+                                                    for line in lines))
+    trainer = trainer_factory("long", f"data.dir={data}")
+    src, tgt = trainer.corpus.valid[trainer.cfg.data.valid]
+    scores = validate(trainer.model.eval(), trainer.corpus.tokenizer, src[:2], tgt[:2],
+                      trainer.cfg.trainer, trainer.device)
+    assert math.isnan(scores["valid_loss"]) and math.isnan(scores["valid_ppl"])
+    with pytest.raises(ValueError, match="^trainer.best_metric=loss: no pair of data.valid=valid "
+                                         "fits model.max_positions=128"):
+        trainer_factory("long_loss", f"data.dir={data}", "trainer.best_metric=loss")
+
+
+def test_a_resume_with_a_new_lr_under_a_time_budget_takes_the_cosines_decayed_rate(
+        trainer_factory, tmp_path, corpus_dir, tokenizer_dir):
+    """The resumed run recomputed the rate before it had read the seconds trained: a cosine
+    over trainer.max_minutes saw none and ran its first step at the peak."""
+    from mt.optim import lr_lambda
+    from mt.train import Trainer
+
+    budget = ["optim.schedule=cosine", "trainer.max_steps=0", "trainer.max_minutes=1",
+              "optim.min_lr=0"]
+    first = trainer_factory("run", *budget)
+    first.elapsed = 30.0
+    for _ in range(20):
+        first.optimizer.step()  # (no gradients: nothing changes)
+        first.scheduler.step()
+    first.step, first.seconds_before = 20, 30.0  # half the budget: 40 steps in all at this pace
+    first.save(improved=False, step_checkpoint=False)
+    cfg = compose([*tiny_train_args(corpus_dir, tokenizer_dir), *budget, "optim.lr=5e-4"])
+    resumed = Trainer(cfg, tmp_path / "run")
+    want = 5e-4 * lr_lambda(cfg, seconds=lambda: 30.0)(21)
+    assert want < 5e-4 * 0.9  # decayed well below the peak
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(want, rel=1e-12)
+
+
 # (BLEU, chrF) of five validations: BLEU peaks at the 3rd, chrF at the 4th (by 0.5 only)
 SCORES = [(20.0, 40.0), (25.0, 45.0), (28.0, 44.0), (22.0, 45.5), (21.0, 43.0)]
 
