@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import pickle
@@ -94,14 +95,15 @@ def split_files(cfg: DataConfig, split: str) -> list[Path]:
     raise ValueError(f"data.format must be text, tsv or jsonl, got {cfg.format!r}")
 
 
-def check_not_empty(cfg: DataConfig, split: str) -> list[Path]:
+def check_split(cfg: DataConfig, split: str, whole: bool = False) -> list[Path]:
     """The local file(s) of a split, refused (DataError, naming them) when they hold no pair:
-    ``datasets`` would stop with "corresponds to no data", naming neither file nor split, and a
-    valid or test split is read only at its first use (the test split after all the training).
-    Reads up to the first pair only."""
+    ``datasets`` would stop with "corresponds to no data", naming neither file nor split.
+    ``whole``: every line is read and checked (``read_pairs``), for a valid or test split at the
+    start of a run, which is otherwise read at its first use (the test split after all the
+    training); else up to the first pair only."""
     files = split_files(cfg, split)
-    joined = "\n".join(str(p) for p in files)
-    if next(read_pairs(joined, cfg.format, cfg.src_lang, cfg.tgt_lang), None) is None:
+    pairs = read_pairs("\n".join(str(p) for p in files), cfg.format, cfg.src_lang, cfg.tgt_lang)
+    if sum(1 for _ in itertools.islice(pairs, None if whole else 1)) == 0:
         raise DataError(f"{' and '.join(str(p) for p in files)}: no sentence pairs (empty "
                         f"file{'s' if len(files) > 1 else ''}) for the split {split!r}")
     return files
@@ -253,7 +255,7 @@ def _load_one(cfg: DataConfig, split: str, cache_dir: str | None):
         return _load_hub(cfg, split, cache_dir)
     if cfg.source not in ("files", "demo"):
         raise ValueError(f"data.source must be demo, files or hub, got {cfg.source!r}")
-    files = check_not_empty(cfg, split)
+    files = check_split(cfg, split)
     # Dataset.from_generator caches by its arguments: include size and mtime, so edited files are
     # read again while unchanged ones come straight from the Arrow cache.
     stamp = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]

@@ -239,7 +239,7 @@ def import_hf(directory: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
         dropout=config.get("dropout", 0.1), attention_dropout=config.get("attention_dropout", 0.0),
         activation_dropout=config.get("activation_dropout", 0.0),
         activation=HF_ACTIVATIONS[activation], norm="post", positions="sinusoidal",
-        max_positions=config.get("max_position_embeddings", 512), tie_embeddings=tie,
+        max_positions=config.get("max_position_embeddings", 1024), tie_embeddings=tie,
         scale_embeddings=config.get("scale_embedding", False), final_logits_bias=True,
         src_vocab_size=len(src_order), tgt_vocab_size=len(tgt_order),
     )

@@ -47,7 +47,7 @@ from mt.config import (
     start_tokenizer_config,
 )
 from mt.corpus import Corpus
-from mt.data import check_not_empty, tokenizer_config, tokenizer_dir
+from mt.data import check_split, tokenizer_config, tokenizer_dir
 from mt.distributed import barrier, rank_seed, setup_distributed, share_run
 from mt.divergence import BadSteps, Diverged, check_weights
 from mt.inference import cap_kernel_caches
@@ -131,12 +131,12 @@ class Trainer:
                                                                  start.get("config"))
             if ignored:
                 log.info("%s: the tokenizer is the checkpoint's; ignored %s", origin, ignored)
-        if cfg.data.source == "files":  # missing or empty: say so now, not after training
+        if cfg.data.source == "files":  # a mistake there: say so now, not after training
             tested = (cfg.data.test.split("+") if cfg.trainer.test_at_end and cfg.data.test
                       else [])
             valid = [cfg.data.valid, *cfg.data.extra_valid]
             for split in [*"+".join(valid).split("+"), *tested]:
-                check_not_empty(cfg.data, split)
+                check_split(cfg.data, split, whole=True)
         self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
                              Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
         self.bleu_lang = bleu_language(cfg.data.tgt_lang)  # zh, ja, ko: their BLEU tokenizer

@@ -436,6 +436,11 @@ def test_empty_valid_or_test_files_are_refused_at_start_naming_them(trainer_fact
         shutil.copy(corpus_dir / f"{split}.zz", data / f"{split}.zz")
     # an empty data.test means no test at the end (it was a path '.en' beside the data)
     trainer_factory("no_test", "trainer.test_at_end=true", "data.test=")
+    # and a bad line in the test set is found now, not after the training
+    lines = (corpus_dir / "test.zz").read_bytes().splitlines(keepends=True)
+    (data / "test.zz").write_bytes(b"".join(lines[:2] + [b"caf\xe9\n"] + lines[3:]))
+    with pytest.raises(DataError, match=f"^{data}/test.zz:3: invalid UTF-8"):
+        trainer_factory("bad_test", f"data.dir={data}", "trainer.test_at_end=true")
 
 
 def test_no_valid_loss_is_nan_and_best_metric_loss_is_refused_for_it(trainer_factory, tmp_path,
