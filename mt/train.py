@@ -503,7 +503,10 @@ class Trainer:
                 self.best, self.bad_validations = value, 0
             else:
                 self.bad_validations += 1
-            record = {"step": self.step, "epoch": self.epoch, **metrics, "best": self.best}
+            # the epoch the last step trained in (after an epoch's last step, self.epoch is
+            # already the next one, where a resume starts)
+            epoch = self.epoch - 1 if self.step_in_epoch == 0 and self.step > 0 else self.epoch
+            record = {"step": self.step, "epoch": epoch, **metrics, "best": self.best}
             self.metrics.write(record)
             log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f%s%s", self.step,
                      metrics["valid_loss"], metrics["valid_ppl"], metrics["valid_bleu"],

@@ -528,6 +528,20 @@ def test_best_metric_chrf_picks_best_pt_and_keep_best_by_chrf(trainer_factory):
     assert sorted(p.name for p in bleu.ckpt_dir.glob("step_*.pt")) == ["step_2.pt", "step_3.pt"]
 
 
+def test_a_validation_records_the_epoch_its_last_step_trained_in(trainer_factory):
+    """After an epoch's last step the trainer already counts the next epoch (where a resume
+    starts): the final validation of trainer.max_epochs=1 was recorded as epoch 1."""
+    trainer = trainer_factory("epochs")
+    trainer.validate = lambda: {"valid_loss": 2.0, "valid_ppl": math.exp(2), "valid_bleu": 1.0,
+                                "valid_chrf": 1.0}
+    for step, epoch, in_epoch in [(10, 1, 0), (13, 1, 3)]:
+        trainer.step, trainer.epoch, trainer.step_in_epoch = step, epoch, in_epoch
+        trainer._validate_and_save()
+    records = [json.loads(line) for line in
+               (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["epoch"]) for r in records if "valid_loss" in r] == [(10, 0), (13, 1)]
+
+
 def test_min_improvement_keeps_the_earlier_best_and_stops_sooner(trainer_factory):
     """chrF 45.5 beats 45 by 0.5: not better with min_improvement 1, so best.pt stays step 2's
     and the validations from step 3 on all count against patience."""
