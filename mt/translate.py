@@ -322,6 +322,10 @@ def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         unused.append("--weights has no effect with one model")
     for warning in unused:
         log.warning(warning)
+    if args.score is None and args.max_len_a == 0 and args.min_len >= args.max_len_b:
+        log.warning("--min-len %d is not below the budget of --max-len-a 0 --max-len-b %d (EOS "
+                    "included): every translation runs to the budget",
+                    args.min_len, args.max_len_b)
     if args.weights is not None and len(args.weights) != len(args.model) > 1:
         raise SystemExit(f"translate: --weights: {len(args.weights)} weights for "
                          f"{len(args.model)} models (-m); one per model, in their order")

@@ -1100,6 +1100,21 @@ def test_a_budget_past_the_model_maximum_is_the_model_maximum(models, tmp_path, 
         assert _run([*base, *budget], capsys) == want, budget
 
 
+def test_a_min_len_the_budget_cannot_hold_is_warned_about(models, tmp_path, caplog, capsys):
+    path = _write(tmp_path / "in.txt", ["a dog", "the red ball"])
+    with caplog.at_level(logging.WARNING, logger="mt.translate"):
+        out = _run(["-m", models["a"], "-i", path, "--beam", "2", *FAST, "--min-len", "4"],
+                   capsys)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--min-len 4 is not below the budget of --max-len-a 0 --max-len-b 4 (EOS included): "
+        "every translation runs to the budget"]
+    assert len(out) == 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mt.translate"):
+        _run(["-m", models["a"], "-i", path, "--beam", "2", *FAST, "--min-len", "3"], capsys)
+    assert not caplog.records
+
+
 @pytest.mark.parametrize("flags, warned", [
     (["--seed", "3"], ["--seed has no effect without --sampling"]),
     (["--mbr-candidates", "8"], ["--mbr-candidates has no effect without --mbr"]),
