@@ -104,8 +104,8 @@ def check_split(cfg: DataConfig, split: str, whole: bool = False) -> list[Path]:
     files = split_files(cfg, split)
     pairs = read_pairs("\n".join(str(p) for p in files), cfg.format, cfg.src_lang, cfg.tgt_lang)
     if sum(1 for _ in itertools.islice(pairs, None if whole else 1)) == 0:
-        raise DataError(f"{' and '.join(str(p) for p in files)}: no sentence pairs (empty "
-                        f"file{'s' if len(files) > 1 else ''}) for the split {split!r}")
+        raise DataError(f"{' and '.join(str(p) for p in files)}: no sentence pairs in "
+                        f"{'them' if len(files) > 1 else 'it'} (the split {split!r})")
     return files
 
 

@@ -191,6 +191,12 @@ def _take(table: Tensor, order: list[int | None], fill: float = 0.0) -> Tensor:
     return out
 
 
+# The files of a Marian directory that import_hf reads (those present): what mt-import must not
+# overwrite, even with --force.
+READS = ("config.json", "model.safetensors", "pytorch_model.bin", "source.spm", "target.spm",
+         "vocab.json", "target_vocab.json")
+
+
 def import_hf(directory: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
     """Reads a Hugging Face Marian directory (config.json, weights, *.spm, vocab.json) into an mt
     model and tokenizer with mt's special ids. Needs neither ``transformers`` nor a network."""

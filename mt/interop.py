@@ -152,10 +152,11 @@ def import_main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     # As mt-export: an existing file is replaced only when asked (--out DIR/pytorch_model.bin
     # would otherwise overwrite the very weights being imported).
-    source = Path(args.dir)
-    reads = [f for f in source.iterdir() if f.is_file()] if source.is_dir() else []
+    from mt.import_hf import READS
+
+    reads = [Path(args.dir) / name for name in READS]
     if mistake := output_mistake("--out", args.out, args.force, reads,
-                                 read_as=f"a file of {args.dir}, which it imports",
+                                 read_as=f"a file of {args.dir} that it imports",
                                  what="checkpoint file"):
         sys.exit(f"mt-import: {mistake}")
     try:

@@ -118,7 +118,7 @@ def search_mistake(args: argparse.Namespace | SearchOptions) -> str | None:
         return f"--epsilon must be in [0, 1), got {args.epsilon}"
     if args.batch_tokens < 1:
         return f"--batch-tokens must be at least 1, got {args.batch_tokens}"
-    if not -2**63 <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
+    if args.sampling and not -2**63 <= args.seed < 2**64:  # torch.Generator.manual_seed's
         return f"--seed must be within -2**63 and 2**64 - 1, got {args.seed}"
     if not (args.max_len_a >= 0 and args.max_len_b >= 0):  # nan too; inf: the model's maximum
         return (f"--max-len-a and --max-len-b must be at least 0, got {args.max_len_a:g} and "

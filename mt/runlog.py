@@ -132,8 +132,11 @@ class Metrics:
                 self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=step + 1)
 
     def write(self, record: dict) -> None:
+        # NaN and inf as null: Python's json would write bare NaN, which strict parsers refuse
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                  for k, v in record.items()}
         with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(finite) + "\n")
         if self.writer is not None:
             for key, value in record.items():
                 if key not in ("step", "epoch") and isinstance(value, int | float):
@@ -152,7 +155,8 @@ def plot_curves(metrics_file: Path, out: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
+    records = [{k: math.nan if v is None else v for k, v in json.loads(line).items()}
+               for line in metrics_file.read_text().splitlines() if line]  # null: no value
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "valid_loss" in r]
     fig, (ax_loss, ax_bleu) = plt.subplots(1, 2, figsize=(10, 4))
@@ -227,7 +231,7 @@ class Window:
 
     def read(self) -> dict:
         seconds = time.perf_counter() - self.start
-        loss, nll = (self.loss / self.loss_tokens.clamp(min=1)).tolist()
+        loss, nll = (self.loss / self.loss_tokens).tolist()  # no finite step: NaN, not 0
         out = {"loss": loss, "nll": nll, "ppl": perplexity(nll),
                "tgt_tokens_per_s": self.tokens / max(seconds, 1e-9)}
         self.restart()

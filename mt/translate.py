@@ -238,8 +238,7 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if sys.stderr is None:  # closed (2>&-): logs and the progress bar go nowhere, the work is done
-        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the process's life
+    _fill_closed_descriptors()
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if sys.stdin is None and is_stdin(args.input):
@@ -261,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
                                                   ("--score", args.score),
                                                   ("--constraints-file", args.constraints_file))
                 if path}
+    for option, path in parallel.items():
+        if sys.stdin is None and is_stdin(path):
+            raise SystemExit(f"translate: {option} -: stdin is closed; give it as a file")
     if interactive and parallel:
         raise SystemExit(f"translate: {next(iter(parallel))} needs -i (or piped input)")
     _refuse_overwrite(args, parallel)
@@ -300,6 +302,24 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     log.info("%s %d lines in %.1f s (%.1f lines/s)", "scored" if args.score else "translated",
              done, seconds, done / max(seconds, 1e-9))
+
+
+def _fill_closed_descriptors() -> None:
+    """Opens /dev/null on whichever of descriptors 0-2 the caller closed (``<&-``, ``2>&-``, a
+    service started that way), as daemons do: else the next file opened (the output's partial
+    file, a model) would take the lowest free one and receive what C++ code or a worker writes to
+    stderr. Python's ``sys.std*`` stay None for the closed ones, which ``main`` then refuses to
+    read or write, except stderr: logs and the progress bar go to /dev/null."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: fd itself
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the process's life
 
 
 def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -412,10 +412,12 @@ def test_import_opus_like_marian_matches_hf(tmp_path, corpus_dir, separate):
         import_main(["--from", "hf", str(d), "--out", str(tmp_path), "--force"])
     weights = next(f for f in d.iterdir() if f.suffix in (".safetensors", ".bin"))
     before = weights.read_bytes()
-    with pytest.raises(SystemExit, match=f"--out .*{weights.name} is a file of .*, which it "
+    with pytest.raises(SystemExit, match=f"--out .*{weights.name} is a file of .* that it "
                                          "imports; write it elsewhere"):  # even with --force
         import_main(["--from", "hf", str(d), "--out", str(weights), "--force"])
     assert weights.read_bytes() == before
+    import_main(["--from", "hf", str(d), "--out", str(d / "opus.pt")])  # beside them: fine
+    import_main(["--from", "hf", str(d), "--out", str(d / "opus.pt"), "--force"])
     model, tok, _ = load_model(tmp_path / "opus.pt")
     assert (model.cfg.activation, tok.joint) == ("silu", False)
     assert model.cfg.tie_embeddings == ("decoder" if separate else "all")

@@ -429,8 +429,8 @@ def test_empty_valid_or_test_files_are_refused_at_start_naming_them(trainer_fact
         for lang in ("en", "zz"):
             (data / f"{split}.{lang}").write_text("")
         with pytest.raises(DataError, match=f"^{data}/{split}.en and {data}/{split}.zz: no "
-                                            f"sentence pairs \\(empty files\\) for the split "
-                                            f"'{split}'$"):
+                                            f"sentence pairs in them \\(the split "
+                                            f"'{split}'\\)$"):
             trainer_factory(f"empty_{split}", f"data.dir={data}", "trainer.test_at_end=true")
         shutil.copy(corpus_dir / f"{split}.en", data / f"{split}.en")
         shutil.copy(corpus_dir / f"{split}.zz", data / f"{split}.zz")
@@ -460,6 +460,10 @@ def test_no_valid_loss_is_nan_and_best_metric_loss_is_refused_for_it(trainer_fac
     scores = validate(trainer.model.eval(), trainer.corpus.tokenizer, src[:2], tgt[:2],
                       trainer.cfg.trainer, trainer.device)
     assert math.isnan(scores["valid_loss"]) and math.isnan(scores["valid_ppl"])
+    # metrics.jsonl stays strict JSON: null, not Python's bare NaN
+    trainer.metrics.write({"step": 1, "epoch": 0, **scores})
+    line = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()[-1]
+    assert "NaN" not in line and json.loads(line)["valid_loss"] is None
     with pytest.raises(ValueError, match="^trainer.best_metric=loss: no pair of data.valid=valid "
                                          "fits model.max_positions=128"):
         trainer_factory("long_loss", f"data.dir={data}", "trainer.best_metric=loss")
@@ -526,6 +530,16 @@ def test_best_metric_chrf_picks_best_pt_and_keep_best_by_chrf(trainer_factory):
     validate_with(bleu, SCORES)
     assert stamp_of(bleu.ckpt_dir / "best.pt") == 3
     assert sorted(p.name for p in bleu.ckpt_dir.glob("step_*.pt")) == ["step_2.pt", "step_3.pt"]
+
+
+def test_a_log_window_without_a_finite_step_reads_nan_not_zero():
+    from mt.runlog import Window
+
+    window = Window(torch.device("cpu"))
+    window.add(torch.tensor([float("nan"), float("nan")]), 100, torch.tensor(False))
+    assert all(math.isnan(window.read()[key]) for key in ("loss", "nll", "ppl"))
+    window.add(torch.tensor([30.0, 20.0]), 10, torch.tensor(True))
+    assert window.read()["loss"] == 3.0  # (30 over 10 tokens: the NaN window is gone)
 
 
 def test_a_validation_records_the_epoch_its_last_step_trained_in(trainer_factory):

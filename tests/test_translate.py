@@ -583,6 +583,15 @@ def test_a_closed_standard_stream_is_one_line(models, tmp_path, closed, said):
     assert proc.returncode == 1 and proc.stderr == f"translate: {said}\n"
 
 
+def test_a_side_file_on_a_closed_stdin_is_one_line(models, tmp_path):
+    src = _write(tmp_path / "in.txt", ["the dog"])
+    proc = subprocess.run(f"exec {sys.executable} -m mt.translate -m {models['a']} -i {src} "
+                          f"--prefix-file - {' '.join(FAST)} <&-", shell=True,
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (
+        1, "translate: --prefix-file -: stdin is closed; give it as a file\n")
+
+
 def test_a_closed_stderr_still_translates(models, tmp_path):
     """2>&-: tqdm and the logs wrote to None and the run failed with no output written."""
     src = _write(tmp_path / "in.txt", ["the dog", "a cat"])
@@ -590,6 +599,16 @@ def test_a_closed_stderr_still_translates(models, tmp_path):
     proc = subprocess.run(f"exec {sys.executable} -m mt.translate -m {models['a']} -i {src} "
                           f"-o {out} --max-len-a 0 --max-len-b 4 2>&-", shell=True, timeout=120)
     assert proc.returncode == 0 and len(out.read_text().splitlines()) == 2
+    # all three closed: /dev/null takes descriptors 0-2, so no file opened later is one of them
+    # (a worker's or C++ code's writes to stderr would have gone into it)
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os, sys\nfrom mt.translate import _fill_closed_descriptors\n"
+                     "_fill_closed_descriptors()\n"
+                     "print(os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT), file=open(sys.argv[2],"
+                     " 'w'))\n")
+    subprocess.run(f"exec {sys.executable} {probe} {tmp_path / 'x'} {tmp_path / 'fd'} <&- >&- 2>&-",
+                   shell=True, timeout=60, check=True)
+    assert int((tmp_path / "fd").read_text()) > 2
 
 
 def test_one_stream_read_twice_is_refused(models, tmp_path, capsys):
