@@ -49,11 +49,22 @@ def setup_distributed(device_cfg: str) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+class PeerFailed(RuntimeError):
+    """Another process of the run ended (its own error says why) while this one waited for it."""
+
+
 def barrier(world: int) -> None:
     """Waits for every rank (nothing to wait for alone): rank 0 writes caches and checkpoints
-    that the others then read."""
+    that the others then read. Where a rank stops on a mistake in the data or the config, the
+    others learn of it here, from a broken connection: a PeerFailed, which mt-train says in one
+    line, instead of gloo's or NCCL's traceback beside the one line that says what is wrong."""
     if world > 1:
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError as err:
+            raise PeerFailed(f"rank {dist.get_rank()} stopped: another process of the run ended "
+                             "or did not answer while it waited (that process's error says "
+                             "why)") from err
 
 
 def rank_seed(seed: int, rank: int) -> int:

@@ -48,7 +48,7 @@ from mt.config import (
 )
 from mt.corpus import Corpus
 from mt.data import check_split, tokenizer_config, tokenizer_dir
-from mt.distributed import barrier, rank_seed, setup_distributed, share_run
+from mt.distributed import PeerFailed, barrier, rank_seed, setup_distributed, share_run
 from mt.divergence import BadSteps, Diverged, check_weights
 from mt.inference import cap_kernel_caches
 from mt.loss import label_smoothed_nll
@@ -559,7 +559,7 @@ def _in_words(err: BaseException) -> str | None:
     if isinstance(err, torch.OutOfMemoryError):  # "CUDA out of memory. Tried to allocate 2 GiB"
         return (". ".join(str(err).split(". ")[:2]) + ": lower trainer.max_tokens "
                 "(a larger trainer.accumulation keeps the batch as large)")
-    return str(err) if isinstance(err, ValueError | OSError | Diverged) else None
+    return str(err) if isinstance(err, ValueError | OSError | Diverged | PeerFailed) else None
 
 
 _failed_jobs: list[str] = []  # the sweep's jobs that failed, by number and directory (hydra_main)

@@ -1063,6 +1063,28 @@ def test_two_process_ddp_with_dropout_resumes_exactly(tmp_path, corpus_dir, toke
         assert torch.equal(a[name], b[name]), name
 
 
+def test_a_data_error_under_torchrun_is_one_line_on_every_rank(tmp_path, corpus_dir,
+                                                               tokenizer_dir):
+    """Rank 0 says what is wrong with the data; rank 1, waiting for it at a barrier, printed
+    gloo's 'Connection closed by peer' traceback beside that line."""
+    data = tmp_path / "data"
+    shutil.copytree(corpus_dir, data)
+    lines = (corpus_dir / "train.zz").read_bytes().splitlines(keepends=True)
+    (data / "train.zz").write_bytes(b"".join(lines[:4] + [b"caf\xe9\n"] + lines[5:]))
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir), f"data.dir={data}",
+           f"hydra.run.dir={tmp_path / 'run'}", "trainer.max_steps=2"]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    ours = [line for line in result.stderr.splitlines() if line.startswith("mt-train: ")]
+    assert result.returncode != 0 and sorted(ours) == sorted([
+        f"mt-train: {data}/train.zz:5: invalid UTF-8 (invalid continuation byte at byte 3) "
+        f"(traceback in {tmp_path / 'run' / 'train.log'})",
+        "mt-train: rank 1 stopped: another process of the run ended or did not answer while it "
+        "waited (that process's error says why)"]), result.stderr[-3000:]
+    assert "Connection closed by peer" not in result.stderr
+
+
 def test_tied_embeddings_refuse_two_vocabularies_of_one_size(tmp_path, corpus_dir, tokenizer_dir):
     """Two SentencePiece models trained to one size pass the model's size check; tying their
     embeddings would make one vector mean unrelated pieces."""
