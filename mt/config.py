@@ -488,6 +488,12 @@ def count_or_off(text: str) -> int:
     return _int_from(text, 0)
 
 
+def resamples(text: str) -> int:
+    """An argparse type for bootstrap resamples: sacreBLEU takes 1 to mean no bootstrap at all,
+    so ``--confidence-n 1`` printed no interval and said nothing."""
+    return _int_from(text, 2)
+
+
 def _int_from(text: str, least: int) -> int:
     import argparse
 

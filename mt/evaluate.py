@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mt.config import count_or_off, positive_int
+from mt.config import count_or_off, positive_int, resamples
 from mt.options import (
     add_search_arguments,
     add_worker_arguments,
@@ -413,14 +413,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lowercase", "-lc", action="store_true", help="case-insensitive BLEU, chrF")
     g.add_argument("--confidence", "-ci", action="store_true",
                    help="bootstrap 95%% confidence interval of each score")
-    g.add_argument("--confidence-n", type=positive_int, default=1000, metavar="N",
-                   help="bootstrap resamples (default: 1000)")
+    g.add_argument("--confidence-n", type=resamples, default=1000, metavar="N",
+                   help="bootstrap resamples, at least 2 (default: 1000)")
     g.add_argument("--paired-bs", action="store_true",
                    help="paired bootstrap resampling test of each system against the first")
     g.add_argument("--paired-ar", action="store_true",
                    help="paired approximate randomization test against the first")
-    g.add_argument("--paired-bs-n", type=positive_int, default=1000, metavar="N",
-                   help="bootstrap resamples (default: 1000)")
+    g.add_argument("--paired-bs-n", type=resamples, default=1000, metavar="N",
+                   help="bootstrap resamples, at least 2 (default: 1000)")
     g.add_argument("--paired-ar-n", type=positive_int, default=10000, metavar="N",
                    help="approximate randomization trials (default: 10000)")
     g = p.add_argument_group("translation (with -m)")

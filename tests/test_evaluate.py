@@ -347,7 +347,8 @@ def test_sacrebleu_test_set_from_the_cache_equals_the_cli(files):
 
 
 @pytest.mark.parametrize("flag, value", [("--width", "-1"), ("--paired-bs-n", "0"),
-                                         ("--paired-ar-n", "-3"), ("--confidence-n", "0")])
+                                         ("--paired-ar-n", "-3"), ("--confidence-n", "0"),
+                                         ("--confidence-n", "1"), ("--paired-bs-n", "1")])
 def test_counts_out_of_range_are_refused(files, capsys, flag, value):
     """--width -1 was a traceback; a resample count of 0 silently ran the default (or showed
     no interval)."""
