@@ -429,8 +429,8 @@ class Trainer:
         t = self.cfg.trainer
         if not (t.max_steps or t.max_epochs or t.max_minutes or t.patience) and self.rank == 0:
             log.warning("no budget (trainer.max_steps, max_epochs, max_minutes and patience are "
-                        "all 0): training goes on until you stop it; the same command resumes "
-                        "from the last checkpoint")
+                        "all 0): training goes on until you stop it; the same command with %s "
+                        "resumes it", shlex.quote(f"hydra.run.dir={self.run_dir}"))
         per_step = t.accumulation * self.world
         self.fit_start = time.perf_counter()
         self.model.train()
