@@ -12,6 +12,7 @@ only what normalization removes (a byte-order mark, a zero-width space) included
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -109,8 +110,10 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
             (``mt.constraints``; beam search only).
         shortlist: the target pieces each sentence may use (``mt.shortlist``), or None: all.
     """
-    if constraints is not None and opts.sampling:
-        raise ValueError("constraints need beam search; they do not combine with sampling")
+    if constraints is not None and any(constraints) and (opts.sampling or opts.beam < 2):
+        raise ValueError("constraints need beam search with a beam of 2 or more (a beam of 1 has "
+                         "no room for a hypothesis that places a phrase); they do not combine "
+                         "with sampling")
     mistake = search_mistake(opts)  # again: a SearchOptions can be changed after it is made
     if mistake:
         raise ValueError(mistake)
@@ -228,6 +231,7 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     check_eval(model)
     lines = text_list(lines, "lines")
     prefixes = text_list(prefixes, "prefixes") if prefixes is not None else None
+    constraints = phrase_lists(constraints) if constraints is not None else None
     if prefixes is not None and len(prefixes) != len(lines):
         raise ValueError(f"{len(prefixes)} prefixes for {len(lines)} lines")
     if constraints is not None and len(constraints) != len(lines):
@@ -277,6 +281,24 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
     out = mbr_lines(tokenizer, out, opts.mbr) if opts.mbr else out
     if phrase_ids is not None and warn and (missed := unmet(out, phrase_ids)):
         log.warning(UNMET, missed)
+    return out
+
+
+def phrase_lists(constraints: Iterable[list[str]]) -> list[list[str]]:
+    """Per line, its phrases as a list of str, blank ones dropped (as ``split_phrases`` drops a
+    constraints file's blank fields). A list of strings, one per line, would be read as one phrase
+    per character, and each letter forced into the translation: a TypeError instead."""
+    if isinstance(constraints, str):
+        raise TypeError("constraints: a list of phrase lists, one per line, not one string")
+    out = []
+    for i, phrases in enumerate(constraints):
+        if isinstance(phrases, str):
+            raise TypeError(f"constraints[{i}] is a str: give each line's phrases as a list "
+                            f"([{phrases!r}])")
+        if not isinstance(phrases, Iterable):
+            raise TypeError(f"constraints[{i}] is {type(phrases).__name__}: give each line's "
+                            "phrases as a list ([] for none)")
+        out.append([p.strip() for p in text_list(phrases, f"constraints[{i}]") if p.strip()])
     return out
 
 

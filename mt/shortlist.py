@@ -28,6 +28,7 @@ from mt.batching import budget_batches, pad
 from mt.config import EOS_ID, PAD_ID
 from mt.incremental import Restricted
 from mt.search import Hypothesis
+from mt.textio import text_list
 
 FORMAT = "mt-shortlist/1"
 SPECIAL = 4  # PAD, UNK, BOS, EOS: always allowed, at their own ids
@@ -210,6 +211,7 @@ def build_shortlist(tokenizer, sources: list[str], targets: list[str], per_sourc
     Returns:
         the shortlist and a summary (lines, pieces) to report.
     """
+    sources, targets = text_list(sources, "sources"), text_list(targets, "targets")
     if len(sources) != len(targets):
         raise ValueError(f"{len(sources)} source lines but {len(targets)} target lines")
     if per_source < 1 or frequent < 0 or iterations < 1 or max_lines < 1:

@@ -1428,6 +1428,24 @@ def test_the_python_api_refuses_what_it_would_misread(models):
         load_models([models["a"]], "cpu", "fp16")
     with pytest.raises(ValueError, match="device gpu: not a device"):
         load_models([models["a"]], "gpu")
+    # constraints: a list of strings was read as one phrase per letter, each letter forced in
+    two = ["a line", "another line"]
+    for wrong, message in (("dog", "constraints: a list of phrase lists, one per line, not one "
+                                   "string"),
+                           (["dog", ""], r"constraints\[0\] is a str: give each line's phrases "
+                                         r"as a list \(\['dog'\]\)"),
+                           ([None, ["dog"]], r"constraints\[0\] is NoneType")):
+        with pytest.raises(TypeError, match=message):
+            translate_lines(model, tok, two, opts, constraints=wrong)
+    # blank phrases are none (as in a file), a generator of lists is fine
+    assert translate_lines(model, tok, two, opts, constraints=([" "], [])) == translate_lines(
+        model, tok, two, opts)
+    with pytest.raises(ValueError, match="constraints need beam search with a beam of 2 or more"):
+        translate_lines(model, tok, two, replace(opts, beam=1), constraints=[["dog"], []])
+    from mt.shortlist import build_shortlist
+
+    with pytest.raises(TypeError, match="sources: a list of strings, not one string"):
+        build_shortlist(tok, "abc", "def")
 
 
 def test_replace_unk_copies_what_the_source_spells(models, tmp_path, capsys):
