@@ -90,6 +90,17 @@ def read_text(path: str | os.PathLike) -> list[str]:
     return out
 
 
+def read_pair(src: str | os.PathLike, ref: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """A source file and its reference (``read_text``), checked to have as many lines, and some:
+    what the evaluation scripts score."""
+    sources, refs = read_text(src), read_text(ref)
+    if len(sources) != len(refs):
+        raise EvalError(f"{src} has {len(sources)} lines but {ref} has {len(refs)}")
+    if not sources:
+        raise EvalError(f"{src}: no lines to translate")
+    return sources, refs
+
+
 def read_references(test: TestSet) -> list[list[str]]:
     """Every reference file's lines (one list per reference), checked to have equal lengths."""
     refs = [read_text(r) for r in test.refs]

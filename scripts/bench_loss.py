@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mt.config import PAD_ID
+from mt.config import PAD_ID, positive_int
 from mt.loss import label_smoothed_nll
 
 
@@ -32,11 +32,11 @@ def reference(logits: torch.Tensor, target: torch.Tensor, smoothing: float):
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--tokens", type=positive_int, default=4096)
+    p.add_argument("--vocab", type=positive_int, default=8000)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--repeat", type=positive_int, default=5)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

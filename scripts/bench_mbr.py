@@ -20,6 +20,7 @@ from collections import Counter, defaultdict
 
 from sacrebleu.metrics import BLEU, CHRF
 
+from mt.config import positive_int
 from mt.mbr import mbr_choose
 
 
@@ -37,14 +38,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("nbest", help="translate --nbest output: index<TAB>translation<TAB>score")
     p.add_argument("--utility", choices=("chrf", "bleu"), default="chrf")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=positive_int, default=2)
     args = p.parse_args()
     groups: dict[int, list[str]] = defaultdict(list)
-    with open(args.nbest, encoding="utf-8") as f:
-        for line in f:
-            index, text, _ = line.rstrip("\n").split("\t")
-            groups[int(index)].append(text)
+    try:
+        with open(args.nbest, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                fields = line.rstrip("\n").split("\t")
+                if len(fields) != 3 or not fields[0].isdigit():
+                    p.error(f"{args.nbest}:{lineno}: not translate --nbest output "
+                            "(index<TAB>translation<TAB>score)")
+                groups[int(fields[0])].append(fields[1])
+    except (OSError, UnicodeDecodeError) as err:
+        p.error(f"{args.nbest}: cannot read ({err})")
     lines = list(groups.values())
+    if not lines:
+        p.error(f"{args.nbest}: no n-best lines in it")
     seconds: dict[str, list[float]] = {"per_pair": [], "mt": []}
     choices = {}
     for _ in range(args.rounds):

@@ -23,9 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import sacrebleu  # noqa: E402
 
+from mt.config import positive_int  # noqa: E402
 from mt.inference import load_models  # noqa: E402
 from mt.lines import best_translations  # noqa: E402
 from mt.options import SearchOptions  # noqa: E402
+from mt.testsets import EvalError, read_pair  # noqa: E402
 
 
 def draw(reference: str, phrases: int, words: int, rng: random.Random) -> list[str]:
@@ -49,15 +51,19 @@ def main() -> None:
     p.add_argument("-m", "--model", required=True)
     p.add_argument("--src", required=True)
     p.add_argument("--ref", required=True)
-    p.add_argument("--phrases", type=int, default=2, help="phrases per line")
-    p.add_argument("--words", type=int, default=3, help="words per phrase, at most")
-    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--phrases", type=positive_int, default=2, help="phrases per line")
+    p.add_argument("--words", type=positive_int, default=3, help="words per phrase, at most")
+    p.add_argument("--beam", type=positive_int, default=5, help="at least 2 (constraints)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=positive_int, default=2)
     args = p.parse_args()
-    model, tok, _ = load_models([args.model], "cpu", "float32")
-    src = Path(args.src).read_text(encoding="utf-8").splitlines()
-    ref = Path(args.ref).read_text(encoding="utf-8").splitlines()
+    if args.beam < 2:
+        p.error("--beam must be 2 or more: a beam of 1 has no room for a constrained hypothesis")
+    try:
+        src, ref = read_pair(args.src, args.ref)
+        model, tok, _ = load_models([args.model], "cpu", "float32")
+    except (EvalError, ValueError) as err:
+        p.exit(1, f"eval_constraints.py: {err}\n")
     rng = random.Random(args.seed)
     constraints = [draw(r, args.phrases, args.words, rng) for r in ref]
     opts = SearchOptions(beam=args.beam, workers=args.workers)

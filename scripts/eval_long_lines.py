@@ -22,8 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import sacrebleu  # noqa: E402
 
 import mt.lines  # noqa: E402
+from mt.config import positive_int  # noqa: E402
 from mt.inference import load_models  # noqa: E402
 from mt.options import SearchOptions  # noqa: E402
+from mt.testsets import EvalError, read_pair  # noqa: E402
 
 
 def main() -> None:
@@ -31,13 +33,21 @@ def main() -> None:
     p.add_argument("-m", "--model", required=True)
     p.add_argument("--src", required=True)
     p.add_argument("--ref", required=True)
-    p.add_argument("--join", type=int, default=3, help="sentences per line")
-    p.add_argument("--limit", type=int, default=48, help="the model's limit, in tokens")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--join", type=positive_int, default=3, help="sentences per line")
+    p.add_argument("--limit", type=positive_int, default=48,
+                   help="the model's limit, in tokens (at least 2: a piece and EOS)")
+    p.add_argument("--workers", type=positive_int, default=2)
     args = p.parse_args()
-    model, tok, _ = load_models([args.model], "cpu", "float32")
-    src = Path(args.src).read_text(encoding="utf-8").splitlines()
-    ref = Path(args.ref).read_text(encoding="utf-8").splitlines()
+    if args.limit < 2:
+        p.error("--limit must be 2 or more: a piece and EOS")
+    try:
+        src, ref = read_pair(args.src, args.ref)
+        model, tok, _ = load_models([args.model], "cpu", "float32")
+    except (EvalError, ValueError) as err:
+        p.exit(1, f"eval_long_lines.py: {err}\n")
+    if args.limit > model.cfg.max_positions:
+        p.error(f"--limit {args.limit} is above the model's maximum of "
+                f"{model.cfg.max_positions} tokens")
     lines = [" ".join(src[i : i + args.join]) for i in range(0, len(src), args.join)]
     refs = [" ".join(ref[i : i + args.join]) for i in range(0, len(ref), args.join)]
     model.cfg.max_positions = args.limit

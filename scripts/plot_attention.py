@@ -19,6 +19,7 @@ import torch
 from mt.alignment import layer_mistake
 from mt.checkpoint import load_model
 from mt.config import EOS_ID, positive_int
+from mt.lines import encode_prefixes
 from mt.scoring import cross_attention
 from mt.search import beam_search
 from mt.textio import utf8_stdout
@@ -34,8 +35,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--beam", type=positive_int, default=5)
     p.add_argument("-o", "--output", default="attention.png")
     args = p.parse_args(argv)
-    if not Path(args.output).parent.is_dir():
-        p.error(f"-o {args.output}: no such directory {Path(args.output).parent}")
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        p.error(f"-o {args.output}: no such directory {out.parent}")
+    if out.is_dir():
+        p.error(f"-o {args.output} is a directory; name the image file to write")
+    if out.suffix.lower() not in (".png", ".pdf", ".svg", ".jpg", ".jpeg"):
+        p.error(f"-o {args.output}: name the image with .png, .pdf, .svg or .jpg (matplotlib "
+                "writes the format the extension says)")
+    if not args.sentence.strip():
+        p.error("the sentence is empty: translate gives an empty line for it, with nothing to "
+                "attend to")
 
     try:
         import matplotlib
@@ -66,7 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.target is None:
         tgt_ids = beam_search(model, src, beam_size=args.beam)[0][0].tokens
     else:
-        tgt_ids = tok.encode_tgt([args.target])[0]
+        try:  # one the target vocabulary cannot spell: refused as translate --prefix-file does
+            tgt_ids = encode_prefixes(tok, [args.target], "--target")[0]
+        except ValueError as err:
+            p.error(str(err))
     too_long(len(tgt_ids) + 1)
     weights = cross_attention(model, src, torch.tensor([tgt_ids + [EOS_ID]]), layer)[0]  # (T, S)
 

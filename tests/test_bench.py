@@ -98,3 +98,35 @@ def test_decode_benchmark_leaves_out_ctranslate2_where_it_cannot_run(monkeypatch
     assert set(report["systems"]) == {"mt-float32"}
     assert "not installed" in report["skipped"]["ct2-float32"]
     assert report["checks"]["hf_max_logit_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("script, args, said", [
+    ("eval_constraints", ["-m", "MISSING", "--src", "A", "--ref", "A"],
+     "eval_constraints.py: MISSING: no such model file or run directory"),
+    ("eval_constraints", ["-m", "MISSING", "--src", "A", "--ref", "B"],
+     "eval_constraints.py: A has 2 lines but B has 1"),
+    ("eval_constraints", ["-m", "MISSING", "--src", "A", "--ref", "A", "--beam", "1"],
+     "eval_constraints.py: error: --beam must be 2 or more"),
+    ("eval_long_lines", ["-m", "MISSING", "--src", "A", "--ref", "A", "--join", "0"],
+     "eval_long_lines.py: error: argument --join: must be at least 1, got 0"),
+    ("eval_long_lines", ["-m", "MISSING", "--src", "EMPTY", "--ref", "EMPTY"],
+     "eval_long_lines.py: EMPTY: no lines to translate"),
+    ("bench_mbr", ["B"], "bench_mbr.py: error: B:1: not translate --nbest output"),
+])
+def test_evaluation_scripts_say_a_mistake_in_one_line(tmp_path, script, args, said):
+    """They ended in tracebacks: zip() of files of other lengths, randrange of an empty range,
+    IndexError inside sacrebleu for an empty file, a model that is not there."""
+    import subprocess
+
+    files = {"A": "one\ntwo\n", "B": "one\n", "EMPTY": ""}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    args = [str(tmp_path / a) if a in files or a == "MISSING" else a for a in args]
+    said = said.replace("MISSING", str(tmp_path / "MISSING"))
+    for name in files:
+        said = said.replace(f" {name}", f" {tmp_path / name}")
+    result = subprocess.run([sys.executable, str(SCRIPTS / f"{script}.py"), *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith(said), result.stderr
+    assert "Traceback" not in result.stderr

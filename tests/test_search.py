@@ -574,6 +574,11 @@ def test_plot_attention_names_a_layer_the_model_lacks(tmp_path, tokenizer_dir, c
         script.main(["-m", str(tmp_path / "m.pt"), long_, "-o", str(tmp_path / "a.png")])
     assert err.value.code == 2
     assert "beyond the model's maximum" in capsys.readouterr().err.strip().splitlines()[-1]
+    with pytest.raises(SystemExit) as err:  # forced, it was plotted as <unk>
+        script.main([*args[:3], "--target", "一二", *args[5:]])
+    assert err.value.code == 2
+    assert "--target:1: prefix '一二': the target vocabulary lacks '一'" in (
+        capsys.readouterr().err.strip().splitlines()[-1])
     assert not (tmp_path / "a.png").exists()
     script.main([*args, "--layer", "-2"])
     assert (tmp_path / "a.png").stat().st_size > 0
@@ -594,9 +599,13 @@ def test_plot_attention_without_matplotlib_or_a_model_says_so_in_one_line(tmp_pa
     spec.loader.exec_module(script)
     args = ["-m", str(tmp_path / "missing.pt"), "a b c", "-o", str(tmp_path / "a.png")]
     for bad, said in ((["--beam", "0"], "argument --beam: must be at least 1, got 0"),
-                      (["-o", str(tmp_path / "no" / "a.png")], "-o .*: no such directory")):
+                      (["-o", str(tmp_path / "no" / "a.png")], "-o .*: no such directory"),
+                      # it wrote tmp_path.png and said "wrote tmp_path"
+                      (["-o", str(tmp_path)], "-o .* is a directory; name the image file"),
+                      (["-o", str(tmp_path / "a")], "-o .*a: name the image with .png"),
+                      (["", "-o", str(tmp_path / "a.png")], "the sentence is empty")):
         with pytest.raises(SystemExit) as err:  # usage errors, before any work
-            script.main([*args, *bad])
+            script.main([*args, *bad] if bad[0] else [*args[:2], *bad])
         assert err.value.code == 2
         assert re.search(said, capsys.readouterr().err.strip().splitlines()[-1])
     if importlib.util.find_spec("matplotlib") is not None:
