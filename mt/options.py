@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 from dataclasses import dataclass
 
 from mt.config import count_or_off, positive_int
@@ -42,6 +43,11 @@ class SearchOptions:
         """Refuses what the command line refuses (``search_mistake``, in its words), so that a
         script's ``SearchOptions(beam=0)`` or ``batch_tokens=0`` is an error, not a hang or an
         empty search."""
+        ints = [name for name in ("beam", "nbest", "max_len_b", "min_len", "no_repeat_ngram",
+                                  "batch_tokens", "top_k", "seed", "mbr_candidates", "workers")
+                if not isinstance(getattr(self, name), numbers.Integral)]
+        if ints:
+            raise TypeError(f"{ints[0]} must be an int, got {getattr(self, ints[0])!r}")
         if self.mbr and self.mbr not in UTILITIES:
             raise ValueError(f"mbr must be one of {UTILITIES} (or '' for none), got {self.mbr!r}")
         mistake = search_mistake(self)
@@ -118,6 +124,15 @@ def search_mistake(args: argparse.Namespace | SearchOptions) -> str | None:
         return f"--epsilon must be in [0, 1), got {args.epsilon}"
     if args.batch_tokens < 1:
         return f"--batch-tokens must be at least 1, got {args.batch_tokens}"
+    if args.min_len < 0:
+        return f"--min-len must be at least 0, got {args.min_len}"
+    # (the command line's types check these; a SearchOptions made in Python does not have them)
+    if getattr(args, "no_repeat_ngram", 0) < 0:
+        return f"--no-repeat-ngram-size must be 0 (off) or more, got {args.no_repeat_ngram}"
+    if args.mbr_candidates < 1:
+        return f"--mbr-candidates must be at least 1, got {args.mbr_candidates}"
+    if isinstance(args, SearchOptions) and args.workers < 1:
+        return f"--workers must be at least 1, got {args.workers}"
     if args.sampling and not -2**63 <= args.seed < 2**64:  # torch.Generator.manual_seed's
         return f"--seed must be within -2**63 and 2**64 - 1, got {args.seed}"
     if not (args.max_len_a >= 0 and args.max_len_b >= 0):  # nan too; inf: the model's maximum

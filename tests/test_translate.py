@@ -1421,9 +1421,17 @@ def test_the_python_api_refuses_what_it_would_misread(models):
     assert [[t for t, _ in n] for n in again] == [[t for t, _ in n] for n in expected]
     for wrong, message in ((dict(beam=0), "--beam must be at least 1"),
                            (dict(batch_tokens=0), "--batch-tokens must be at least 1"),
-                           (dict(top_k=5), "--top-k shapes the sampling distribution")):
+                           (dict(top_k=5), "--top-k shapes the sampling distribution"),
+                           # what the command line's types refuse, checked here too
+                           (dict(workers=0), "--workers must be at least 1, got 0"),
+                           (dict(min_len=-1), "--min-len must be at least 0"),
+                           (dict(no_repeat_ngram=-1), "--no-repeat-ngram-size must be 0"),
+                           (dict(beam=16, mbr="chrf", mbr_candidates=0),
+                            "--mbr-candidates must be at least 1")):
         with pytest.raises(ValueError, match=message):  # the command line's checks and words
             SearchOptions(**wrong)
+    with pytest.raises(TypeError, match="beam must be an int, got 2.5"):  # was topk's TypeError
+        SearchOptions(beam=2.5)
     with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16"):
         load_models([models["a"]], "cpu", "fp16")
     with pytest.raises(ValueError, match="device gpu: not a device"):
