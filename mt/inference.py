@@ -325,6 +325,8 @@ def load_models(paths: list[str], device: str, dtype: str = "float32", pack: boo
 
     if isinstance(paths, str | os.PathLike):  # one path, not its characters
         paths = [paths]
+    if weights is not None and len(weights) != len(paths):  # one weight per model, in order
+        raise ValueError(f"{len(weights)} weights for {len(paths)} models")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     mistake = device_mistake(device)

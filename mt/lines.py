@@ -328,6 +328,7 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
         result fits ``align_lines`` for forced alignments of given translations.
     """
     check_eval(model)
+    SearchOptions(lenpen=lenpen, batch_tokens=batch_tokens, workers=workers)  # its checks, words
     lines, targets = text_list(lines, "lines"), text_list(targets, "targets")
     if len(targets) != len(lines):
         raise ValueError(f"{len(targets)} translations for {len(lines)} lines")
