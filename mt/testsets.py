@@ -101,6 +101,17 @@ def read_pair(src: str | os.PathLike, ref: str | os.PathLike) -> tuple[list[str]
     return sources, refs
 
 
+def model_and_pair(model: str, src: str, ref: str) -> tuple:
+    """(model, tokenizer, sources, references) for an evaluation script: the files read and
+    checked first (``read_pair``), then the model loaded in float32 on the CPU. Raises EvalError
+    or ValueError, each naming the file."""
+    from mt.inference import load_models
+
+    sources, refs = read_pair(src, ref)
+    loaded, tokenizer, _ = load_models([model], "cpu", "float32")
+    return loaded, tokenizer, sources, refs
+
+
 def read_references(test: TestSet) -> list[list[str]]:
     """Every reference file's lines (one list per reference), checked to have equal lengths."""
     refs = [read_text(r) for r in test.refs]

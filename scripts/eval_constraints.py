@@ -24,10 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import sacrebleu  # noqa: E402
 
 from mt.config import positive_int  # noqa: E402
-from mt.inference import load_models  # noqa: E402
 from mt.lines import best_translations  # noqa: E402
 from mt.options import SearchOptions  # noqa: E402
-from mt.testsets import EvalError, read_pair  # noqa: E402
+from mt.testsets import EvalError, model_and_pair  # noqa: E402
 
 
 def draw(reference: str, phrases: int, words: int, rng: random.Random) -> list[str]:
@@ -60,8 +59,7 @@ def main() -> None:
     if args.beam < 2:
         p.error("--beam must be 2 or more: a beam of 1 has no room for a constrained hypothesis")
     try:
-        src, ref = read_pair(args.src, args.ref)
-        model, tok, _ = load_models([args.model], "cpu", "float32")
+        model, tok, src, ref = model_and_pair(args.model, args.src, args.ref)
     except (EvalError, ValueError) as err:
         p.exit(1, f"eval_constraints.py: {err}\n")
     rng = random.Random(args.seed)

@@ -23,9 +23,8 @@ import sacrebleu  # noqa: E402
 
 import mt.lines  # noqa: E402
 from mt.config import positive_int  # noqa: E402
-from mt.inference import load_models  # noqa: E402
 from mt.options import SearchOptions  # noqa: E402
-from mt.testsets import EvalError, read_pair  # noqa: E402
+from mt.testsets import EvalError, model_and_pair  # noqa: E402
 
 
 def main() -> None:
@@ -41,8 +40,7 @@ def main() -> None:
     if args.limit < 2:
         p.error("--limit must be 2 or more: a piece and EOS")
     try:
-        src, ref = read_pair(args.src, args.ref)
-        model, tok, _ = load_models([args.model], "cpu", "float32")
+        model, tok, src, ref = model_and_pair(args.model, args.src, args.ref)
     except (EvalError, ValueError) as err:
         p.exit(1, f"eval_long_lines.py: {err}\n")
     if args.limit > model.cfg.max_positions:
