@@ -101,14 +101,17 @@ def read_pair(src: str | os.PathLike, ref: str | os.PathLike) -> tuple[list[str]
     return sources, refs
 
 
-def model_and_pair(model: str, src: str, ref: str) -> tuple:
+def model_and_pair(parser, model: str, src: str, ref: str) -> tuple:
     """(model, tokenizer, sources, references) for an evaluation script: the files read and
-    checked first (``read_pair``), then the model loaded in float32 on the CPU. Raises EvalError
-    or ValueError, each naming the file."""
+    checked first (``read_pair``), then the model loaded in float32 on the CPU; a mistake in
+    either ends the script (``parser``'s) with one line naming the file."""
     from mt.inference import load_models
 
-    sources, refs = read_pair(src, ref)
-    loaded, tokenizer, _ = load_models([model], "cpu", "float32")
+    try:
+        sources, refs = read_pair(src, ref)
+        loaded, tokenizer, _ = load_models([model], "cpu", "float32")
+    except (EvalError, ValueError) as err:
+        parser.exit(1, f"{parser.prog}: {err}\n")
     return loaded, tokenizer, sources, refs
 
 

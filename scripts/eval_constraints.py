@@ -26,7 +26,7 @@ import sacrebleu  # noqa: E402
 from mt.config import positive_int  # noqa: E402
 from mt.lines import best_translations  # noqa: E402
 from mt.options import SearchOptions  # noqa: E402
-from mt.testsets import EvalError, model_and_pair  # noqa: E402
+from mt.testsets import model_and_pair  # noqa: E402
 
 
 def draw(reference: str, phrases: int, words: int, rng: random.Random) -> list[str]:
@@ -58,10 +58,7 @@ def main() -> None:
     args = p.parse_args()
     if args.beam < 2:
         p.error("--beam must be 2 or more: a beam of 1 has no room for a constrained hypothesis")
-    try:
-        model, tok, src, ref = model_and_pair(args.model, args.src, args.ref)
-    except (EvalError, ValueError) as err:
-        p.exit(1, f"eval_constraints.py: {err}\n")
+    model, tok, src, ref = model_and_pair(p, args.model, args.src, args.ref)
     rng = random.Random(args.seed)
     constraints = [draw(r, args.phrases, args.words, rng) for r in ref]
     opts = SearchOptions(beam=args.beam, workers=args.workers)

@@ -24,7 +24,7 @@ import sacrebleu  # noqa: E402
 import mt.lines  # noqa: E402
 from mt.config import positive_int  # noqa: E402
 from mt.options import SearchOptions  # noqa: E402
-from mt.testsets import EvalError, model_and_pair  # noqa: E402
+from mt.testsets import model_and_pair  # noqa: E402
 
 
 def main() -> None:
@@ -39,10 +39,7 @@ def main() -> None:
     args = p.parse_args()
     if args.limit < 2:
         p.error("--limit must be 2 or more: a piece and EOS")
-    try:
-        model, tok, src, ref = model_and_pair(args.model, args.src, args.ref)
-    except (EvalError, ValueError) as err:
-        p.exit(1, f"eval_long_lines.py: {err}\n")
+    model, tok, src, ref = model_and_pair(p, args.model, args.src, args.ref)
     if args.limit > model.cfg.max_positions:
         p.error(f"--limit {args.limit} is above the model's maximum of "
                 f"{model.cfg.max_positions} tokens")
