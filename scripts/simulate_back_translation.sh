@@ -28,8 +28,9 @@ half=$(( $(wc -l < "$src/train.en") / 2 ))
 if [[ ! -s $data/mono.de ]]; then
   head -n "$half" "$src/train.en" > "$data/train.en"
   head -n "$half" "$src/train.de" > "$data/train.de"
-  tail -n +"$((half + 1))" "$src/train.de" > "$data/mono.de.tmp" && mv "$data/mono.de.tmp" "$data/mono.de"
   for f in valid.en valid.de test2016.en test2016.de; do cp "$src/$f" "$data/$f"; done
+  # mono.de last: it marks the split as done, so an interrupted copy is made again on resume
+  tail -n +"$((half + 1))" "$src/train.de" > "$data/mono.de.tmp" && mv "$data/mono.de.tmp" "$data/mono.de"
 fi
 
 common=(experiment=multi30k_en_de_cpu "data.dir=$data" trainer.max_minutes=0
