@@ -265,6 +265,13 @@ def average(paths: list[str | os.PathLike]) -> dict:
     """
     if not paths:
         raise ValueError("no checkpoints to average")
+    seen: dict[tuple[int, int], str | os.PathLike] = {}
+    for p in paths:  # the same file twice would weigh it double, without a word
+        info = resolve(p).stat()
+        if (info.st_dev, info.st_ino) in seen:
+            raise ValueError(f"{p}: given twice (as {seen[info.st_dev, info.st_ino]} too); "
+                             "each checkpoint is averaged once")
+        seen[info.st_dev, info.st_ino] = p
     base = load(paths[0])
     require(base)
     total = {k: v.double() for k, v in base["model"].items()}

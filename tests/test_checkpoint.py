@@ -163,6 +163,9 @@ def test_average_refuses_weights_that_differ_from_the_firsts(tmp_path, tokenizer
     checkpoint.save_atomic(state, tmp_path / "short.pt")
     with pytest.raises(ValueError, match=f"short.pt: .* at '{re.escape(name)}' .*another shape"):
         checkpoint.average([full, tmp_path / "short.pt"])
+    (tmp_path / "link.pt").symlink_to(full)
+    with pytest.raises(ValueError, match="link.pt: given twice \\(as .*full.pt too\\)"):
+        checkpoint.average([full, tmp_path / "short.pt", tmp_path / "link.pt"])
 
 
 def test_a_checkpoint_whose_parts_do_not_belong_together_is_one_line(tmp_path, tokenizer,
