@@ -98,6 +98,15 @@ def resolve(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"{p}: no such model file or run directory")
 
 
+def resolved(path: str | os.PathLike) -> Path | None:
+    """``resolve(path)``, or None where it names no checkpoint: for the checks a command makes
+    before loading (an output that would overwrite a model), which leave the error to loading."""
+    try:
+        return resolve(path)
+    except OSError:
+        return None
+
+
 def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     """Loads a checkpoint's dict (tensors on the CPU), with a one-line error for a file that is
     not one.

@@ -221,8 +221,11 @@ def _check_outputs(args: argparse.Namespace, systems: list[System], tests: list[
              if s.kind == "hyp" for t in tests]
     reads += [(flag, f) for t in tests for flag, f in [("--src", t.src)] + [("--ref", r)
                                                                           for r in t.refs] if f]
-    reads += [("-m", str(_model_file(m))) for s in systems if s.kind == "model"
-              for m in _members(s.path) if _model_file(m)]
+    if any(s.kind == "model" for s in systems):  # (torch only where a model is loaded anyway)
+        from mt.checkpoint import resolved
+
+        reads += [("-m", str(file)) for s in systems if s.kind == "model"
+                  for m in _members(s.path) if (file := resolved(m))]
     reads += [("--shortlist", args.shortlist)] if args.shortlist else []
     seen: dict[str, str] = {}
     for flag, path in writes:
@@ -287,17 +290,6 @@ def _check_direction(paths: list[str], test: TestSet) -> None:
         if "src_lang" in data and "tgt_lang" in data and pair != test.langpair:
             log.warning("%s was trained for %s, test set %s is %s: check the direction "
                         "(--langpair)", path, pair, test.name, test.langpair)
-
-
-def _model_file(path: str) -> Path | None:
-    """The checkpoint that -m ``path`` loads (a run directory's as translate picks it), or None
-    where there is none (loading says so later)."""
-    from mt.checkpoint import resolve
-
-    try:
-        return resolve(path)
-    except OSError:
-        return None
 
 
 def _members(path: str) -> list[str]:

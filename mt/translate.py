@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import torch
 
 from mt.alignment import align_lines, layer_mistake, replace_unknowns, word_scores
-from mt.checkpoint import resolve
+from mt.checkpoint import resolved
 from mt.config import positive_int
 from mt.constraints import encode_phrases, split_phrases
 from mt.incremental import max_positions
@@ -389,15 +389,9 @@ def _refuse_overwrite(args: argparse.Namespace, parallel: dict[str, str]) -> Non
 def _model_files(args: argparse.Namespace) -> list[tuple[str, str, os.stat_result]]:
     """(option, name, stat) of the checkpoints (-m, a run directory's as translate picks it) and
     the --shortlist file; those that cannot be found are left out (loading says why)."""
-    out = []
-    for option, path in [*(("-m", m) for m in args.model), ("--shortlist", args.shortlist)]:
-        try:
-            file = resolve(path) if option == "-m" else path
-            if file:
-                out.append((option, str(file), os.stat(file)))
-        except OSError:  # FileNotFoundError included
-            continue
-    return out
+    files = [("-m", resolved(m)) for m in args.model] + [("--shortlist", args.shortlist)]
+    return [(option, str(file), os.stat(file)) for option, file in files
+            if file and os.path.exists(file)]
 
 
 def _refuse_shared_streams(args: argparse.Namespace, parallel: dict[str, str]) -> None:
