@@ -86,7 +86,7 @@ def check_setup(cfg: TrainConfig) -> None:
         model = build_model(replace(cfg.model, src_vocab_size=8, tgt_vocab_size=8))
     if cfg.trainer.freeze:
         freeze(model, cfg.trainer.freeze)
-    build_optimizer(model, cfg, torch.device("meta"))
+    build_optimizer(model, cfg)
     lr_lambda(cfg)
 
 
@@ -163,7 +163,7 @@ class Trainer:
         if cfg.trainer.freeze:
             log.info("trainer.freeze: %d parameter tensors kept as they are",
                      len(freeze(self.model, cfg.trainer.freeze)))
-        self.optimizer = build_optimizer(self.model, cfg, self.device)
+        self.optimizer = build_optimizer(self.model, cfg)
         self.ema = EMA(self.model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
         # Training seconds of earlier runs (resumed) and this one's start; `elapsed` is the clock
         # every rank agrees on, read by the time-budgeted schedule.
@@ -389,7 +389,7 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.optimizer.__dict__.pop("found_inf", None)  # no stale flag for any other caller
         if self.ema is not None:
-            self.ema.update()
+            self.ema.update(finite)
         self.scaler.update()
         self.step_lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()  # the schedule follows the step counter, skipped steps included

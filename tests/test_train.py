@@ -222,7 +222,7 @@ def test_optimizer_skips_a_nan_step_on_the_device_without_touching_its_state(nam
     cfg = compose([f"optim.name={name}", "optim.weight_decay=0.1"])
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg)
 
     def step(found_inf: float, grad: float | None = None) -> None:
         for p in model.parameters():
@@ -373,7 +373,7 @@ def test_a_resume_gives_the_next_step_the_rate_of_this_runs_schedule():
     def resumed(overrides: list[str]) -> tuple[list[str], float]:
         cfg = compose(["optim.warmup_steps=10", "optim.lr=1e-3", *overrides])
         model = torch.nn.Linear(2, 2)
-        opt = build_optimizer(model, cfg, torch.device("cpu"))
+        opt = build_optimizer(model, cfg)
         f = lr_lambda(cfg, history=lambda: history)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda taken: f(taken + 1))
         opt.load_state_dict(saved_opt)
@@ -382,7 +382,7 @@ def test_a_resume_gives_the_next_step_the_rate_of_this_runs_schedule():
 
     saver = compose(["optim.warmup_steps=10", "optim.lr=1e-3"])
     model = torch.nn.Linear(2, 2)
-    opt = build_optimizer(model, saver, torch.device("cpu"))
+    opt = build_optimizer(model, saver)
     f = lr_lambda(saver, history=lambda: history)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda taken: f(taken + 1))
     for _ in range(30):
@@ -1307,3 +1307,25 @@ def test_a_sweep_keeps_stdout_for_results(tmp_path, corpus_dir, tokenizer_dir):
     assert "Launching 2 jobs" in result.stderr
     assert result.stdout.splitlines() == [f"run directory: {tmp_path / 'sweep' / n}"
                                           for n in ("0", "1")]
+
+
+def test_a_skipped_nan_step_leaves_the_moving_average_as_it_is(trainer_factory, monkeypatch):
+    """The optimizer skips a step whose loss is NaN; the EMA used to be pulled towards the
+    unmoved weights all the same (and its decay warm-up counted the step, which it still does,
+    as the schedule does)."""
+    import mt.train
+
+    trainer = trainer_factory("ema_nan", "trainer.ema_decay=0.5")
+    batch, tokens = [0, 1], trainer.corpus.tgt_lens[0] + trainer.corpus.tgt_lens[1] + 2
+    trainer.train_step([batch], tokens)  # a real step: weights and average move apart
+    weights = [p.detach().clone() for p in trainer.ema.params]
+    shadow = [s.clone() for s in trainer.ema.shadow]
+    assert any(not torch.equal(w.float(), s) for w, s in zip(weights, shadow, strict=True))
+    real = mt.train.label_smoothed_nll
+    monkeypatch.setattr(mt.train, "label_smoothed_nll",
+                        lambda *a: tuple(x * float("nan") for x in real(*a)))
+    _, finite = trainer.train_step([batch], tokens)
+    assert not finite
+    assert all(torch.equal(p, w) for p, w in zip(trainer.ema.params, weights, strict=True))
+    assert all(torch.equal(s, b) for s, b in zip(trainer.ema.shadow, shadow, strict=True))
+    assert trainer.ema.updates == 2
