@@ -9,17 +9,14 @@ are exact: a word's log-probability is the sum of its pieces'.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from mt.batching import budget_batches, pad
 from mt.config import EOS_ID
 from mt.incremental import first_member
+from mt.options import SearchOptions
+from mt.results import LineResult, line_texts
 from mt.scoring import cross_attention
-
-if TYPE_CHECKING:
-    from mt.lines import LineResult
 
 
 def layer_mistake(model, layer: int | None, flag: str = "--alignment-layer") -> str | None:
@@ -147,7 +144,8 @@ def _attended(model, tokenizer, results: list[LineResult], jobs: list[tuple[int,
 
 
 def align_lines(model, tokenizer, results: list[LineResult], layer: int | None = None,
-                batch_tokens: int = 4096, copied: bool = False) -> list[list[str]]:
+                batch_tokens: int = SearchOptions.batch_tokens,
+                copied: bool = False) -> list[list[str]]:
     """Pharaoh word alignments ('i-j': source word i, target word j, from 0) of every n-best entry.
 
     Each target token is aligned to the source token it attends to most in one decoder layer's
@@ -232,7 +230,7 @@ def word_scores(tokenizer, results: list[LineResult], copied: bool = False) -> l
 
 
 def replace_unknowns(model, tokenizer, results: list[LineResult], layer: int | None = None,
-                     batch_tokens: int = 4096) -> list[list[str]]:
+                     batch_tokens: int = SearchOptions.batch_tokens) -> list[list[str]]:
     """Every n-best entry's text with each ``<unk>`` the model wrote (printed as " ⁇ ") replaced
     by the source piece it attends to most, as the input spells it (before normalization;
     fairseq's and OpenNMT-py's ``--replace-unk``, without a dictionary): a name or symbol the
@@ -245,8 +243,6 @@ def replace_unknowns(model, tokenizer, results: list[LineResult], layer: int | N
     Returns:
         per line, per n-best entry (as ``line_texts`` gives them), the text.
     """
-    from mt.lines import line_texts
-
     unk = tokenizer.tgt.unk_id()
     lines = {li for li, r in enumerate(results)
              if any(unk in h.tokens for piece in r.hyps for h in piece)}

@@ -34,9 +34,10 @@ from mt.config import count_or_off, positive_int, resamples
 from mt.options import (
     add_search_arguments,
     add_worker_arguments,
-    search_mistake,
+    flags_mistake,
     search_options,
     unused_options,
+    weights_mistake,
 )
 from mt.report import METRICS, compare, make_metric, render, score_system, sentence_scores
 from mt.testsets import (
@@ -359,9 +360,7 @@ class _AddSystem(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         kind = "model" if self.dest == "model" else "hyp"
-        systems = list(getattr(namespace, "systems", None) or [])
-        systems += [(kind, v) for v in values]
-        namespace.systems = systems
+        namespace.systems = [*namespace.systems, *((kind, v) for v in values)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -449,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "{test} and {n} (system number) are replaced")
     g.add_argument("--width", "-w", type=count_or_off, default=2, help="decimals in tables")
     g.add_argument("--quiet", "-q", action="store_true", help="warnings and errors only")
+    # What translate's flags would give: mt-eval prints one translation and scores none given.
+    p.set_defaults(systems=[], nbest=1, score=None)
     return p
 
 
@@ -461,24 +462,23 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("sacrebleu").setLevel(logging.WARNING)
-    args.systems = getattr(args, "systems", None)
     if args.json and args.format not in ("text", "json"):
         raise SystemExit(f"mt-eval: --json means --format json; it does not combine with "
                          f"--format {args.format}")
-    mistake = search_mistake(args)
+    mistake = flags_mistake(args)
     if mistake:
         raise SystemExit(f"mt-eval: {mistake}")
     if args.weights is not None:  # one per member of each ensemble (-m a.pt,b.pt)
-        ensembles = [(v, len(_members(v))) for kind, v in args.systems or []
+        ensembles = [(v, len(_members(v))) for kind, v in args.systems
                      if kind == "model" and len(_members(v)) > 1]
         if not ensembles:
             raise SystemExit("mt-eval: --weights weighs the members of an ensemble (-m "
                              "a.pt,b.pt), and no -m system here is one")
         for path, n in ensembles:
-            if n != len(args.weights):
-                raise SystemExit(f"mt-eval: --weights: {len(args.weights)} weights for the {n} "
-                                 f"members of -m {path}; one per member, in their order")
-    if any(kind == "model" for kind, _ in args.systems or []):
+            mistake = weights_mistake(args.weights, n, f"the {n} members of -m {path}")
+            if mistake:
+                raise SystemExit(f"mt-eval: {mistake}")
+    if any(kind == "model" for kind, _ in args.systems):
         for warning in unused_options(args, parser):
             log.warning(warning)
         from mt.inference import cap_kernel_caches, device_mistake, keep_freed_memory

@@ -74,7 +74,7 @@ def float32_products_on_onednn() -> Iterator[None]:
                 matmul.fp32_precision = _onednn_saved
 
 
-def float32_products_in_onednn() -> bool:
+def onednn_float32_active() -> bool:
     """Whether some thread is inside ``float32_products_on_onednn`` now (the switch is on)."""
     return _onednn_users > 0
 

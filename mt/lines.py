@@ -3,9 +3,10 @@ share, apart from the command line.
 
 Lines are encoded; a line longer than the model's maximum is cut into pieces, between sentences
 where it can (``_pieces``); the pieces are sorted by length, cut into batches by a token budget,
-searched (one batch per worker thread on a CPU) and put back in input order, grouped by line
-(``LineResult``). Empty lines are not searched: those that encode to EOS alone, whitespace or
-only what normalization removes (a byte-order mark, a zero-width space) included.
+searched (one batch per worker on a CPU: a forked process or a thread, ``mt.workers``) and put
+back in input order, grouped by line (``LineResult``). Empty lines are not searched: those that
+encode to EOS alone, whitespace or only what normalization removes (a byte-order mark, a
+zero-width space) included.
 ``score_lines`` does the same for given translations (``translate --score``).
 """
 
@@ -13,17 +14,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from mt.alignment import replace_unknowns
 from mt.batching import pad
 from mt.config import EOS_ID, UNK_ID
 from mt.constraints import constrained_beam_search, encode_phrases, satisfied
-from mt.incremental import first_member, max_positions
+from mt.incremental import ensemble_members, first_member, max_positions
 from mt.mbr import mbr_lines
 from mt.options import SearchOptions, search_mistake
+from mt.results import LineResult, line_texts
 from mt.scoring import forced_scores
 from mt.search import Hypothesis, beam_search, greedy_search, sample_search
 from mt.shortlist import Shortlist, restricted_search
@@ -162,20 +165,8 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
 
     # Sampling draws from one random stream in batch order, so it stays on one thread.
     return map_batches(search, [len(s) for s in sources], opts.batch_tokens,
-                        min(opts.workers, 1) if opts.sampling else opts.workers, device, progress,
+                        1 if opts.sampling else opts.workers, device, progress,
                         opts.processes)
-
-
-@dataclass
-class LineResult:
-    """One input line's search: its source pieces and, per piece, the n-best hypotheses.
-
-    A line fits in one piece unless it is longer than the model's maximum; an empty line has none.
-    """
-
-    sources: list[list[int]]
-    hyps: list[list[Hypothesis]]
-    text: str = ""  # the input line, whose words ``--alignment`` numbers
 
 
 def encode_prefixes(tokenizer, prefixes: list[str], name: str = "prefixes",
@@ -197,7 +188,7 @@ def encode_prefixes(tokenizer, prefixes: list[str], name: str = "prefixes",
 def check_eval(model) -> None:
     """A model in training mode would search with dropout on: another translation at every call,
     and worse ones. Loaded models are in eval mode; a model taken from training code may not be."""
-    if any(m.training for member in getattr(model, "models", [model]) for m in member.modules()):
+    if any(m.training for member in ensemble_members(model) for m in member.modules()):
         raise ValueError("the model is in training mode (dropout on: every call would translate "
                          "differently): call model.eval() first")
 
@@ -309,7 +300,7 @@ def unmet(results: list[LineResult], constraints: list[list[list[int]]]) -> int:
 
 
 def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: float = 0.6,
-                batch_tokens: int = 4096, workers: int = 1,
+                batch_tokens: int = SearchOptions.batch_tokens, workers: int = 1,
                 progress: bool | Any = False, *, warn: bool = True,
                 processes: bool = False) -> list[LineResult]:
     """Scores given translations (``translate --score``) instead of searching for them.
@@ -328,7 +319,8 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
         result fits ``align_lines`` for forced alignments of given translations.
     """
     check_eval(model)
-    SearchOptions(lenpen=lenpen, batch_tokens=batch_tokens, workers=workers)  # its checks, words
+    # made for the checks its constructor runs: the same refusals, in the same words
+    SearchOptions(lenpen=lenpen, batch_tokens=batch_tokens, workers=workers)
     lines, targets = text_list(lines, "lines"), text_list(targets, "targets")
     if len(targets) != len(lines):
         raise ValueError(f"{len(targets)} translations for {len(lines)} lines")
@@ -359,21 +351,6 @@ def score_lines(model, tokenizer, lines: list[str], targets: list[str], lenpen: 
     return out
 
 
-def line_texts(tokenizer, result: LineResult) -> list[tuple[str, float]]:
-    """A line's n-best (text, score), best first: ("", 0.0) for an empty line, and one entry for
-    a line in pieces, their best translations joined and their scores summed (each normalised by
-    its own length penalty: the whole does not fit the model, so it has no score of its own)."""
-    if not result.hyps:
-        return [("", 0.0)]
-    if len(result.hyps) == 1:
-        nbest = result.hyps[0]
-        texts = tokenizer.decode_tgt([h.tokens for h in nbest])
-        return list(zip(texts, [h.score for h in nbest], strict=True))
-    # Pieces of one long line: join their best translations.
-    texts = tokenizer.decode_tgt([p[0].tokens for p in result.hyps])
-    return [(" ".join(texts), sum(p[0].score for p in result.hyps))]
-
-
 def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | None = None,
                     progress: bool = False,
                     prefixes: list[str] | None = None,
@@ -391,6 +368,20 @@ def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | No
     return [line_texts(tokenizer, r) for r in results]
 
 
+def nbest_texts(model, tokenizer, results: list[LineResult], replace_unk: bool = False,
+                layer: int | None = None,
+                batch_tokens: int = SearchOptions.batch_tokens) -> list[list[tuple[str, float]]]:
+    """Per line, its n-best (text, score), best first (``line_texts``); with ``replace_unk``
+    each <unk> copied from the source piece it attends to most in decoder ``layer``
+    (``mt.alignment.replace_unknowns``), the scores unchanged."""
+    nbests = [line_texts(tokenizer, r) for r in results]
+    if not replace_unk:
+        return nbests
+    texts = replace_unknowns(model, tokenizer, results, layer, batch_tokens)
+    return [[(t, score) for t, (_, score) in zip(line, nbest, strict=True)]
+            for line, nbest in zip(texts, nbests, strict=True)]
+
+
 def best_translations(model, tokenizer, lines: list[str], opts: SearchOptions, *,
                       constraints: list[list[str]] | None = None,
                       shortlist: Shortlist | None = None, replace_unk: bool = False,
@@ -402,9 +393,5 @@ def best_translations(model, tokenizer, lines: list[str], opts: SearchOptions, *
     with torch.inference_mode():
         results = search_lines(model, tokenizer, lines, opts, constraints=constraints,
                                shortlist=shortlist)
-        if replace_unk:
-            from mt.alignment import replace_unknowns
-
-            texts = replace_unknowns(model, tokenizer, results, layer, opts.batch_tokens)
-            return [nbest[0] for nbest in texts]
-    return [line_texts(tokenizer, r)[0][0] for r in results]
+        texts = nbest_texts(model, tokenizer, results, replace_unk, layer, opts.batch_tokens)
+    return [nbest[0][0] for nbest in texts]

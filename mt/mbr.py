@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mt.lines import LineResult
+    from mt.results import LineResult  # (mbr stays free of torch: mt.options imports it)
 
 UTILITIES = ("chrf", "bleu")
 

@@ -1,10 +1,12 @@
 """The Transformer encoder-decoder of Vaswani et al. (2017), with an incremental decoding interface.
 
-Mask convention (the only one in `mt`): a boolean tensor where ``True`` means *may attend*, which
-is what ``F.scaled_dot_product_attention`` takes. Padded *keys* are masked; a query row is never
-fully masked because every source sentence ends with EOS and targets are right-padded, so a real
-token always precedes the padding. The decoder's self-attention needs only the causal mask for
-that reason: a right-padded target's real positions never look at the pads after them.
+Mask convention: a boolean tensor where ``True`` means *may attend*, which is what
+``F.scaled_dot_product_attention`` takes (decoding's cache and shortlists add a 0/-inf bias
+instead, for speed: ``mt.kvcache.block_attention`` says why). Padded *keys* are masked; a query
+row is never fully masked because every source sentence ends with EOS and targets are
+right-padded, so a real token always precedes the padding. The decoder's self-attention needs
+only the causal mask for that reason: a right-padded target's real positions never look at the
+pads after them.
 
 Shapes in comments: B batch, S source length, T target length, D d_model, H heads, K head dim,
 V vocabulary.
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mt.config import PAD_ID, ModelConfig
-from mt.kvcache import KVCache, float32_products_in_onednn
+from mt.kvcache import KVCache, onednn_float32_active
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 
@@ -55,11 +57,14 @@ class PositionalEncoding(nn.Module):
 
 def sinusoids(length: int, d_model: int) -> Tensor:
     """Sinusoidal positions (paper, 3.5), sines in the first half of the dimensions, cosines in the
-    second, wavelengths from 2*pi to 10000*2*pi.
+    second; frequency i of d_model / 2 is 10000^(-2i / d_model), the paper's, so wavelengths run
+    from 2*pi to just under 10000*2*pi (2*pi*9647 at d_model 512).
 
     The paper interleaves sin/cos; tensor2tensor, fairseq and Marian concatenate them. The two are a
     fixed permutation of each other (the same model up to relabelled dimensions); we follow the
-    implementations so that weights move to and from Marian/Hugging Face unchanged.
+    implementations so that weights move to and from Marian/Hugging Face unchanged. The
+    frequencies are Marian's and Hugging Face's; tensor2tensor and fairseq space them by
+    log(10000) / (d_model / 2 - 1) instead, so their weights need their own table.
     """
     half = d_model // 2
     position = torch.arange(length, dtype=torch.float32).unsqueeze(1)
@@ -149,7 +154,7 @@ class MultiHeadAttention(nn.Module):
         # The fused CPU kernel is slower than matmul-softmax-matmul in bf16, and in float32 too
         # while float32 products go to oneDNN (a search: its inner products then take a slow
         # path, 5x slower for the encoder of a Multi30k batch).
-        if q.device.type == "cpu" and (q.dtype != torch.float32 or float32_products_in_onednn()):
+        if q.device.type == "cpu" and (q.dtype != torch.float32 or onednn_float32_active()):
             out = explicit_attention(q, k, v, mask, causal, dropout)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,

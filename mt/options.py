@@ -59,48 +59,55 @@ def add_search_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, *
                          nbest: bool = True) -> None:
     """The flags of every SearchOptions field but ``workers`` (``--nbest`` where the command
     prints n-best lists); docs/decoding.md describes each."""
-    p.add_argument("--beam", type=int, default=5, help="beam size; 1 = greedy (default: 5)")
+    p.add_argument("--beam", type=int, default=SearchOptions.beam,
+                   help="beam size; 1 = greedy (default: %(default)s)")
     if nbest:
-        p.add_argument("--nbest", type=int, default=1,
+        p.add_argument("--nbest", type=int, default=SearchOptions.nbest,
                        help="print up to N lines per input line, 'index<TAB>translation<TAB>"
                             "score' (an empty line or one translated in pieces has one); "
-                            "default: 1, the translation alone")
-    p.add_argument("--lenpen", type=float, default=0.6,
-                   help="GNMT length penalty alpha (default: 0.6)")
-    p.add_argument("--max-len-a", type=float, default=1.5,
-                   help="at most a * source tokens + b output tokens, EOS included (default: 1.5)")
-    p.add_argument("--max-len-b", type=int, default=10, help="b of --max-len-a (default: 10)")
-    p.add_argument("--min-len", type=int, default=0,
-                   help="no EOS before this many tokens (default: 0)")
-    p.add_argument("--no-repeat-ngram-size", type=count_or_off, default=0, metavar="N",
+                            "default: %(default)s, the translation alone")
+    p.add_argument("--lenpen", type=float, default=SearchOptions.lenpen,
+                   help="GNMT length penalty alpha (default: %(default)s)")
+    p.add_argument("--max-len-a", type=float, default=SearchOptions.max_len_a,
+                   help="at most a * source tokens + b output tokens, EOS included "
+                        "(default: %(default)s)")
+    p.add_argument("--max-len-b", type=int, default=SearchOptions.max_len_b,
+                   help="b of --max-len-a (default: %(default)s)")
+    p.add_argument("--min-len", type=int, default=SearchOptions.min_len,
+                   help="no EOS before this many tokens (default: %(default)s)")
+    p.add_argument("--no-repeat-ngram-size", type=count_or_off,
+                   default=SearchOptions.no_repeat_ngram, metavar="N",
                    help="no n-gram of N tokens twice in one translation, against the loops of "
-                        "an under-trained model (default: 0, off)")
+                        "an under-trained model (default: %(default)s, off)")
     p.add_argument("--sampling", action="store_true",
                    help="sample translations instead of beam search")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="sampling temperature (default: 1.0)")
-    p.add_argument("--top-k", type=int, default=0,
-                   help="sample from the k best tokens (default: 0, all)")
-    p.add_argument("--top-p", type=float, default=1.0,
+    p.add_argument("--temperature", type=float, default=SearchOptions.temperature,
+                   help="sampling temperature (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=SearchOptions.top_k,
+                   help="sample from the k best tokens (default: %(default)s, all)")
+    p.add_argument("--top-p", type=float, default=SearchOptions.top_p,
                    help="sample from the smallest set of tokens with this much mass "
-                        "(default: 1.0, all)")
-    p.add_argument("--epsilon", type=float, default=0.0,
-                   help="sample no token of probability below this (default: 0, all); for "
-                        "--mbr candidates, 0.02 is a good choice (Freitag et al., 2023)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+                        "(default: %(default)s, all)")
+    p.add_argument("--epsilon", type=float, default=SearchOptions.epsilon,
+                   help="sample no token of probability below this (default: %(default)s, "
+                        "all); for --mbr candidates, 0.02 is a good choice (Freitag et al., 2023)")
+    p.add_argument("--seed", type=int, default=SearchOptions.seed,
+                   help="sampling seed (default: %(default)s)")
     p.add_argument("--mbr", choices=UTILITIES, default=None,
                    help="minimum Bayes risk: of --mbr-candidates translations per line (samples "
                         "with --sampling, else the beam's n-best), the one with the best mean "
                         "chrF or BLEU against the others (default: off)")
-    p.add_argument("--mbr-candidates", type=positive_int, default=16, metavar="N",
-                   help="candidates per line for --mbr (default: 16)")
-    p.add_argument("--batch-tokens", type=positive_int, default=4096,
-                   help="source tokens per batch, padding included (default: 4096)")
+    p.add_argument("--mbr-candidates", type=positive_int, default=SearchOptions.mbr_candidates,
+                   metavar="N",
+                   help="candidates per line for --mbr (default: %(default)s)")
+    p.add_argument("--batch-tokens", type=positive_int, default=SearchOptions.batch_tokens,
+                   help="source tokens per batch, padding included (default: %(default)s)")
 
 
-def search_mistake(args: argparse.Namespace | SearchOptions) -> str | None:
-    """The first search flag out of range or without the flag it needs, in words; None if none."""
-    nbest = getattr(args, "nbest", 1)
+def search_mistake(args: SearchOptions) -> str | None:
+    """The first search option out of range or without the option it needs, in the words of
+    its command-line flag; None if none."""
+    nbest = args.nbest
     if args.beam < 1:
         return f"--beam must be at least 1, got {args.beam}"
     if not args.sampling and not 1 <= nbest <= args.beam:
@@ -127,11 +134,11 @@ def search_mistake(args: argparse.Namespace | SearchOptions) -> str | None:
     if args.min_len < 0:
         return f"--min-len must be at least 0, got {args.min_len}"
     # (the command line's types check these; a SearchOptions made in Python does not have them)
-    if getattr(args, "no_repeat_ngram", 0) < 0:
+    if args.no_repeat_ngram < 0:
         return f"--no-repeat-ngram-size must be 0 (off) or more, got {args.no_repeat_ngram}"
     if args.mbr_candidates < 1:
         return f"--mbr-candidates must be at least 1, got {args.mbr_candidates}"
-    if isinstance(args, SearchOptions) and args.workers < 1:
+    if args.workers < 1:
         return f"--workers must be at least 1, got {args.workers}"
     if args.sampling and not -2**63 <= args.seed < 2**64:  # torch.Generator.manual_seed's
         return f"--seed must be within -2**63 and 2**64 - 1, got {args.seed}"
@@ -143,12 +150,31 @@ def search_mistake(args: argparse.Namespace | SearchOptions) -> str | None:
     if args.mbr and not args.sampling and args.beam < args.mbr_candidates:
         return (f"--mbr-candidates {args.mbr_candidates} from beam search needs --beam "
                 f"{args.mbr_candidates} or more (or --sampling)")
+    return None
+
+
+def flags_mistake(args: argparse.Namespace) -> str | None:
+    """The first search flag of ``add_search_arguments`` out of range or without the flag it
+    needs (``search_mistake``), in words; None if none."""
+    try:
+        search_options(args, workers=1)
+    except ValueError as err:
+        return str(err)
     # The budget counts EOS; the shortest line that is not empty is one piece and EOS. (Not a
     # SearchOptions check: translate --score builds one with any budget, which it does not use.)
-    if (isinstance(args, argparse.Namespace) and 2 * args.max_len_a + args.max_len_b < 2
-            and getattr(args, "score", None) is None):
+    if 2 * args.max_len_a + args.max_len_b < 2 and args.score is None:
         return (f"--max-len-a {args.max_len_a:g} --max-len-b {args.max_len_b} leaves a short line "
                 "no room for a token before EOS: its translation would be empty")
+    return None
+
+
+def weights_mistake(weights: list[float], members: int, what: str) -> str | None:
+    """What is wrong with an ensemble's ``--weights`` for ``members`` models (``what`` names
+    them), in words; None if nothing. Checked before any model is loaded."""
+    if len(weights) != members:
+        return f"--weights: {len(weights)} weights for {what}; one per model, in their order"
+    if not all(0 < w < math.inf for w in weights):
+        return f"--weights must be above 0 and finite, got {weights}"
     return None
 
 
@@ -159,19 +185,19 @@ def unused_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     def given(dest: str) -> bool:
         return getattr(args, dest) != parser.get_default(dest)
 
-    scoring = getattr(args, "score", None) is not None
+    scoring = args.score is not None
+    aligns = hasattr(args, "alignment")  # translate's --alignment; mt-eval has none
     unused = [("--seed", "without --sampling", given("seed") and not args.sampling),
               ("--mbr-candidates", "without --mbr", given("mbr_candidates") and not args.mbr),
               ("--worker-threads", "with one worker (--workers 1, --sampling or a GPU)",
-               getattr(args, "worker_threads", False)
-               and (getattr(args, "workers", None) == 1 or args.sampling
-                    or not str(getattr(args, "device", "cpu")).startswith("cpu"))),
+               args.worker_threads
+               and (args.workers == 1 or args.sampling or not args.device.startswith("cpu"))),
               ("--beam", "with --sampling (--nbest sets the samples per line)",
                given("beam") and args.sampling),
-              ("--alignment-layer", "without --alignment or --replace-unk"
-               if hasattr(args, "alignment") else "without --replace-unk",
-               getattr(args, "alignment_layer", None) is not None
-               and not (getattr(args, "alignment", False) or getattr(args, "replace_unk", False)))]
+              ("--alignment-layer", "without --alignment or --replace-unk" if aligns
+               else "without --replace-unk",
+               args.alignment_layer is not None
+               and not ((aligns and args.alignment) or args.replace_unk))]
     unused += [(flag, "with --score", scoring and given(dest)) for flag, dest in (
         ("--beam", "beam"), ("--min-len", "min_len"), ("--max-len-a", "max_len_a"),
         ("--max-len-b", "max_len_b"), ("--no-repeat-ngram-size", "no_repeat_ngram_size"))]
@@ -181,13 +207,13 @@ def unused_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 def search_options(args: argparse.Namespace, workers: int) -> SearchOptions:
     """SearchOptions from the flags of ``add_search_arguments`` and ``add_worker_arguments``."""
     return SearchOptions(
-        beam=args.beam, lenpen=args.lenpen, nbest=getattr(args, "nbest", 1),
+        beam=args.beam, lenpen=args.lenpen, nbest=args.nbest,
         max_len_a=args.max_len_a, max_len_b=args.max_len_b, min_len=args.min_len,
         no_repeat_ngram=args.no_repeat_ngram_size, batch_tokens=args.batch_tokens,
         sampling=args.sampling, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         epsilon=args.epsilon, seed=args.seed, mbr=args.mbr or "",
         mbr_candidates=args.mbr_candidates, workers=workers,
-        processes=not getattr(args, "worker_threads", True))
+        processes=not args.worker_threads)
 
 
 def add_worker_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -27,13 +27,14 @@ from torch import Tensor
 from mt.batching import budget_batches, pad
 from mt.config import EOS_ID, PAD_ID
 from mt.incremental import Restricted
+from mt.options import SearchOptions
 from mt.search import Hypothesis
 from mt.textio import text_list
 
 FORMAT = "mt-shortlist/1"
 SPECIAL = 4  # PAD, UNK, BOS, EOS: always allowed, at their own ids
 BLOCK = 64  # a batch's pieces are padded to a multiple of this (mt.search._best's blocks)
-BATCH_TOKENS = 4096  # translate's default --batch-tokens, for the summary
+BATCH_TOKENS = SearchOptions.batch_tokens  # translate's default --batch-tokens, for the summary
 
 
 def lexical_probabilities(pairs: Sequence[tuple[list[int], list[int]]], src_vocab: int,

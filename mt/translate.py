@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import math
 import os
 import signal
 import stat
@@ -31,7 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
-from mt.alignment import align_lines, layer_mistake, replace_unknowns, word_scores
+from mt.alignment import align_lines, layer_mistake, word_scores
 from mt.checkpoint import resolved
 from mt.config import positive_int
 from mt.constraints import encode_phrases, split_phrases
@@ -48,9 +47,8 @@ from mt.lines import (
     NOT_SCORED,
     UNMET,
     UNUSED_PREFIX,
-    LineResult,
     encode_prefixes,
-    line_texts,
+    nbest_texts,
     score_lines,
     search_lines,
     translate_ids,
@@ -61,10 +59,12 @@ from mt.options import (
     SearchOptions,
     add_search_arguments,
     add_worker_arguments,
-    search_mistake,
+    flags_mistake,
     search_options,
     unused_options,
+    weights_mistake,
 )
+from mt.results import LineResult
 from mt.shortlist import Shortlist
 from mt.textio import (
     STDOUT_NAMES,
@@ -155,13 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fields(model, tokenizer, results: list[LineResult], args: argparse.Namespace,
-            batch_tokens: int = 4096) -> list[list[list[str]]]:
+def _fields(model, tokenizer, results: list[LineResult],
+            args: argparse.Namespace) -> list[list[list[str]]]:
     """Per line, per n-best entry, what follows the translation after ' ||| ': the alignment
     (``--alignment``), then the word scores (``--word-scores``)."""
     parts = []
     if args.alignment:
-        parts.append(align_lines(model, tokenizer, results, args.alignment_layer, batch_tokens,
+        parts.append(align_lines(model, tokenizer, results, args.alignment_layer, args.batch_tokens,
                                  args.replace_unk))
     if args.word_scores:
         parts.append(word_scores(tokenizer, results, args.replace_unk))
@@ -171,16 +171,11 @@ def _fields(model, tokenizer, results: list[LineResult], args: argparse.Namespac
             for li in range(len(results))]
 
 
-def _texts(model, tokenizer, results: list[LineResult], args: argparse.Namespace,
-           batch_tokens: int = 4096) -> list[list[tuple[str, float]]]:
-    """Per line, its n-best (text, score); with ``--replace-unk`` each <unk> copied from the
-    source."""
-    nbests = [line_texts(tokenizer, r) for r in results]
-    if not args.replace_unk:
-        return nbests
-    texts = replace_unknowns(model, tokenizer, results, args.alignment_layer, batch_tokens)
-    return [[(t, score) for t, (_, score) in zip(line, nbest, strict=True)]
-            for line, nbest in zip(texts, nbests, strict=True)]
+def _texts(model, tokenizer, results: list[LineResult],
+           args: argparse.Namespace) -> list[list[tuple[str, float]]]:
+    """Per line, its n-best (text, score), as --replace-unk asks."""
+    return nbest_texts(model, tokenizer, results, args.replace_unk, args.alignment_layer,
+                       args.batch_tokens)
 
 
 def _format(i: int, nbest: list[tuple[str, float]], fields: list[list[str]],
@@ -334,7 +329,7 @@ def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         raise SystemExit("translate: --score scores given translations; it does not combine with "
                          "--sampling, --nbest, --prefix-file, --constraints-file, --shortlist or "
                          "--replace-unk")
-    mistake = search_mistake(args) or device_mistake(args.device)
+    mistake = flags_mistake(args) or device_mistake(args.device)
     if mistake:
         raise SystemExit(f"translate: {mistake}")
     unused = unused_options(args, parser)
@@ -346,11 +341,10 @@ def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         log.warning("--min-len %d is not below the budget of --max-len-a 0 --max-len-b %d (EOS "
                     "included): every translation runs to the budget",
                     args.min_len, args.max_len_b)
-    if args.weights is not None and len(args.weights) != len(args.model) > 1:
-        raise SystemExit(f"translate: --weights: {len(args.weights)} weights for "
-                         f"{len(args.model)} models (-m); one per model, in their order")
-    if args.weights is not None and not all(0 < w < math.inf for w in args.weights):
-        raise SystemExit(f"translate: --weights must be above 0 and finite, got {args.weights}")
+    if args.weights is not None and len(args.model) > 1:
+        mistake = weights_mistake(args.weights, len(args.model), f"{len(args.model)} models (-m)")
+        if mistake:
+            raise SystemExit(f"translate: {mistake}")
     if args.constraints_file and (args.sampling or args.beam < 2):
         raise SystemExit("translate: --constraints-file needs beam search with --beam 2 or more "
                          "(a beam of 1 has no room for a hypothesis that places a phrase)")
@@ -472,7 +466,8 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
                     results = score_lines(model, tokenizer, lines, side["--score"], args.lenpen,
                                           args.batch_tokens, opts.workers, progress, warn=False,
                                           processes=opts.processes)
-                    unfit += sum(bool(r.sources) and not r.hyps for r in results)  # not empty
+                    # too long to score (an empty pair has no sources and needs no score)
+                    unfit += sum(bool(r.sources) and not r.hyps for r in results)
                 else:
                     ids = {}
                     for option in SPELLED:
@@ -494,8 +489,8 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
                     if args.prefix_file:  # an empty line is not searched: it has no prefix
                         unused += sum(bool(p) and not r.sources for p, r in zip(
                             ids["--prefix-file"], results, strict=True))
-                fields = _fields(model, tokenizer, results, args, args.batch_tokens)
-                texts = (_texts(model, tokenizer, results, args, args.batch_tokens)
+                fields = _fields(model, tokenizer, results, args)
+                texts = (_texts(model, tokenizer, results, args)
                          if not args.score else [None] * len(results))
                 for i, (r, f, nbest) in enumerate(zip(results, fields, texts, strict=True),
                                                   start=done):

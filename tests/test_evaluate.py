@@ -673,6 +673,8 @@ def test_comma_separated_models_are_one_ensemble_system(tmp_path, capsys):
     assert out["tests"][0]["systems"][0]["weights"] == [3.0, 1.0]
     for systems, weights, message in (
             ([f"{a},{b}"], ["1", "2", "3"], f"3 weights for the 2 members of -m {a},{b}"),
-            ([a], ["1", "2"], "no -m system here is one")):
+            ([a], ["1", "2"], "no -m system here is one"),
+            # refused before any work: -m a would translate the test set first
+            ([a, f"{a},{b}"], ["1", "-1"], "--weights must be above 0 and finite")):
         with pytest.raises(SystemExit, match=message):
             main(["-m", *systems, "--src", src_file, "--ref", ref_file, "--weights", *weights])

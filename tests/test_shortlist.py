@@ -178,7 +178,8 @@ def test_mt_shortlist_learns_the_pieces_the_training_targets_use(shortlisted):
 
 
 def test_translate_shortlist_cli_keeps_each_line_to_its_pieces(shortlisted, tmp_path, capsys):
-    from mt.lines import line_texts, search_lines, translate_lines
+    from mt.lines import search_lines, translate_lines
+    from mt.results import line_texts
     from mt.translate import main
     from tests.test_translate import FAST
 
