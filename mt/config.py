@@ -400,8 +400,18 @@ def check_values(cfg: TrainConfig) -> None:
         for key, value in values.items():
             if not value >= least:  # NaN fails too
                 raise ValueError(f"{key} must be at least {least}, got {value}")
-    if t.lenpen == math.inf:  # else found at the first validation, perhaps hours in
-        raise ValueError(f"trainer.lenpen must be finite, got {t.lenpen}")
+    finite = {"trainer.lenpen": t.lenpen, "optim.lr": o.lr, "optim.min_lr": o.min_lr}
+    for key, value in finite.items():  # else found at a validation or a step, perhaps hours in
+        if value == math.inf:
+            raise ValueError(f"{key} must be finite, got {value}")
+    if o.schedule == "cosine" and not o.min_lr <= o.lr > 0:
+        raise ValueError(f"optim.schedule=cosine decays optim.lr={o.lr:g} to optim.min_lr="
+                         f"{o.min_lr:g}: optim.lr must be above 0 and at least optim.min_lr")
+    if t.seed >= 2**32:  # SentencePiece's and NumPy's seeds are 32-bit
+        raise ValueError(f"trainer.seed must be below 2**32, got {t.seed}")
+    if t.average_last == 1:
+        raise ValueError("trainer.average_last=1 would average one checkpoint: 0 (off) or 2 "
+                         "and more")
     below_one = {"optim.label_smoothing": o.label_smoothing, "model.dropout": m.dropout,
                  "model.attention_dropout": m.attention_dropout,
                  "model.activation_dropout": m.activation_dropout,
@@ -442,8 +452,8 @@ def check_values(cfg: TrainConfig) -> None:
         if split not in parts:
             raise ValueError(f"data.upsample.{split}: not one of data.train's splits "
                              f"({', '.join(parts)})")
-        if not factor > 0:
-            raise ValueError(f"data.upsample.{split} must be above 0, got {factor}")
+        if not 0 < factor < math.inf:
+            raise ValueError(f"data.upsample.{split} must be above 0 and finite, got {factor}")
     if t.best_metric not in BEST_METRICS:
         raise ValueError(f"trainer.best_metric must be one of {', '.join(BEST_METRICS)}, "
                          f"got {t.best_metric!r}")

@@ -492,6 +492,9 @@ class Trainer:
         return self.best
 
     def _validate_and_save(self) -> None:
+        # Non-finite weights (a blow-up fewer than trainer.max_bad_steps steps ago) stop the run
+        # in the words of a divergence, not inside the search that validation runs.
+        check_weights(self.model, self.ckpt_dir / "last.pt")  # on every rank
         self.validated_step = self.step
         improved, record = False, None
         if self.rank == 0:
@@ -559,6 +562,8 @@ def _in_words(err: BaseException) -> str | None:
     if isinstance(err, torch.OutOfMemoryError):  # "CUDA out of memory. Tried to allocate 2 GiB"
         return (". ".join(str(err).split(". ")[:2]) + ": lower trainer.max_tokens "
                 "(a larger trainer.accumulation keeps the batch as large)")
+    if isinstance(err, OSError) and err.filename and err.strerror:  # name the file, not errno
+        return f"{err.filename}: {err.strerror}"
     return str(err) if isinstance(err, ValueError | OSError | Diverged | PeerFailed) else None
 
 

@@ -152,6 +152,13 @@ def test_a_group_set_to_nothing_is_one_line_naming_it(override, monkeypatch):
     ("optim.lr=-1e-3", "optim.lr must be at least 0, got -0.001"),
     ("optim.lr=nan", "optim.lr must be at least 0"),
     ("optim.eps=0", "optim.eps must be above 0"),
+    ("optim.lr=inf", "optim.lr must be finite"),  # NaN weights, then a crash in validation
+    ("optim.lr=0 optim.schedule=cosine", "optim.lr must be above 0 and at least optim.min_lr"),
+    ("optim.lr=5e-4 optim.min_lr=5e-3 optim.schedule=cosine",  # a "decay" that rose 10x
+     "optim.lr must be above 0 and at least optim.min_lr"),
+    ("trainer.seed=4294967296", r"trainer.seed must be below 2\*\*32"),
+    ("trainer.average_last=1", "trainer.average_last=1 would average one checkpoint"),
+    ("+data.upsample.train=inf", "data.upsample.train must be above 0 and finite"),
     ("data.subword_alpha=-1", "data.subword_alpha must be at least 0"),
     ("data.subword_alpha=0.5 data.tokenizer.model_type=bpe",
      "data.subword_alpha samples among a unigram model's segmentations: set "
@@ -1208,11 +1215,11 @@ def test_out_of_device_memory_is_one_line_that_says_what_to_lower(tmp_path, corp
 
 
 def test_nan_loss_skips_the_step_and_stops_a_diverging_run(tmp_path, corpus_dir, tokenizer_dir):
-    # lr = inf makes the weights NaN after the first update, so every later loss is NaN:
+    # lr = 1e30 makes the weights huge after the first update, so every later loss is NaN:
     # the run must stop with a clear message instead of saving NaN weights.
     run_dir = tmp_path / "nan"
     cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
-           f"hydra.run.dir={run_dir}", "optim.lr=inf", "optim.schedule=constant",
+           f"hydra.run.dir={run_dir}", "optim.lr=1e30", "optim.schedule=constant",
            "optim.warmup_steps=1", "trainer.max_steps=30", "trainer.max_bad_steps=3",
            "trainer.validate_every=100", "trainer.log_every=50"]  # checks every 3 steps only
     result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
@@ -1329,3 +1336,20 @@ def test_a_skipped_nan_step_leaves_the_moving_average_as_it_is(trainer_factory, 
     assert all(torch.equal(p, w) for p, w in zip(trainer.ema.params, weights, strict=True))
     assert all(torch.equal(s, b) for s, b in zip(trainer.ema.shadow, shadow, strict=True))
     assert trainer.ema.updates == 2
+
+
+def test_non_finite_weights_at_a_validation_stop_as_a_divergence(trainer_factory):
+    """optim.lr=5e4 (for 5e-4) blew the weights up within trainer.max_bad_steps of a validation,
+    whose search then died with an IndexError traceback."""
+    from mt.divergence import Diverged
+
+    trainer = trainer_factory("nan_weights")
+    with torch.no_grad():
+        next(trainer.model.parameters()).fill_(float("nan"))
+
+    def validate():
+        raise AssertionError("searched with NaN weights")
+
+    trainer.validate = validate
+    with pytest.raises(Diverged, match="non-finite weights"):
+        trainer._validate_and_save()

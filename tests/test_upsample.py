@@ -71,7 +71,7 @@ def test_an_epoch_of_the_corpus_holds_each_split_as_often_as_data_upsample_says(
 
 @pytest.mark.parametrize("upsample, message", [
     ({"extra": 2.0}, r"data\.upsample\.extra: not one of data\.train's splits \(train, bt\)"),
-    ({"bt": 0.0}, r"data\.upsample\.bt must be above 0, got 0\.0"),
+    ({"bt": 0.0}, r"data\.upsample\.bt must be above 0 and finite, got 0\.0"),
 ])
 def test_data_upsample_names_its_mistake(upsample, message):
     cfg = TrainConfig()
