@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         checkpoint.save_atomic(averaged, args.output)
     except OSError as err:  # -o a directory, a folder that cannot be written, a full disk
-        raise SystemExit(f"mt-average: cannot write {args.output}: {err}") from None
+        raise SystemExit(f"mt-average: cannot write {args.output}: {err.strerror or err}") from None
     print(f"averaged {len(paths)} checkpoints -> {args.output}", file=sys.stderr)
     for path in paths:
         print(f"  {path}", file=sys.stderr)

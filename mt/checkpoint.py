@@ -16,6 +16,7 @@ folder or a single file works.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -52,6 +53,8 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; name the checkpoint file to write")
+    if path.exists() and not path.is_file():  # a rename would replace /dev/null itself (as root)
+        raise FileExistsError(f"{path} is not a regular file; name the checkpoint file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -60,7 +63,14 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
         # By name, not through a Python file: a Ctrl-C inside torch.save leaves its C++ zip
         # writer unfinished, and when it is freed it writes the zip's end to its file; a Python
         # file closed by then aborted the whole process (SIGABRT), its own file does not.
-        torch.save(obj, tmp)
+        try:
+            torch.save(obj, tmp)
+        except RuntimeError as err:  # torch's zip writer reports a full disk so, unnamed
+            if not any(w in str(err) for w in ("iostream error", "inline_container",
+                                               "PytorchStreamWriter")):
+                raise  # not the file's: a bug, with its traceback
+            raise OSError(errno.EIO, f"write failed, is the disk full? (torch: "
+                          f"{str(err).splitlines()[0]})", str(path)) from None
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -117,6 +127,8 @@ def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     try:
         ckpt = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # torch raises many kinds for a corrupt or foreign file
+        if isinstance(err, MemoryError) or "allocate memory" in str(err):  # not the file's fault
+            raise ValueError(f"{file}: out of memory while loading it") from None
         said = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
         raise ValueError(f"{file}: not a readable mt checkpoint ({type(err).__name__}"
                          f"{': ' + said if said else ''})") from None

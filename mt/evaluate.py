@@ -49,7 +49,7 @@ from mt.testsets import (
     read_references,
     read_text,
 )
-from mt.textio import reader_left, text_list, utf8_stdout
+from mt.textio import InputError, atomic_output, reader_left, text_list, utf8_stdout
 
 log = logging.getLogger("mt.evaluate")
 
@@ -252,14 +252,18 @@ def _check_outputs(args: argparse.Namespace, systems: list[System], tests: list[
 
 
 def _write(flag: str, path: str, lines: Iterable[str]) -> str:
-    """Writes lines to ``path`` (its folder made); a failure is one line naming ``flag``."""
+    """Writes lines to ``path`` (its folder made) as translate -o does (``atomic_output``): the
+    file appears whole or not at all, and a failed write (a full disk) keeps the one that was
+    there. A failure is one line naming ``flag``."""
     out = Path(path)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w", encoding="utf-8") as f:
+        with atomic_output(str(out)) as f:
             f.writelines(lines)
     except BrokenPipeError:  # a pipe or /dev/stdout whose reader left
         raise reader_left() from None
+    except InputError as err:
+        raise EvalError(f"{flag} {err}") from None
     except OSError as err:
         raise EvalError(f"{flag} {path}: cannot write ({err.strerror or err})") from None
     return str(out)

@@ -169,7 +169,7 @@ def import_main(argv: list[str] | None = None) -> None:
         save_atomic(model_state(model, tokenizer,
                                 {"imported_from": str(Path(args.dir).resolve())}), args.out)
     except OSError as err:  # a folder that cannot be made or written, a full disk
-        sys.exit(f"mt-import: cannot write {args.out}: {err}")
+        sys.exit(f"mt-import: cannot write {args.out}: {err.strerror or err}")
     n = sum(p.numel() for p in model.parameters())
     log.info("wrote %s (%.1fM parameters, vocabulary %d/%d)", args.out, n / 1e6,
              model.cfg.src_vocab_size, model.cfg.tgt_vocab_size)

@@ -231,8 +231,14 @@ def replace_file(path: Path, data: str | bytes) -> None:
     old one, or none, and a stray temporary). Text is written as UTF-8, line ends as given; the
     file gets a new file's permissions."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException as err:  # a full disk or a kill: no stray part-file left behind
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and not err.filename:
+            raise OSError(err.errno, err.strerror, str(path)) from None  # name the file
+        raise
 
 
 @contextmanager

@@ -341,3 +341,39 @@ def test_a_ctrl_c_inside_torch_save_does_not_abort_the_process(tmp_path):
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0 and result.stdout == "done\n", result.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_save_atomic_refuses_a_device_and_names_the_file_of_a_failed_write(tmp_path):
+    """As root, --force -o /dev/null made the device a regular file (a rename over it); a full
+    disk inside torch.save was a RuntimeError naming no file, which no command caught."""
+    import stat
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(FileExistsError, match="is not a regular file"):
+        checkpoint.save_atomic({"a": 1}, fifo)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    code = ("import resource, torch\nfrom mt.checkpoint import save_atomic\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+            "try:\n    save_atomic({'w': torch.zeros(1_000_000)}, 'x.pt')\n"
+            "except OSError as err:\n    print(err.filename, err.strerror)\n")
+    out = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert out.stdout.startswith("x.pt write failed, is the disk full?"), out.stderr[-500:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]  # no part-file left
+
+
+def test_running_out_of_memory_while_loading_is_not_called_a_bad_checkpoint(tmp_path,
+                                                                            monkeypatch):
+    """Under a memory limit a good best.pt was reported "not a readable mt checkpoint
+    (RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0)": the cause was cut off."""
+    path = tmp_path / "c.pt"
+    checkpoint.save_atomic({"format": checkpoint.FORMAT, "v": 1}, path)
+
+    def load(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 104857600 bytes.")
+
+    monkeypatch.setattr(torch, "load", load)
+    with pytest.raises(ValueError, match=f"^{path}: out of memory while loading it$"):
+        checkpoint.load(path)

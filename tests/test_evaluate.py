@@ -678,3 +678,21 @@ def test_comma_separated_models_are_one_ensemble_system(tmp_path, capsys):
             ([a, f"{a},{b}"], ["1", "-1"], "--weights must be above 0 and finite")):
         with pytest.raises(SystemExit, match=message):
             main(["-m", *systems, "--src", src_file, "--ref", ref_file, "--weights", *weights])
+
+
+def test_a_failed_output_write_keeps_the_file_that_was_there(tmp_path):
+    """mt-eval --output wrote in place: a full disk left a cut file under the name, and the
+    complete one that had been there was gone."""
+    from mt.evaluate import EvalError, _write
+
+    out = tmp_path / "hyp.txt"
+    out.write_text("one\ntwo\n")
+
+    def lines():
+        yield "uno\n"
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(EvalError, match=f"--output {out}: cannot write \\(No space left"):
+        _write("--output", str(out), lines())
+    assert out.read_text() == "one\ntwo\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hyp.txt"]
