@@ -501,6 +501,9 @@ def main(argv: list[str] | None = None) -> None:
         result = run(args)
     except EvalError as err:
         raise SystemExit(f"mt-eval: {err}") from None
+    except KeyboardInterrupt:  # Ctrl-C: the workers have ended (mt.workers); no traceback
+        print("\nmt-eval: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
     import sacrebleu
 
     result = {"sacrebleu_version": sacrebleu.__version__, "argv": sys.argv[1:] if argv is None
@@ -517,6 +520,10 @@ def main(argv: list[str] | None = None) -> None:
               file=utf8_stdout(), flush=True)
     except BrokenPipeError:  # the reader left (`mt-eval ... | head`): no traceback
         raise reader_left() from None
+    except OSError as err:  # > /dev/full
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        raise SystemExit(f"mt-eval: cannot write the results to stdout ({err.strerror or err})"
+                         ) from None
 
 
 if __name__ == "__main__":

@@ -541,6 +541,28 @@ def test_a_reader_that_leaves_early_gets_no_traceback(files):
     assert proc.wait() == 1 and err == ""
 
 
+def test_a_full_stdout_and_ctrl_c_are_one_line_each(files, monkeypatch, capsys):
+    """`mt-eval ... > /dev/full` and Ctrl-C were tracebacks (translate had one line for each)."""
+    import mt.evaluate
+
+    with open(os.devnull if not os.path.exists("/dev/full") else "/dev/full", "wb") as full:
+        proc = subprocess.run([sys.executable, "-m", "mt.evaluate", "--hyp", files["good"],
+                               "--ref", files["ref"], "-q"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    if os.path.exists("/dev/full"):
+        assert proc.returncode == 1
+        assert proc.stderr == ("mt-eval: cannot write the results to stdout (No space left on "
+                               "device)\n"), proc.stderr
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mt.evaluate, "run", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--hyp", files["good"], "--ref", files["ref"], "-q"])
+    assert exit_.value.code == 130 and "mt-eval: interrupted" in capsys.readouterr().err
+
+
 def test_output_pattern_must_separate_systems(files):
     with pytest.raises(SystemExit, match="several translations would go to one file"):
         main(["-m", "a.pt", "b.pt", "--src", files["ref"], "--ref", files["ref"],
