@@ -521,9 +521,8 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # the reader left (`mt-eval ... | head`): no traceback
         raise reader_left() from None
     except OSError as err:  # > /dev/full
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        raise SystemExit(f"mt-eval: cannot write the results to stdout ({err.strerror or err})"
-                         ) from None
+        raise reader_left(f"mt-eval: cannot write the results to stdout "
+                          f"({err.strerror or err})") from None
 
 
 if __name__ == "__main__":

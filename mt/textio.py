@@ -204,12 +204,12 @@ class _Utf8Writer:
         self.buffer.flush()
 
 
-def reader_left() -> SystemExit:
-    """The exit to raise on a BrokenPipeError from stdout (``cmd | head``): no traceback, and
-    stdout pointed at /dev/null so that Python's flush at exit fails no more (Python's docs,
-    "Note on SIGPIPE")."""
+def reader_left(said: str | None = None) -> SystemExit:
+    """The exit to raise on a BrokenPipeError from stdout (``cmd | head``), or another failure
+    to write it (``said``, its one line: ``> /dev/full``): no traceback, and stdout pointed at
+    /dev/null so that Python's flush at exit fails no more (Python's docs, "Note on SIGPIPE")."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return SystemExit(1)
+    return SystemExit(said or 1)
 
 
 def utf8_stdout() -> TextIO:
