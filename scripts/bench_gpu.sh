@@ -49,7 +49,7 @@ step() {  # step NAME LIMIT COMMAND...: COMMAND under min(LIMIT, time left), out
 }
 
 summary() {  # the lines worth reading in the reply, from the log
-    grep -E "^(hf|mt|ct2)[-_].*(tok/s|tokens/s)|^target |MFU|passed|failed|BLEU|bleu|Error|translated [0-9]" \
+    grep -E "^(hf|mt|ct2)[-_].*(tok/s|tokens/s)|^target |MFU|passed|failed|BLEU|bleu|Error|translated [0-9]|profiled|^host:" \
         "$log" | grep -v "^== " | tail -n 60
 }
 
@@ -57,13 +57,31 @@ only=${ONLY:-}  # a space-separated subset of the step names, for a dry run
 step env 30 bash -c 'nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit,temperature.gpu --format=csv; python3 -c "
 import torch, transformers, pyarrow, fsspec, datasets, hydra
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())
-print(\"transformers\", transformers.__version__, \"datasets\", datasets.__version__, \"pyarrow\", pyarrow.__version__, \"fsspec\", fsspec.__version__)"'
+print(\"transformers\", transformers.__version__, \"datasets\", datasets.__version__, \"pyarrow\", pyarrow.__version__, \"fsspec\", fsspec.__version__)
+import time
+def per(fn, n):
+    start = time.perf_counter(); fn(n); return (time.perf_counter() - start) / n * 1e6
+def loop(n):
+    s = 0
+    for i in range(n): s += i
+print(f\"host: {per(loop, 10**7):.3f} us per Python loop iteration\")
+if torch.cuda.is_available():
+    x = torch.zeros(1, device=\"cuda\")
+    def launches(n):
+        for _ in range(n): x.add_(1)
+        torch.cuda.synchronize()
+    launches(1000)
+    print(f\"host: {per(launches, 20000):.1f} us per tiny CUDA kernel, launched in a loop\")"'
 if [ "$device" = cuda ]; then
     step tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
 fi
 step train_big 120 python3 scripts/bench_train.py --model "$big" --device "$device" \
-    --max-tokens "$tokens" --steps "$steps" --warmup 3 --systems hf_bf16,mt_bf16 \
+    --max-tokens "$tokens" --steps "$steps" --warmup 3 --systems hf_bf16,mt_bf16 --profile 12 \
     --out "$work/train_big.json"
+# CUDA loads kernels lazily, at first use: does a new batch shape pay for that?
+step train_big_eager_loading 60 env CUDA_MODULE_LOADING=EAGER python3 scripts/bench_train.py \
+    --model "$big" --device "$device" --max-tokens "$tokens" --steps "$steps" --warmup 3 \
+    --systems mt_bf16 --out "$work/train_big_eager_loading.json"
 step decode_b32 100 python3 scripts/bench_decode.py --device "$device" --batch 32 --repeat 3 \
     --sentences "$sentences" \
     --out "$work/decode_b32.json"

@@ -102,6 +102,30 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def profile_steps(name: str, step, batches, device: torch.device, rows: int) -> None:
+    """The costliest operators of a few steps, and how much of their wall time the device was
+    busy: a step whose device is mostly idle is held back by the host (Python, kernel launches,
+    allocations), not by the arithmetic."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for batch in batches:
+            step(batch)
+        sync(device)
+    wall = time.perf_counter() - start
+    table = prof.key_averages()
+    keys = ["self_device_time_total"] if gpu else []
+    busy = sum(e.self_device_time_total for e in table) / 1e6 if gpu else None
+    print(f"-- {name}: {len(batches)} steps in {wall:.3f} s (profiled)"
+          + (f", the device busy {busy:.3f} s of it" if gpu else ""), file=sys.stderr)
+    for key in keys + ["self_cpu_time_total"]:  # on a GPU the host side too: launches, mallocs
+        print(table.table(sort_by=key, row_limit=rows), file=sys.stderr)
+
+
 def step_fn(name: str, model, optimizer, dtype, device):
     """One training step on a batch (already on the device) -> the loss, a device tensor."""
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype is not None
@@ -145,6 +169,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.0,
                    help="0 (default) makes the loss curves comparable step by step")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile 3 steps of each system and print its N costliest "
+                        "operators (device time on a GPU, else CPU time) to stderr")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
     if args.threads:
@@ -195,6 +222,10 @@ def main() -> None:
             s["losses"] += [s["step"](batch) for batch in block]
             sync(device)
             s["times"].append(time.perf_counter() - start)
+
+    if args.profile:
+        for name, s in systems.items():
+            profile_steps(name, s["step"], timed[:3], device, args.profile)
 
     tgt_tokens = sum(int((b[2] != PAD_ID).sum()) for b in timed)
     src_tokens = sum(int((b[0] != PAD_ID).sum()) for b in timed)

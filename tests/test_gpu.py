@@ -87,9 +87,13 @@ def test_bf16_autocast_stays_near_float32():
 
 
 def test_fused_adam_steps_match_the_cpu():
+    """Elements whose gradient is zero in exact arithmetic (the attention keys' bias: softmax
+    ignores a constant added to every logit) get rounding noise instead, which Adam scales to
+    full-size steps of arbitrary sign on either device: they are left out of the comparison."""
     models = [_model().train(), _model().train().cuda()]
     opts = [torch.optim.Adam(m.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9, fused=True)
             for m in models]
+    real = [torch.ones_like(p, dtype=torch.bool) for p in models[0].parameters()]
     src, tgt_in, tgt_out = _batch()
     for _ in range(3):
         for model, opt in zip(models, opts, strict=True):
@@ -98,8 +102,11 @@ def test_fused_adam_steps_match_the_cpu():
             logits = model(src.to(device), tgt_in.to(device))
             label_smoothed_nll(logits, tgt_out.to(device), 0.1)[0].backward()
             opt.step()
-    for p, q in zip(*(m.parameters() for m in models), strict=True):
-        assert _rel(q.detach(), p.detach()) < 1e-4
+        for mask, p in zip(real, models[0].parameters(), strict=True):
+            mask &= p.grad.abs() > 1e-6 * p.grad.abs().max()
+    assert sum(int(m.sum()) for m in real) > 0.95 * sum(m.numel() for m in real)
+    for mask, p, q in zip(real, *(m.parameters() for m in models), strict=True):
+        assert _rel(q.detach().cpu()[mask], p.detach()[mask]) < 1e-4
 
 
 @pytest.mark.parametrize("search", ["greedy", "beam"])
