@@ -17,7 +17,7 @@ from torch import nn
 
 from mt.incremental import Ensemble
 from mt.kvcache import amx_tiles
-from mt.model import FeedForward, Transformer
+from mt.model import FeedForward, Transformer, avoid_cudnn_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int8": torch.float32}  # int8: float32 with int8 linear layers (quantize_int8)
@@ -123,6 +123,7 @@ def prepare_model(model: nn.Module, dtype: str = "float32", device: str = "cpu",
                   pack: bool = True) -> nn.Module:
     """Readies a loaded model for decoding: eval mode, cast to ``dtype`` and, on CPU, linear layers
     packed for oneDNN. The result is for inference only (no training, no saving)."""
+    avoid_cudnn_attention(device)
     if dtype == "int8":
         return quantize_int8(model, device).eval()
     model = model.to(DTYPES[dtype])

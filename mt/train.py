@@ -52,7 +52,7 @@ from mt.distributed import PeerFailed, barrier, rank_seed, setup_distributed, sh
 from mt.divergence import BadSteps, Diverged, check_weights
 from mt.inference import cap_kernel_caches
 from mt.loss import label_smoothed_nll
-from mt.model import build_model, count_parameters
+from mt.model import avoid_cudnn_attention, build_model, count_parameters
 from mt.optim import (
     EMA,
     autocast_dtype,
@@ -94,6 +94,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path) -> None:
         self.cfg, self.run_dir = cfg, run_dir
         self.rank, self.world, self.device = setup_distributed(cfg.trainer.device)
+        avoid_cudnn_attention(self.device)
         # Settings that cannot work are refused before any SentencePiece training or encoding.
         self.amp_dtype = autocast_dtype(cfg.trainer.precision, self.device)
         if cfg.trainer.num_threads:

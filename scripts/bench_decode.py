@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"comma-separated subset of {', '.join(SYSTEMS)} (default on CPU: "
                         f"{', '.join(CPU_DEFAULT)}; on a GPU: {', '.join(GPU_DEFAULT)})")
     p.add_argument("--device", default="cpu", help="cpu or cuda (HF and CT2 run there too)")
+    p.add_argument("--sdpa-cudnn", action="store_true",
+                   help="leave PyTorch's cuDNN attention on, which translate turns off on a GPU "
+                        "(mt.model.avoid_cudnn_attention); for every system, the flag is global")
     p.add_argument("--out", default=None, help="JSON file (default: stdout)")
     args = p.parse_args(argv)
     set_up_process()
@@ -380,6 +383,9 @@ def main(argv: list[str] | None = None) -> None:
                  for d in ("float32", "bfloat16", "int8")}
     mt_models["mt-float32-unpacked"] = lambda: copy.deepcopy(model).to(device)
     mt_models = {name: make() for name, make in mt_models.items() if name in systems}
+    if device.type == "cuda":  # prepare_model turned cuDNN attention off, for HF as well
+        torch.backends.cuda.enable_cudnn_sdp(args.sdpa_cudnn)
+        report["sdpa_cudnn"] = args.sdpa_cudnn
     runners = {
         **{name: (lambda m=m: run_mt(m)) for name, m in mt_models.items()},
         **{name: (lambda m=m: functools.partial(run_hf, m)) for name, m in hf_models.items()},

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 6's GPU measurements in one go, for a GPU lent for a few minutes: the CUDA tests, training
 # speed and MFU against Hugging Face (transformer_big and _base, bf16), decoding speed against
-# Hugging Face (batch 32 and 256), a Multi30k run timed to its BLEU, and torch.compile.
+# Hugging Face (batch 32 and 256), each also with cuDNN attention on, a Multi30k run timed to its
+# BLEU, and torch.compile.
 #
 #   scripts/bench_gpu.sh OUT_DIR [SECONDS]
 #
@@ -78,13 +79,17 @@ fi
 step train_big 120 python3 scripts/bench_train.py --model "$big" --device "$device" \
     --max-tokens "$tokens" --steps "$steps" --warmup 3 --systems hf_bf16,mt_bf16 --profile 12 \
     --out "$work/train_big.json"
-# CUDA loads kernels lazily, at first use: does a new batch shape pay for that?
-step train_big_eager_loading 60 env CUDA_MODULE_LOADING=EAGER python3 scripts/bench_train.py \
-    --model "$big" --device "$device" --max-tokens "$tokens" --steps "$steps" --warmup 3 \
-    --systems mt_bf16 --out "$work/train_big_eager_loading.json"
+# mt turns PyTorch's cuDNN attention off on a GPU (mt.model.avoid_cudnn_attention): the same
+# benchmark with it on, for both systems, shows what that is worth
+step train_big_sdpa_cudnn 90 python3 scripts/bench_train.py --model "$big" --device "$device" \
+    --max-tokens "$tokens" --steps "$steps" --warmup 3 --systems hf_bf16,mt_bf16 --sdpa-cudnn \
+    --out "$work/train_big_sdpa_cudnn.json"
 step decode_b32 100 python3 scripts/bench_decode.py --device "$device" --batch 32 --repeat 3 \
     --sentences "$sentences" \
     --out "$work/decode_b32.json"
+step decode_b32_sdpa_cudnn 90 python3 scripts/bench_decode.py --device "$device" --batch 32 \
+    --repeat 3 --sentences "$sentences" --systems mt-bfloat16,hf-bfloat16 --sdpa-cudnn \
+    --out "$work/decode_b32_sdpa_cudnn.json"
 step m30k "$(awk "BEGIN { print int($m30k_minutes * 60 + 120) }")" python3 -m mt.train experiment=multi30k_en_de_cpu \
     data.dir="$data" trainer.device="$device" trainer.max_minutes="$m30k_minutes" \
     hydra.run.dir="$work/m30k"

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mt.batching import collate, token_batches  # noqa: E402
 from mt.config import EOS_ID, PAD_ID, ModelConfig  # noqa: E402
 from mt.loss import label_smoothed_nll  # noqa: E402
-from mt.model import build_model, count_parameters  # noqa: E402
+from mt.model import avoid_cudnn_attention, build_model, count_parameters  # noqa: E402
 
 SIZES = {
     "transformer_tiny": dict(encoder_layers=3, decoder_layers=3, d_model=256, ffn_dim=1024,
@@ -172,11 +172,16 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile 3 steps of each system and print its N costliest "
                         "operators (device time on a GPU, else CPU time) to stderr")
+    p.add_argument("--sdpa-cudnn", action="store_true",
+                   help="leave PyTorch's cuDNN attention on (mt-train turns it off on a GPU: "
+                        "mt.model.avoid_cudnn_attention); for every system, as the flag is global")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if not args.sdpa_cudnn:
+        avoid_cudnn_attention(device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # what any fp32 GPU baseline would use
         torch.backends.cudnn.allow_tf32 = True
@@ -237,6 +242,7 @@ def main() -> None:
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                         else platform.processor() or platform.machine()),
         "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "sdpa_cudnn": device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled(),
         "peak_bf16_tflops": peak / 1e12, "model_tflop_per_step": step_flops / args.steps / 1e12,
         "systems": {},
     }

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mt.config import EOS_ID, PAD_ID, ModelConfig
+from mt.inference import prepare_model
 from mt.loss import label_smoothed_nll
 from mt.model import build_model
 from mt.scoring import forced_scores
@@ -138,3 +139,29 @@ def test_beam_scores_on_the_gpu_equal_a_forced_rescoring():
     again = forced_scores(model, src, tgt.cuda(), lenpen=0.6)
     for h, r in zip(hyps, again, strict=True):
         assert r.score == pytest.approx(h[0].score, abs=1e-4)
+
+
+def _cudnn_attention_ran(model, src: torch.Tensor, tgt_in: torch.Tensor) -> bool:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.inference_mode():
+            model(src, tgt_in)
+        torch.cuda.synchronize()
+    return any("cudnn_attention" in e.key for e in prof.key_averages())
+
+
+def test_decoding_on_the_gpu_leaves_cudnn_attention_out():
+    """cuDNN builds an attention plan per new shape (hundreds of ms), and a search brings new
+    shapes at nearly every step: prepare_model (translate, mt-eval) turns it off."""
+    src, tgt_in, _ = _batch(n=16, seed=6)
+    src, tgt_in = src.cuda(), tgt_in.cuda()
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        if not _cudnn_attention_ran(_model().cuda().to(torch.bfloat16), src, tgt_in):
+            pytest.skip("this GPU's SDPA does not pick cuDNN here: nothing to turn off")
+        model = prepare_model(_model().cuda(), "bfloat16", "cuda")
+        assert not _cudnn_attention_ran(model, src, tgt_in)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
