@@ -16,11 +16,13 @@ folder or a single file works.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,38 @@ from mt.model import Transformer, build_model
 from mt.tokenizer import Tokenizer
 
 FORMAT = "mt-checkpoint-1"
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Holds ``RUN/.lock`` for as long as a run trains there.
+
+    A second ``mt-train`` on the same directory (a resume started twice, a copied command) would
+    interleave ``last.pt``, ``best.pt`` and ``metrics.jsonl`` with the first one's, and delete
+    its half-written checkpoints as leftovers; it is refused at start instead, in one line. An
+    ``flock``: it ends with its process, even one killed with -9, so nothing stale is left to
+    clear by hand. Where there is no ``fcntl`` (Windows) runs are not locked.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / ".lock", "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip()
+            by = f" (process {holder})" if holder.isdigit() else ""
+            raise ValueError(f"{run_dir}: another mt-train{by} is training in this directory; "
+                             "wait for it to end, or give this run another hydra.run.dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
 
 
 def remove_unfinished(directory: Path) -> int:

@@ -616,11 +616,13 @@ def _run(dcfg: DictConfig) -> float | None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         setup_distributed(cfg.trainer.device)
         run_dir, cfg = share_run(run_dir, cfg, HydraConfig.get().output_subdir)
-    trainer = Trainer(cfg, run_dir)
-    best = trainer.fit()
-    if trainer.rank == 0:
-        finish(trainer.cfg, trainer.run_dir, trainer.device,
-               trainer.corpus.valid[cfg.data.valid], trainer.bleu_lang)
+    rank = int(os.environ.get("RANK", "0"))
+    with checkpoint.run_dir_lock(run_dir) if rank == 0 else nullcontext():
+        trainer = Trainer(cfg, run_dir)
+        best = trainer.fit()
+        if trainer.rank == 0:
+            finish(trainer.cfg, trainer.run_dir, trainer.device,
+                   trainer.corpus.valid[cfg.data.valid], trainer.bleu_lang)
     if trainer.world > 1:
         dist.destroy_process_group()
     return best

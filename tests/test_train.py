@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -631,6 +632,29 @@ def run_train(tmp_path: Path, run_dir: Path, corpus_dir, tokenizer_dir, *overrid
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def test_a_second_run_on_a_busy_run_directory_is_refused_in_one_line(tmp_path, corpus_dir,
+                                                                     tokenizer_dir):
+    """Two mt-train on one directory would interleave their checkpoints and metrics: while one
+    holds it, the other stops before writing anything of its own, and names the holder."""
+    from mt.checkpoint import run_dir_lock
+
+    run_dir = tmp_path / "run"
+    cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={run_dir}", "trainer.max_steps=2"]
+    with run_dir_lock(run_dir):
+        busy = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                              timeout=300)
+    assert busy.returncode == 1
+    said = busy.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"mt-train: {re.escape(str(run_dir))}: another mt-train \(process "
+                        rf"{os.getpid()}\) is training in this directory; .*", said), said
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "tokenizer").exists()
+    free = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)  # the lock went with its holder
+    assert free.returncode == 0, free.stderr[-2000:]
+    assert (run_dir / "checkpoints" / "last.pt").is_file()
 
 
 @pytest.mark.parametrize("data", [[], ["data.subword_alpha=0.5", "data.subword_nbest=8"],
