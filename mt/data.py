@@ -279,6 +279,41 @@ def _load_one(cfg: DataConfig, split: str, cache_dir: str | None):
     raise mistake from None
 
 
+def _unreachable(name: str, err: ConnectionError) -> ConnectionError:
+    return ConnectionError(
+        f"could not reach the Hugging Face hub for {name} ({err}); download it once with "
+        "internet (the datasets cache keeps it; HF_HUB_OFFLINE=1 then reads the cache) or use "
+        "data.source=files")
+
+
+def check_hub_splits(cfg: DataConfig, wanted: dict[str, list[str]]) -> None:
+    """Refuses, at the start of a run, a split that the hub dataset lacks, naming the key that
+    asks for it (``wanted``: key -> split names): otherwise a missing ``data.valid`` showed only
+    after the tokenizer and the encoding, and a missing ``data.test`` after all the training.
+    Where the names cannot be had without loading the data (a saved single Dataset, a dataset
+    whose metadata lists none), the load says what is wrong, as before."""
+    import datasets
+
+    local = Path(cfg.hub_name)
+    try:
+        if (local / "dataset_dict.json").exists():  # save_to_disk: its split list
+            names = json.loads((local / "dataset_dict.json").read_text())["splits"]
+        elif (local / "state.json").exists():
+            return
+        else:
+            names = datasets.get_dataset_split_names(cfg.hub_name, cfg.hub_config)
+    except ConnectionError as err:  # offline: said now, as the first load would have
+        raise _unreachable(cfg.hub_name + (f" ({cfg.hub_config})" if cfg.hub_config else ""),
+                           err) from None
+    except Exception:  # noqa: BLE001 (unreadable metadata: the load itself will say why)
+        return
+    for key, splits in wanted.items():
+        for split in splits:
+            if split not in names:
+                raise ValueError(f"{key}: {cfg.hub_name} has splits {sorted(names)}, not "
+                                 f"{split!r}")
+
+
 def _load_hub(cfg: DataConfig, split: str, cache_dir: str | None):
     """A hub dataset (``translation`` column, or one column per language) as src/tgt columns."""
     import datasets
@@ -302,11 +337,7 @@ def _load_hub(cfg: DataConfig, split: str, cache_dir: str | None):
             ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split,
                                        cache_dir=cache_dir)
     except ConnectionError as err:
-        raise ConnectionError(
-            f"could not reach the Hugging Face hub for {name} ({err}); download it once with "
-            "internet (the datasets cache keeps it; HF_HUB_OFFLINE=1 then reads the cache) or use "
-            "data.source=files"
-        ) from None
+        raise _unreachable(name, err) from None
     except FileNotFoundError as err:
         raise FileNotFoundError(f"data.hub_name={cfg.hub_name}: {err}") from None
     s, t = cfg.src_lang, cfg.tgt_lang

@@ -47,7 +47,7 @@ from mt.config import (
     start_tokenizer_config,
 )
 from mt.corpus import Corpus
-from mt.data import check_split, tokenizer_config, tokenizer_dir
+from mt.data import check_hub_splits, check_split, tokenizer_config, tokenizer_dir
 from mt.distributed import PeerFailed, barrier, rank_seed, setup_distributed, share_run
 from mt.divergence import BadSteps, Diverged, check_weights
 from mt.inference import cap_kernel_caches
@@ -132,12 +132,19 @@ class Trainer:
                                                                  start.get("config"))
             if ignored:
                 log.info("%s: the tokenizer is the checkpoint's; ignored %s", origin, ignored)
-        if cfg.data.source == "files":  # a mistake there: say so now, not after training
-            tested = (cfg.data.test.split("+") if cfg.trainer.test_at_end and cfg.data.test
-                      else [])
-            valid = [cfg.data.valid, *cfg.data.extra_valid]
+        # A mistake in a split: said now, not after the tokenizer, the encoding or the training.
+        tested = cfg.data.test.split("+") if cfg.trainer.test_at_end and cfg.data.test else []
+        valid = [cfg.data.valid, *cfg.data.extra_valid]
+        if cfg.data.source == "files":
             for split in [*"+".join(valid).split("+"), *tested]:
                 check_split(cfg.data, split, whole=True)
+        elif cfg.data.source == "hub":
+            d = cfg.data
+            check_hub_splits(d, {f"data.train={d.train}": d.train.split("+"),
+                                 f"data.valid={d.valid}": d.valid.split("+"),
+                                 "data.extra_valid": "+".join(d.extra_valid).split("+")
+                                 if d.extra_valid else [],
+                                 f"data.test={d.test}": tested})
         self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
                              Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
         self.bleu_lang = bleu_language(cfg.data.tgt_lang)  # zh, ja, ko: their BLEU tokenizer

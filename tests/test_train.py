@@ -451,6 +451,43 @@ def test_empty_valid_or_test_files_are_refused_at_start_naming_them(trainer_fact
         trainer_factory("bad_test", f"data.dir={data}", "trainer.test_at_end=true")
 
 
+@pytest.mark.parametrize("layout", ["save_to_disk", "data_files"])
+def test_a_split_the_hub_dataset_lacks_is_refused_at_start_naming_its_key(
+        trainer_factory, tmp_path, corpus_dir, layout):
+    """A hub dataset without the split data.test names was found out only after the whole
+    training, and one without data.valid's after the tokenizer and the encoding."""
+    import datasets
+
+    from mt.data import read_lines
+
+    hub = tmp_path / "hub"
+    columns = {split: {"en": read_lines(corpus_dir / f"{name}.en"),
+                       "zz": read_lines(corpus_dir / f"{name}.zz")}
+               for split, name in (("train", "train"), ("dev", "valid"))}
+    if layout == "save_to_disk":
+        datasets.DatasetDict({k: datasets.Dataset.from_dict(v) for k, v in columns.items()}
+                             ).save_to_disk(hub)
+        valid = "dev"
+    else:  # files in a repository's layout: datasets names dev.jsonl's split "validation"
+        hub.mkdir()
+        for split, cols in columns.items():
+            with open(hub / f"{split}.jsonl", "w", encoding="utf-8") as f:
+                f.writelines(json.dumps({"en": s, "zz": t}) + "\n"
+                             for s, t in zip(cols["en"], cols["zz"], strict=True))
+        valid = "validation"
+    names = sorted(["train", valid])
+    hub_args = ["data.source=hub", f"data.hub_name={hub}", "data.src_lang=en"]
+    for n, (override, key) in enumerate([("data.test=test", "data.test=test"),
+                                         ("data.valid=valid", "data.valid=valid"),
+                                         ("data.extra_valid=[tst]", "data.extra_valid")]):
+        with pytest.raises(ValueError, match=re.escape(f"{key}: {hub} has splits {names}, not '")):
+            trainer_factory(f"lacks{n}", *hub_args, f"data.valid={valid}", override,
+                            "trainer.test_at_end=true")
+    trainer = trainer_factory("has_all", *hub_args, f"data.valid={valid}", f"data.test={valid}",
+                              "trainer.test_at_end=true")
+    assert len(trainer.corpus.pairs) > 0
+
+
 def test_no_valid_loss_is_nan_and_best_metric_loss_is_refused_for_it(trainer_factory, tmp_path,
                                                                     corpus_dir):
     """With no valid pair within model.max_positions the valid loss was a perfect 0.000, which
