@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import shlex
 import sys
 import time
@@ -438,7 +439,7 @@ class Trainer:
         if not (t.max_steps or t.max_epochs or t.max_minutes or t.patience) and self.rank == 0:
             log.warning("no budget (trainer.max_steps, max_epochs, max_minutes and patience are "
                         "all 0): training goes on until you stop it; the same command with %s "
-                        "resumes it", shlex.quote(f"hydra.run.dir={self.run_dir}"))
+                        "resumes it", resume_override(self.run_dir))
         per_step = t.accumulation * self.world
         self.fit_start = time.perf_counter()
         self.model.train()
@@ -609,10 +610,28 @@ def _interrupted() -> int:
         if last.exists():
             log.warning("interrupted; %s holds the run as of its last validation or save: the "
                         "same command with %s resumes it", last,
-                        shlex.quote(f"hydra.run.dir={run_dir}"))
+                        resume_override(run_dir))
         else:
             log.warning("interrupted before the first checkpoint; nothing to resume")
     return 130
+
+
+def resume_override(run_dir: Path) -> str:
+    """``hydra.run.dir=RUN`` as a shell command line must spell it for Hydra to read back RUN.
+
+    Hydra's own grammar refuses a bare value with a space, a comma, parentheses or ``=`` in it
+    (``shlex.quote`` alone gave ``'hydra.run.dir=/runs/a b'``, which Hydra cannot parse), so such
+    a directory is quoted for Hydra inside the shell's quotes. Plain paths stay as they are."""
+    text = str(run_dir)
+    if not re.fullmatch(r"[\w./:+@%-]+", text):
+        # Inside Hydra's quotes a backslash is literal, except in a run of them before a quote
+        # or at the end, which is doubled (and the quote escaped).
+        text = "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""),
+                            text) + "'"
+    override = f"hydra.run.dir={text}"
+    if not re.search(r'["$`\\!]', override):  # the shell's double quotes read more easily
+        return f'"{override}"' if override != shlex.quote(override) else override
+    return shlex.quote(override)
 
 
 def _run(dcfg: DictConfig) -> float | None:

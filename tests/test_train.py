@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -669,6 +670,24 @@ def run_train(tmp_path: Path, run_dir: Path, corpus_dir, tokenizer_dir, *overrid
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("name", ["plain-run_1.2", "my runs", "a (copy), x=y", "it's", 'q"uote',
+                                  "back\\slash", "end\\", "a\\'b", "cost$5", "~home", "[x]"])
+def test_the_resume_hint_reads_back_as_the_run_directory(tmp_path, name):
+    """The override that the interrupt and no-budget lines print, split by a shell and parsed by
+    Hydra, names the run directory itself (shlex.quote alone gave text Hydra refuses for a
+    directory with a space, a comma, parentheses or '=')."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from mt.train import resume_override
+
+    run_dir = tmp_path / name
+    text = resume_override(run_dir)
+    [override] = OverridesParser.create().parse_overrides(shlex.split(text))
+    assert override.key_or_group == "hydra.run.dir" and override.value() == str(run_dir)
+    if name.startswith("plain"):
+        assert text == f"hydra.run.dir={run_dir}"
 
 
 def test_a_second_run_on_a_busy_run_directory_is_refused_in_one_line(tmp_path, corpus_dir,
