@@ -457,6 +457,11 @@ def check_values(cfg: TrainConfig) -> None:
     if t.best_metric not in BEST_METRICS:
         raise ValueError(f"trainer.best_metric must be one of {', '.join(BEST_METRICS)}, "
                          f"got {t.best_metric!r}")
+    # A file there gave "[Errno 17] File exists", after the tokenizer had been trained.
+    tok_path = Path(d.tokenizer.path) if d.tokenizer.path else None
+    if tok_path and tok_path.exists() and not tok_path.is_dir():
+        raise ValueError(f"data.tokenizer.path={tok_path} is a file: it names a directory, which "
+                         "holds (or is trained into) tokenizer.json and the SentencePiece model")
     check_tokenizer(d.tokenizer)
 
 

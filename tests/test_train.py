@@ -177,6 +177,8 @@ def test_a_group_set_to_nothing_is_one_line_naming_it(override, monkeypatch):
     ("data.tokenizer.character_coverage=0.97",
      r"data.tokenizer.character_coverage must be in \[0.98, 1\], got 0.97"),
     ("data.tokenizer.model_type=char", "data.tokenizer.model_type must be unigram or bpe"),
+    (f"data.tokenizer.path={REPO / 'README.md'}",
+     f"data.tokenizer.path={REPO / 'README.md'} is a file: it names a directory"),
 ])
 def test_a_value_out_of_range_fails_with_the_key(override, message):
     """The schema checks types; a count of 0 or a smoothing of 1.5 must stop the run at start-up,
