@@ -35,6 +35,16 @@ from mt.tokenizer import Tokenizer
 FORMAT = "mt-checkpoint-1"
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` says the process ran out of memory: CUDA's OutOfMemoryError, Python's
+    MemoryError, or the CPU allocator's RuntimeError ("DefaultCPUAllocator: can't allocate
+    memory" / "not enough memory"), which names no cause a user would recognise. The commands
+    say it in one line with what to lower, instead of a traceback from inside torch."""
+    return isinstance(err, MemoryError | torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and ("DefaultCPUAllocator" in str(err)
+                                           or "allocate memory" in str(err)))
+
+
 @contextlib.contextmanager
 def run_dir_lock(run_dir: Path) -> Iterator[None]:
     """Holds ``RUN/.lock`` for as long as a run trains there.
@@ -161,7 +171,7 @@ def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     try:
         ckpt = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # torch raises many kinds for a corrupt or foreign file
-        if isinstance(err, MemoryError) or "allocate memory" in str(err):  # not the file's fault
+        if out_of_memory(err):  # not the file's fault
             raise ValueError(f"{file}: out of memory while loading it") from None
         said = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
         raise ValueError(f"{file}: not a readable mt checkpoint ({type(err).__name__}"

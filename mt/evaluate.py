@@ -304,6 +304,7 @@ def _members(path: str) -> list[str]:
 
 def _translate(system: System, test: TestSet, sources: list[str] | None, n: int, loaded: dict,
                args: argparse.Namespace) -> tuple[list[str], dict]:
+    from mt.checkpoint import out_of_memory
     from mt.workers import WorkerDied, default_workers
 
     if sources is None:
@@ -347,6 +348,11 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
                                      replace_unk=args.replace_unk, layer=args.alignment_layer)
     except WorkerDied as err:  # the out-of-memory killer, most likely
         raise EvalError(f"-m {system.path}, {test.name}: {err}") from None
+    except (MemoryError, RuntimeError) as err:
+        if not out_of_memory(err):
+            raise
+        raise EvalError(f"-m {system.path}, {test.name}: out of memory: a smaller "
+                        f"--batch-tokens (now {args.batch_tokens}) or fewer --workers") from None
     speed.update(search=asdict(opts), device=args.device, dtype=args.dtype)
     log.info("%s: %.1f s, %.0f tokens/s", system.name, speed["decode_seconds"],
              speed["tokens_per_second"])

@@ -568,9 +568,11 @@ def hydra_main(dcfg: DictConfig) -> float | None:
 def _in_words(err: BaseException) -> str | None:
     """The one line for a failure the user can mend; None for a bug, which keeps its traceback.
     Out of device memory is the likeliest failure of a sweep over model or batch sizes."""
-    if isinstance(err, torch.OutOfMemoryError):  # "CUDA out of memory. Tried to allocate 2 GiB"
-        return (". ".join(str(err).split(". ")[:2]) + ": lower trainer.max_tokens "
-                "(a larger trainer.accumulation keeps the batch as large)")
+    if checkpoint.out_of_memory(err):
+        said = (". ".join(str(err).split(". ")[:2])  # "CUDA out of memory. Tried to allocate 2 GiB"
+                if isinstance(err, torch.OutOfMemoryError) else "out of memory")
+        return (f"{said}: lower trainer.max_tokens (a larger trainer.accumulation keeps the "
+                "batch as large)")
     if isinstance(err, OSError) and err.filename and err.strerror:  # name the file, not errno
         return f"{err.filename}: {err.strerror}"
     return str(err) if isinstance(err, ValueError | OSError | Diverged | PeerFailed) else None

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from mt.alignment import align_lines, layer_mistake, word_scores
-from mt.checkpoint import resolved
+from mt.checkpoint import out_of_memory, resolved
 from mt.config import positive_int
 from mt.constraints import encode_phrases, split_phrases
 from mt.incremental import max_positions
@@ -512,6 +512,13 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
         raise SystemExit(f"translate: {err}{where}") from None
     except BrokenPipeError:  # the reader left (`translate ... | head`): stop without a traceback
         raise reader_left() from None
+    except (MemoryError, RuntimeError) as err:
+        if not out_of_memory(err):
+            raise
+        where = (f"; {args.output} not written" if args.output is not None
+                 else f" ({done} lines written before it)" if done else "")
+        raise SystemExit(f"translate: out of memory: a smaller --batch-tokens (now "
+                         f"{args.batch_tokens}) or fewer --workers{where}") from None
     except OSError as err:  # writing failed (a full disk); the partial file is gone
         raise SystemExit(f"translate: {args.output or '<stdout>'}: cannot write "
                          f"({err.strerror})") from None

@@ -605,6 +605,22 @@ def test_a_model_trained_for_the_other_direction_is_said(tmp_path, capsys, caplo
     assert "m.pt was trained for en-de, test set" in caplog.text and "is de-en" in caplog.text
 
 
+def test_out_of_memory_while_translating_is_one_line(tmp_path, monkeypatch):
+    """The CPU allocator's RuntimeError under a memory limit was a traceback from the KV cache."""
+    src_file, ref_file = _tiny_model_and_test_set(tmp_path)
+
+    def translate(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 104857600 bytes.")
+
+    monkeypatch.setattr(evaluate, "translate_test", translate)
+    model = str(tmp_path / "m.pt")
+    with pytest.raises(SystemExit) as err:
+        main(["-m", model, "--src", src_file, "--ref", ref_file, "--batch-tokens", "300"])
+    assert str(err.value) == (f"mt-eval: -m {model}, {ref_file}: out of memory: a smaller "
+                              "--batch-tokens (now 300) or fewer --workers")
+
+
 def test_bfloat16_evaluation_scores_what_translate_writes(tmp_path, capsys):
     from mt.translate import main as translate_main
 

@@ -1275,14 +1275,21 @@ def test_a_failed_job_of_a_sweep_leaves_the_next_jobs_running(tmp_path, corpus_d
     assert (sweep / "1" / "checkpoints" / "last.pt").exists()
 
 
-def test_out_of_device_memory_is_one_line_that_says_what_to_lower(tmp_path, corpus_dir,
-                                                                   tokenizer_dir):
-    """A batch too large for the GPU was a traceback of some 40 lines from inside torch (and
-    ended a sweep); it is one line now, with the key to lower."""
+@pytest.mark.parametrize("error, said", [
+    ("torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+     "capacity of 79.10 GiB of which 1.20 GiB is free.')",
+     "CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ("RuntimeError('[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can\\'t "
+     "allocate memory: you tried to allocate 104857600 bytes.')", "out of memory"),
+    ("MemoryError()", "out of memory"),
+], ids=["cuda", "cpu-allocator", "python"])
+def test_out_of_memory_is_one_line_that_says_what_to_lower(tmp_path, corpus_dir, tokenizer_dir,
+                                                           error, said):
+    """A batch too large for the GPU (or for the CPU's memory) was a traceback of some 40 lines
+    from inside torch (and ended a sweep); it is one line now, with the key to lower."""
     script = ("import sys, torch, mt.train as t\n"
               "def fit(self):\n"
-              "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. "
-              "GPU 0 has a total capacity of 79.10 GiB of which 1.20 GiB is free.')\n"
+              f"    raise {error}\n"
               "t.Trainer.fit = fit\n"
               "sys.argv[0] = 'mt-train'\n"
               "t.main()\n")
@@ -1292,8 +1299,8 @@ def test_out_of_device_memory_is_one_line_that_says_what_to_lower(tmp_path, corp
                             timeout=300)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith(
-        "mt-train: CUDA out of memory. Tried to allocate 2.00 GiB: lower trainer.max_tokens "
-        "(a larger trainer.accumulation keeps the batch as large) (traceback in ")
+        f"mt-train: {said}: lower trainer.max_tokens (a larger trainer.accumulation keeps the "
+        "batch as large) (traceback in ")
 
 
 def test_nan_loss_skips_the_step_and_stops_a_diverging_run(tmp_path, corpus_dir, tokenizer_dir):

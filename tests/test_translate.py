@@ -503,6 +503,26 @@ def test_invalid_utf8_names_the_line_and_replace_works(models, tmp_path, capsys)
                     capsys)) == 2
 
 
+def test_out_of_memory_is_one_line_that_says_what_to_lower(models, tmp_path, monkeypatch):
+    """Under a memory limit the CPU allocator's RuntimeError ("[enforce fail at alloc_cpu.cpp]
+    ... DefaultCPUAllocator: can't allocate memory") came out as a traceback from the KV cache;
+    it is one line with the flags to lower, and the output file is not left half written."""
+    import mt.translate
+
+    def search(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 104857600 bytes.")
+
+    monkeypatch.setattr(mt.translate, "search_lines", search)
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("the dog\n")
+    with pytest.raises(SystemExit) as err:
+        main(["-m", models["a"], "-i", str(src), "-o", str(out), "--batch-tokens", "512", *FAST])
+    assert str(err.value) == ("translate: out of memory: a smaller --batch-tokens (now 512) or "
+                              f"fewer --workers; {out} not written")
+    assert not out.exists() and list(tmp_path.iterdir()) == [src]
+
+
 def _stdin(monkeypatch, data: bytes) -> None:
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
 
