@@ -45,7 +45,7 @@ class Corpus:
         resumed run's last.pt or ``init_from``), instead of one found or trained by the config."""
         from dataclasses import replace
 
-        from mt.subwords import SampledPairs
+        from mt.subwords import SampledPairs, candidate_processes
 
         data = cfg.data
         if rank != 0:
@@ -79,7 +79,7 @@ class Corpus:
             symbols = [self.tokenizer.symbol_id(u) for u in tok_cfg.user_symbols]
             self.pairs = SampledPairs(self.pairs, kept["src"], kept["tgt"], self.tokenizer,
                                       data.subword_alpha, data.subword_nbest, rules.max_tokens,
-                                      symbols)
+                                      symbols, candidate_processes(data.num_proc, world))
             if rank == 0:
                 log.info("subword regularization: alpha %g over the %d best segmentations, "
                          "%.1f candidates per sentence on average (found in %.1f s)",

@@ -7,8 +7,12 @@ pairs, their filtering and the batching are ``mt.batching``'s, with the drawn le
 
 from __future__ import annotations
 
+import math
+import os
 from array import array
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from itertools import repeat
 
 import numpy as np
 from torch import Tensor
@@ -30,13 +34,15 @@ class SampledPairs:
     """
 
     def __init__(self, pairs: EncodedPairs, src_texts: list[str], tgt_texts: list[str], tokenizer,
-                 alpha: float, nbest: int, max_tokens: int, symbols: Sequence[int] = ()) -> None:
+                 alpha: float, nbest: int, max_tokens: int, symbols: Sequence[int] = (),
+                 processes: int = 1) -> None:
         if len(src_texts) != len(pairs) or len(tgt_texts) != len(pairs):
             raise ValueError(f"{len(src_texts)}/{len(tgt_texts)} texts for {len(pairs)} pairs")
         self.report, self.rows, self.alpha = pairs.report, pairs.rows, alpha
         self.src = Segmentations(tokenizer.src, src_texts, nbest, max_tokens, add_eos=True,
-                                 symbols=symbols)
-        self.tgt = Segmentations(tokenizer.tgt, tgt_texts, nbest, max_tokens, add_eos=False)
+                                 symbols=symbols, processes=processes)
+        self.tgt = Segmentations(tokenizer.tgt, tgt_texts, nbest, max_tokens, add_eos=False,
+                                 processes=processes)
         self._draw(None)
 
     def __len__(self) -> int:
@@ -74,7 +80,7 @@ class Segmentations:
     """
 
     def __init__(self, sp, texts: list[str], nbest: int, max_tokens: int, add_eos: bool,
-                 symbols: Sequence[int] = ()) -> None:
+                 symbols: Sequence[int] = (), processes: int = 1) -> None:
         if nbest < 1:
             raise ValueError(f"data.subword_nbest must be at least 1, got {nbest}")
         try:
@@ -83,16 +89,18 @@ class Segmentations:
             raise ValueError("data.subword_alpha needs a unigram SentencePiece model "
                              "(data.tokenizer.model_type=unigram); the tokenizer in use is "
                              "another kind") from None
-        pieces, counts = [], np.zeros(len(texts), np.int64)
-        for start in range(0, len(texts), 4096):
-            chunk = sp.nbest_encode(texts[start : start + 4096], nbest_size=nbest, add_eos=add_eos,
-                                    return_type="numpy")
-            for i, cands in enumerate(chunk, start):
-                kept = [c for c in cands if len(c) - add_eos <= max_tokens] or cands[:1]
-                pieces.extend(kept)
-                counts[i] = len(kept)
-        lens = np.fromiter((len(c) for c in pieces), np.int64, len(pieces))
-        ids = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
+        size = min(4096, max(256, math.ceil(len(texts) / (4 * processes))))
+        chunks = [texts[i : i + size] for i in range(0, len(texts), size)]
+        if processes > 1 and len(chunks) > 1:
+            with ProcessPoolExecutor(min(processes, len(chunks)), initializer=_load,
+                                     initargs=(sp.serialized_model_proto(),)) as pool:
+                parts = list(pool.map(_candidates, repeat(None), chunks, repeat(nbest),
+                                      repeat(max_tokens), repeat(add_eos)))
+        else:
+            parts = [_candidates(sp, chunk, nbest, max_tokens, add_eos) for chunk in chunks]
+        empty = (np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        ids, lens, counts = ([np.concatenate(arrays) for arrays in zip(*parts, strict=True)]
+                             if parts else empty)
         owner = np.repeat(np.arange(len(texts)), counts)
         first = np.concatenate([[0], np.cumsum(counts)])
         keep = np.ones(len(lens), bool)
@@ -132,3 +140,41 @@ class Segmentations:
         starts = self.offsets[chosen] - np.cumsum(lens) + lens  # where each one's ids begin, minus
         index = np.repeat(starts, lens) + np.arange(lens.sum())  # its position in the output
         return self.ids[index], lens
+
+
+_SP = None  # a worker process's SentencePiece model (_load)
+
+
+def _load(proto: bytes) -> None:
+    import sentencepiece
+
+    global _SP
+    _SP = sentencepiece.SentencePieceProcessor(model_proto=proto)
+
+
+def _candidates(sp, texts: list[str], nbest: int, max_tokens: int,
+                add_eos: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The n best segmentations of ``texts`` that fit ``max_tokens`` (the best one always):
+    their ids one after another, their lengths, and how many each sentence kept. ``sp`` None:
+    a worker's own model. Compact arrays, so that a worker's answer pickles fast."""
+    chunk = (sp or _SP).nbest_encode(texts, nbest_size=nbest, add_eos=add_eos,
+                                     return_type="numpy")
+    pieces, counts = [], np.zeros(len(texts), np.int64)
+    for i, cands in enumerate(chunk):
+        kept = [c for c in cands if len(c) - add_eos <= max_tokens] or cands[:1]
+        pieces.extend(kept)
+        counts[i] = len(kept)
+    lens = np.fromiter((len(c) for c in pieces), np.int64, len(pieces))
+    ids = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
+    return ids, lens, counts
+
+
+def candidate_processes(num_proc: int, world: int = 1) -> int:
+    """Processes that find the candidates: ``data.num_proc``, or (0) one per core up to 16,
+    shared among the run's ``world`` processes. 64 segmentations of a sentence cost some 50
+    times its plain encoding, so even Multi30k's 29k pairs gain (34 s in one process here, 20 s in two; 46 s
+    before the first step on the H200 machine's host)."""
+    if num_proc:
+        return num_proc
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, 16) // world)

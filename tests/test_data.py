@@ -389,6 +389,18 @@ def test_subword_sampling_draws_with_probability_p_to_the_alpha(encoded):
     assert list(lens[:1]) == [len(tok.encode_src(["w12 w34 Größe w5"])[0])]
 
 
+def test_subword_candidates_found_by_several_processes_are_the_same(encoded):
+    """The candidates are found in chunks by worker processes (a 64-best list costs some 50
+    plain encodings): the arrays equal those found by one process, in the same order."""
+    pairs, _, tok, _ = encoded
+    texts = [s for s, _ in pairs] * 3  # several chunks of at least 256
+    one = Segmentations(tok.src, texts, nbest=8, max_tokens=6, add_eos=True)
+    two = Segmentations(tok.src, texts, nbest=8, max_tokens=6, add_eos=True, processes=2)
+    for name in ("ids", "offsets", "first", "owner", "scores"):
+        assert np.array_equal(getattr(one, name), getattr(two, name)), name
+    assert len(texts) > 512 and (np.diff(one.first) < 8).any()  # max_tokens did drop some
+
+
 def test_subword_sampling_needs_a_unigram_model(encoded):
     pairs = encoded[0]
     bpe = train_tokenizer([s for s, _ in pairs], [t for _, t in pairs],
