@@ -172,8 +172,8 @@ def _candidates(sp, texts: list[str], nbest: int, max_tokens: int,
 def candidate_processes(num_proc: int, world: int = 1) -> int:
     """Processes that find the candidates: ``data.num_proc``, or (0) one per core up to 16,
     shared among the run's ``world`` processes. 64 segmentations of a sentence cost some 50
-    times its plain encoding, so even Multi30k's 29k pairs gain (34 s in one process here, 20 s in two; 46 s
-    before the first step on the H200 machine's host)."""
+    times its plain encoding, so even Multi30k's 29k pairs gain: 34 s in one process on 2
+    cores, 20 s in two; 46 s in one before the first step on the H200 machine's host."""
     if num_proc:
         return num_proc
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
