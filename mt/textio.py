@@ -295,3 +295,26 @@ def text_list(lines: Iterable[str], name: str) -> list[str]:
         if not isinstance(line, str):
             raise TypeError(f"{name}[{i}] is {type(line).__name__}, not str")
     return lines
+
+
+def fill_closed_descriptors(quiet_stdout: bool = False) -> None:
+    """Opens /dev/null on whichever of descriptors 0-2 the caller closed (``<&-``, ``2>&-``, a
+    service started that way), as daemons do: else the next file opened (the output's partial
+    file, a model) would take the lowest free one and receive what C++ code or a worker writes to
+    stderr. Python's ``sys.std*`` stay None for the closed ones, which a command then refuses to
+    read or write (translate: "stdout is closed; give the output file with -o FILE"), except
+    stderr, whose logs and progress bars go to /dev/null: without it ``mt-train 2>&-`` died
+    silently inside Hydra. ``quiet_stdout``: stdout too, for a command whose stdout only
+    reports (mt-train's summary), so that closing it means "not wanted"."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: fd itself
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the process's life
+    if quiet_stdout and sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115

@@ -64,6 +64,7 @@ from mt.optim import (
     take_optim_config,
 )
 from mt.runlog import Metrics, Window, bleu_language, finish, fitting, validate
+from mt.textio import fill_closed_descriptors
 from mt.tokenizer import META_FILE, Tokenizer
 
 log = logging.getLogger("mt.train")
@@ -668,6 +669,7 @@ def _null_group(argv: list[str]) -> str | None:
 
 
 def main() -> None:
+    fill_closed_descriptors(quiet_stdout=True)  # `mt-train 2>&-` died silently inside Hydra
     if mistake := _null_group(sys.argv[1:]):
         raise SystemExit(mistake)
     cap_kernel_caches()  # before the first product: see its docstring

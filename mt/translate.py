@@ -74,6 +74,7 @@ from mt.textio import (
     chunks,
     count_lines,
     decode_line,
+    fill_closed_descriptors,
     is_regular,
     is_stdin,
     parallel_lines,
@@ -233,7 +234,7 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _fill_closed_descriptors()
+    fill_closed_descriptors()
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if sys.stdin is None and is_stdin(args.input):
@@ -297,24 +298,6 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     log.info("%s %d lines in %.1f s (%.1f lines/s)", "scored" if args.score else "translated",
              done, seconds, done / max(seconds, 1e-9))
-
-
-def _fill_closed_descriptors() -> None:
-    """Opens /dev/null on whichever of descriptors 0-2 the caller closed (``<&-``, ``2>&-``, a
-    service started that way), as daemons do: else the next file opened (the output's partial
-    file, a model) would take the lowest free one and receive what C++ code or a worker writes to
-    stderr. Python's ``sys.std*`` stay None for the closed ones, which ``main`` then refuses to
-    read or write, except stderr: logs and the progress bar go to /dev/null."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            null = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: fd itself
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
-    if sys.stderr is None:
-        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the process's life
 
 
 def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

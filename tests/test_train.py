@@ -692,6 +692,20 @@ def test_the_resume_hint_reads_back_as_the_run_directory(tmp_path, name):
         assert text == f"hydra.run.dir={run_dir}"
 
 
+def test_a_run_with_stderr_closed_trains_and_logs_to_its_file(tmp_path, corpus_dir,
+                                                             tokenizer_dir):
+    """`mt-train ... 2>&-` (a service, a cron line) died silently inside Hydra, exit status 1:
+    stderr is /dev/null now, and train.log has the run."""
+    run_dir = tmp_path / "run"
+    cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={run_dir}", "trainer.max_steps=2", "trainer.test_at_end=false"]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), stdout=subprocess.PIPE, text=True,
+                            timeout=300, preexec_fn=lambda: os.close(2))
+    assert result.returncode == 0
+    assert (run_dir / "checkpoints" / "last.pt").is_file()
+    assert "training stopped at step 2" in (run_dir / "train.log").read_text()
+
+
 def test_a_second_run_on_a_busy_run_directory_is_refused_in_one_line(tmp_path, corpus_dir,
                                                                      tokenizer_dir):
     """Two mt-train on one directory would interleave their checkpoints and metrics: while one

@@ -622,8 +622,8 @@ def test_a_closed_stderr_still_translates(models, tmp_path):
     # all three closed: /dev/null takes descriptors 0-2, so no file opened later is one of them
     # (a worker's or C++ code's writes to stderr would have gone into it)
     probe = tmp_path / "probe.py"
-    probe.write_text("import os, sys\nfrom mt.translate import _fill_closed_descriptors\n"
-                     "_fill_closed_descriptors()\n"
+    probe.write_text("import os, sys\nfrom mt.textio import fill_closed_descriptors\n"
+                     "fill_closed_descriptors()\n"
                      "print(os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT), file=open(sys.argv[2],"
                      " 'w'))\n")
     subprocess.run(f"exec {sys.executable} {probe} {tmp_path / 'x'} {tmp_path / 'fd'} <&- >&- 2>&-",
