@@ -298,6 +298,9 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
         label = "test BLEU" if name == "best" else "test BLEU of averaged.pt"
         said.append(f"{label} = {result['bleu']:.2f}  chrF = {result['chrf']:.2f}  "
                     f"({result['sentences']} sentences, {result['bleu_signature']})")
+    if on_test:  # on disk before a word is printed: a stdout that fails loses nothing
+        replace_file(run_dir / "test.json", json.dumps(  # best.pt's scores at the top level
+            {**report.get("best", {}), "averaged": report.get("averaged")}, indent=2))
     if valid_scores:  # first: the line to choose by
         print(f"valid BLEU / chrF ({len(valid[0])} sentences; choose on these, not on test): "
               + ", ".join(f"{name}.pt {v['bleu']:.2f} / {v['chrf']:.2f}"
@@ -305,8 +308,6 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
     for line in said:
         print(line)
     if on_test:
-        with open(run_dir / "test.json", "w") as f:  # best.pt's scores at the top level
-            json.dump({**report.get("best", {}), "averaged": report.get("averaged")}, f, indent=2)
         if cfg.data.source != "hub" and cfg.data.format == "text":  # tsv/jsonl: no source file
             src_file = split_files(cfg.data, cfg.data.test.split("+")[0])[0]  # the first part
             print(f"try: translate -m {run_dir} -i {src_file.resolve()}")  # from anywhere

@@ -64,7 +64,7 @@ from mt.optim import (
     take_optim_config,
 )
 from mt.runlog import Metrics, Window, bleu_language, finish, fitting, validate
-from mt.textio import fill_closed_descriptors
+from mt.textio import fill_closed_descriptors, reader_left
 from mt.tokenizer import META_FILE, Tokenizer
 
 log = logging.getLogger("mt.train")
@@ -650,8 +650,16 @@ def _run(dcfg: DictConfig) -> float | None:
         trainer = Trainer(cfg, run_dir)
         best = trainer.fit()
         if trainer.rank == 0:
-            finish(trainer.cfg, trainer.run_dir, trainer.device,
-                   trainer.corpus.valid[cfg.data.valid], trainer.bleu_lang)
+            try:
+                finish(trainer.cfg, trainer.run_dir, trainer.device,
+                       trainer.corpus.valid[cfg.data.valid], trainer.bleu_lang)
+            except BrokenPipeError:  # `mt-train | head`: the reader left; the run is whole
+                raise reader_left() from None
+            except OSError as err:
+                if err.filename:  # a file of the run (test.json, a .hyp): said as such
+                    raise
+                raise reader_left(f"mt-train: cannot write the results to stdout "  # > /dev/full
+                                  f"({err.strerror}); the run is complete in {run_dir}") from None
     if trainer.world > 1:
         dist.destroy_process_group()
     return best

@@ -706,6 +706,24 @@ def test_a_run_with_stderr_closed_trains_and_logs_to_its_file(tmp_path, corpus_d
     assert "training stopped at step 2" in (run_dir / "train.log").read_text()
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_stdout_after_the_run_is_one_line_and_keeps_the_test_scores(tmp_path, corpus_dir,
+                                                                           tokenizer_dir):
+    """`mt-train > /dev/full` said "[Errno 28] No space left on device" (no word of stdout)
+    after the whole run, and lost test.json, which was written after the printing."""
+    run_dir = tmp_path / "run"
+    cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={run_dir}", "trainer.max_steps=2", "trainer.test_at_end=true"]
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(cmd, env=cli_env(tmp_path), stdout=full, stderr=subprocess.PIPE,
+                                text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "mt-train: cannot write the results to stdout (No space left on device); the run is "
+        f"complete in {run_dir}")
+    assert "bleu" in json.loads((run_dir / "test.json").read_text())
+
+
 def test_a_second_run_on_a_busy_run_directory_is_refused_in_one_line(tmp_path, corpus_dir,
                                                                      tokenizer_dir):
     """Two mt-train on one directory would interleave their checkpoints and metrics: while one
