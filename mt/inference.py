@@ -18,6 +18,7 @@ from torch import nn
 from mt.incremental import Ensemble
 from mt.kvcache import amx_tiles
 from mt.model import FeedForward, Transformer, avoid_cudnn_attention
+from mt.textio import first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int8": torch.float32}  # int8: float32 with int8 linear layers (quantize_int8)
@@ -340,8 +341,7 @@ def load_models(paths: list[str], device: str, dtype: str = "float32", pack: boo
         except (FileNotFoundError, ValueError) as err:
             raise ValueError(str(err)) from None
         except (RuntimeError, KeyError, TypeError) as err:  # weights that do not fit the config
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ValueError(f"{path}: not a loadable mt model ({first})") from None
+            raise ValueError(f"{path}: not a loadable mt model ({first_line(err)})") from None
         if tokenizer is not None and tok.fingerprint != tokenizer.fingerprint:
             raise ValueError(f"{ckpt['path']}: its tokenizer differs from {names[0]}'s; ensemble "
                              "members must share the vocabulary")

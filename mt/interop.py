@@ -29,6 +29,7 @@ def export_main(argv: list[str] | None = None) -> None:
     """``mt-export -m MODEL --format hf|ctranslate2 --out DIR [--quantization int8]``."""
     from mt.checkpoint import load_model, umask
     from mt.export import check_marian, export_ctranslate2, export_hf
+    from mt.textio import first_line
 
     p = argparse.ArgumentParser(prog="mt-export", description=(
         "Export an mt model to a Hugging Face Marian directory or a CTranslate2 model."))
@@ -90,6 +91,11 @@ def export_main(argv: list[str] | None = None) -> None:
         sys.exit(f"mt-export: {err}; install the export extra: pip install 'mt[export]'")
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"mt-export: {err}")
+    except Exception as err:  # a full disk, an unwritable parent: the old export is kept
+        if not isinstance(err, OSError) and type(err).__name__ != "SafetensorError":
+            raise
+        why = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
+        sys.exit(f"mt-export: cannot write {args.out} ({why}); nothing there was changed")
     log.info("wrote %s (%s)", args.out, args.format)
 
 

@@ -318,3 +318,10 @@ def fill_closed_descriptors(quiet_stdout: bool = False) -> None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the process's life
     if quiet_stdout and sys.stdout is None:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's message for a one-line error: its first line (libraries put tracebacks of
+    their own, C++ ones included, below it), or its type's name when it says nothing."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

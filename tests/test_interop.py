@@ -320,6 +320,35 @@ def test_export_force_never_deletes_the_checkpoint_it_exports(tmp_path, tokenize
     assert load_model(ckpt)[0] is not None
 
 
+@pytest.mark.parametrize("fmt", ["hf", "ctranslate2"])
+def test_a_failed_export_write_is_one_line_and_keeps_the_old_export(tmp_path, tokenizer_dir, fmt):
+    """A full disk was a traceback (safetensors' SafetensorError, CTranslate2's OSError); it is
+    one line now, and the export that --force was replacing is still there, whole."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    pytest.importorskip("ctranslate2" if fmt == "ctranslate2" else "transformers")
+    tok = Tokenizer.load(tokenizer_dir)
+    ckpt = _save(_mt_model(tok), tok, tmp_path / "m.pt")
+    out = tmp_path / "out"
+    export_main(["-m", ckpt, "--format", fmt, "--out", str(out)])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    limit = max(p.stat().st_size for p in out.iterdir()) // 2  # the largest file cannot fit
+    code = ("import resource, sys\nfrom mt.interop import export_main\n"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+            f"export_main(['-m', {ckpt!r}, '--format', {fmt!r}, '--out', {str(out)!r}, "
+            "'--force'])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(f"mt-export: cannot write {out} (")
+    assert result.stderr.strip().endswith("); nothing there was changed")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "out"]  # no temporary left
+
+
 # ----------------------------------------------------------------------------- HF (OPUS) -> mt
 
 def _opus_like_dir(tmp_path, corpus_dir, transformers, separate: bool,
