@@ -35,11 +35,11 @@ from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mt.incremental import Decoder
 from mt.search import (
     Hypothesis,
-    _check_beam,
-    _constrain,
-    _limits,
-    _Prefix,
+    Prefix,
+    check_beam,
+    constrain_step,
     inference_search,
+    length_limits,
     length_penalty,
 )
 
@@ -171,15 +171,15 @@ def constrained_beam_search(model, src: Tensor, constraints: list[list[list[int]
     b, k, device = src.size(0), beam_size, src.device
     if len(constraints) != b:
         raise ValueError(f"got {len(constraints)} constraint lists for {b} sentences")
-    _check_beam(beam_size, nbest, no_repeat_ngram)
+    check_beam(beam_size, nbest, no_repeat_ngram)
     for i, phrases in enumerate(constraints):
         for p in phrases:
             if not p or any(t in (PAD_ID, BOS_ID, EOS_ID) for t in p):
                 raise ValueError(f"constraint of sentence {i} is empty or holds a special "
                                  f"token: {p}")
     sentences = [_Phrases(c) for c in constraints]
-    prefix = _Prefix(prefixes, b, device)
-    limits = _limits(model, src, max_len_a, max_len_b, prefix)
+    prefix = Prefix(prefixes, b, device)
+    limits = length_limits(model, src, max_len_a, max_len_b, prefix)
     dec = Decoder(model, src, int(limits.max()))
 
     active = list(range(b))  # original sentence of each active sentence
@@ -203,9 +203,9 @@ def constrained_beam_search(model, src: Tensor, constraints: list[list[list[int]
         # budget, or every other token banned (no_repeat_ngram): it ends as it is.
         flat = [(sentences[s], h) for s, hs in zip(active, beams, strict=True) for h in hs]
         open_ = [h[3].met != phrases.done for phrases, h in flat]
-        _constrain(lprobs, step, min_len, force_eos, prefix,
-                   rows if step < prefix.steps else None, history, no_repeat_ngram,
-                   hold_eos=torch.tensor(open_, device=device))
+        constrain_step(lprobs, step, min_len, force_eos, prefix,
+                       rows if step < prefix.steps else None, history, no_repeat_ngram,
+                       hold_eos=torch.tensor(open_, device=device))
         vocab = lprobs.size(-1)
         base = torch.tensor([h[0] for _, h in flat], device=device)
         totals = lprobs.add_(base.unsqueeze(1)).view(n, width * vocab)

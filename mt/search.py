@@ -77,7 +77,7 @@ def max_lengths(src: Tensor, max_len_a: float, max_len_b: int, limit: int) -> Te
     return budget.clamp(min=1, max=limit).long()
 
 
-class _Prefix:
+class Prefix:
     """Per-sentence target prefixes, forced token by token before the free search starts."""
 
     def __init__(self, prefixes: list[list[int]] | None, b: int, device: torch.device) -> None:
@@ -122,10 +122,10 @@ def _ban_repeats(lprobs: Tensor, history: Tensor, n: int) -> None:
     lprobs[rows, grams[rows, j, -1]] = -torch.inf
 
 
-def _constrain(lprobs: Tensor, step: int, min_len: int, force_eos: Tensor,
-               prefix: _Prefix | None = None, rows: Tensor | None = None,
-               history: Tensor | None = None, no_repeat_ngram: int = 0,
-               hold_eos: Tensor | None = None) -> None:
+def constrain_step(lprobs: Tensor, step: int, min_len: int, force_eos: Tensor,
+                   prefix: Prefix | None = None, rows: Tensor | None = None,
+                   history: Tensor | None = None, no_repeat_ngram: int = 0,
+                   hold_eos: Tensor | None = None) -> None:
     """In place: no PAD/BOS ever, no EOS before min_len (nor in the ``hold_eos`` rows, unless
     nothing else is left), no repeated n-gram of ``history`` (with ``no_repeat_ngram``), only EOS
     where the budget is spent, only the prefix token while a sentence is inside its prefix
@@ -160,7 +160,7 @@ def _constrain(lprobs: Tensor, step: int, min_len: int, force_eos: Tensor,
         lprobs[force_eos, EOS_ID] = torch.where(torch.isfinite(own), own, torch.zeros_like(own))
 
 
-def _check_beam(beam_size: int, nbest: int, no_repeat_ngram: int) -> None:
+def check_beam(beam_size: int, nbest: int, no_repeat_ngram: int) -> None:
     """The arguments every beam search refuses (beam_search, constrained_beam_search)."""
     if not 1 <= nbest <= beam_size:
         raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
@@ -168,8 +168,8 @@ def _check_beam(beam_size: int, nbest: int, no_repeat_ngram: int) -> None:
         raise ValueError(f"no_repeat_ngram must be 0 (off) or positive, got {no_repeat_ngram}")
 
 
-def _limits(model, src: Tensor, max_len_a: float, max_len_b: int,
-            prefix: _Prefix) -> Tensor:
+def length_limits(model, src: Tensor, max_len_a: float, max_len_b: int,
+                  prefix: Prefix) -> Tensor:
     """Output budgets; a forced prefix always leaves room for EOS after it."""
     limit = max_positions(model)
     limits = max_lengths(src, max_len_a, max_len_b, limit)
@@ -236,8 +236,8 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
     if no_repeat_ngram < 0:
         raise ValueError(f"no_repeat_ngram must be 0 (off) or positive, got {no_repeat_ngram}")
     b, device = src.size(0), src.device
-    prefix = _Prefix(prefixes, b, device)
-    limits = _limits(model, src, max_len_a, max_len_b, prefix)
+    prefix = Prefix(prefixes, b, device)
+    limits = length_limits(model, src, max_len_a, max_len_b, prefix)
     max_len = int(limits.max())
     dec = Decoder(model, src, max_len)
     active = torch.arange(b, device=device)  # original row of each active row
@@ -248,8 +248,8 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
     step = 0
     while active.numel():
         lprobs = dec.log_probs(tokens)
-        _constrain(lprobs, step, min_len, limits[active] <= step + 1, prefix, active,
-                   out[active, :step] if no_repeat_ngram else None, no_repeat_ngram)
+        constrain_step(lprobs, step, min_len, limits[active] <= step + 1, prefix, active,
+                       out[active, :step] if no_repeat_ngram else None, no_repeat_ngram)
         if sampling:
             tokens = _sample(lprobs, temperature, top_k, top_p, generator, epsilon)
             scores = lprobs.gather(1, tokens[:, None])[:, 0]
@@ -354,10 +354,10 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
     Returns:
         per sentence (input order), its ``nbest`` hypotheses, best first.
     """
-    _check_beam(beam_size, nbest, no_repeat_ngram)
+    check_beam(beam_size, nbest, no_repeat_ngram)
     b, k, device = src.size(0), beam_size, src.device
-    prefix = _Prefix(prefixes, b, device)
-    limits = _limits(model, src, max_len_a, max_len_b, prefix)
+    prefix = Prefix(prefixes, b, device)
+    limits = length_limits(model, src, max_len_a, max_len_b, prefix)
     # Step 0 runs on B rows (every beam would start from the same BOS); the first reorder
     # expands the self-attention cache to B * k rows (cross-attention stays one per sentence).
     dec = Decoder(model, src, int(limits.max()))
@@ -379,8 +379,9 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
         lprobs = dec.log_probs(tokens)
         force_eos = (limits[active] <= step + 1).repeat_interleave(beams)
         rows = active.repeat_interleave(beams) if step < prefix.steps else None
-        _constrain(lprobs, step, min_len, force_eos, prefix, rows,
-                   history.view(n * beams, step) if no_repeat_ngram else None, no_repeat_ngram)
+        constrain_step(lprobs, step, min_len, force_eos, prefix, rows,
+                       history.view(n * beams, step) if no_repeat_ngram else None,
+                       no_repeat_ngram)
         vocab = lprobs.size(-1)
         top_scores, top_idx = _best(lprobs.view(n, beams, vocab), scores, 2 * k)  # (n, 2k)
         top_beam, top_tok = (top_idx // vocab).clamp(max=beams - 1), top_idx % vocab
