@@ -13,6 +13,7 @@ of both against the references joined the same way.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -21,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import sacrebleu  # noqa: E402
 
-import mt.lines  # noqa: E402
 from mt.config import positive_int  # noqa: E402
+from mt.lines import best_translations  # noqa: E402
 from mt.options import SearchOptions  # noqa: E402
 from mt.testsets import model_and_pair  # noqa: E402
 
@@ -48,15 +49,10 @@ def main() -> None:
     model.cfg.max_positions = args.limit
     result = {"lines": len(lines), "limit": args.limit,
               "cut": sum(len(ids) > args.limit for ids in tok.encode_src(lines))}
-    cut_anywhere = mt.lines._pieces
-    for name, ignore_boundaries in (("at_the_limit", True), ("between_sentences", False)):
-        if ignore_boundaries:
-            mt.lines._pieces = lambda ids, limit, boundaries=None: cut_anywhere(ids, limit)
-        try:
-            hyps = mt.lines.best_translations(model, tok, lines,
-                                              SearchOptions(workers=args.workers))
-        finally:
-            mt.lines._pieces = cut_anywhere
+    blind = copy.copy(tok)
+    blind.src_boundaries = None  # no sentence ends or word starts known: cut at the limit
+    for name, tokenizer in (("at_the_limit", blind), ("between_sentences", tok)):
+        hyps = best_translations(model, tokenizer, lines, SearchOptions(workers=args.workers))
         result[name] = {"bleu": round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
                         "chrf": round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2)}
     print(json.dumps(result, indent=2))
