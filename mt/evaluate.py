@@ -32,6 +32,7 @@ from pathlib import Path
 
 from mt.config import count_or_off, positive_int, resamples
 from mt.options import (
+    add_device_arguments,
     add_search_arguments,
     add_worker_arguments,
     flags_mistake,
@@ -426,11 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="approximate randomization trials (default: 10000)")
     g = p.add_argument_group("translation (with -m)")
     add_search_arguments(g, nbest=False)
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
+    add_device_arguments(g)
     add_worker_arguments(g)
-    # The names of mt.inference.DTYPES, spelt out so that --help does not import torch.
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "int8"), default="float32",
-                   help="decode in this precision, as translate --dtype (default: float32)")
     g.add_argument("--weights", type=float, nargs="+", default=None, metavar="W",
                    help="the weight of each member of an ensemble (-m a.pt,b.pt), in their "
                         "order, as translate --weights (default: equal); every ensemble given "

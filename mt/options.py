@@ -216,6 +216,20 @@ def search_options(args: argparse.Namespace, workers: int) -> SearchOptions:
         processes=not args.worker_threads)
 
 
+# mt.inference.DTYPES's names, here so that --help does not import torch (a test keeps the two
+# the same).
+DTYPE_NAMES = ("bfloat16", "float16", "float32", "int8")
+
+
+def add_device_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--device`` and ``--dtype``, as translate and mt-eval both take them."""
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
+                   help="weights and activations; bfloat16 is the fast path on CPUs with "
+                        "AVX512-BF16/AMX and on GPUs; int8: int8 linear layers (CPU only) "
+                        "(default: float32)")
+
+
 def add_worker_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--workers`` and ``--worker-threads``, as translate and mt-eval both take them."""
     p.add_argument("--workers", type=positive_int, default=None,

@@ -36,7 +36,6 @@ from mt.config import positive_int
 from mt.constraints import encode_phrases, split_phrases
 from mt.incremental import max_positions
 from mt.inference import (
-    DTYPES,
     cap_kernel_caches,
     device_mistake,
     keep_freed_memory,
@@ -57,6 +56,7 @@ from mt.lines import (
 )
 from mt.options import (
     SearchOptions,
+    add_device_arguments,
     add_search_arguments,
     add_worker_arguments,
     flags_mistake,
@@ -141,11 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lines read, sorted by length, translated and written at a time: bounds "
                         "the memory of a large file and streams a pipe (default: 100000)")
     add_worker_arguments(p)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="weights and activations; bfloat16 is the fast path on CPUs with "
-                        "AVX512-BF16/AMX and on GPUs; int8: int8 linear layers (CPU only) "
-                        "(default: float32)")
+    add_device_arguments(p)
     p.add_argument("--no-pack", action="store_true",
                    help="keep linear layers as they are on CPU (default: pre-packed for oneDNN, "
                         "faster)")

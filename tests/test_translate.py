@@ -1623,3 +1623,12 @@ def test_replace_unk_copies_the_input_spelling_not_nfkc(models, tmp_path, capsys
     assert len(out) == 4 and all(len(row.split("\t")) == 3 for row in out)
     assert not any("\x85" in row for row in out)
     assert all("⁇" not in row.split("\t")[1] for row in out[2:])
+
+
+def test_the_dtype_flag_names_what_the_models_can_be_cast_to():
+    """translate and mt-eval list the dtypes without importing torch (mt.options); the list is
+    mt.inference's."""
+    from mt.inference import DTYPES
+    from mt.options import DTYPE_NAMES
+
+    assert sorted(DTYPE_NAMES) == sorted(DTYPES)
