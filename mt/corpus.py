@@ -72,8 +72,13 @@ class Corpus:
                      time.perf_counter() - start)
             barrier(world)
         if not len(self.pairs):
-            raise ValueError(f"no training pair of {data.dir} survived filtering "
-                             f"({self.pairs.report}); see data.filter")
+            capped = rules.max_tokens < data.filter.max_tokens and self.pairs.report.too_long
+            name = data.hub_name if data.source == "hub" else data.dir
+            raise ValueError(f"no training pair of {name} survived filtering "
+                             f"({self.pairs.report}); see data.filter" + (
+                                 f" and model.max_positions={cfg.model.max_positions}, which "
+                                 f"lets no pair be longer than {rules.max_tokens} tokens"
+                                 if capped else ""))
         if data.subword_alpha > 0:
             start, kept = time.perf_counter(), train.select(self.pairs.rows)
             symbols = [self.tokenizer.symbol_id(u) for u in tok_cfg.user_symbols]

@@ -491,6 +491,15 @@ def test_a_split_the_hub_dataset_lacks_is_refused_at_start_naming_its_key(
     assert len(trainer.corpus.pairs) > 0
 
 
+def test_a_model_too_short_for_every_pair_names_model_max_positions(trainer_factory):
+    """Every pair dropped as too long because model.max_positions caps the length was said as
+    "see data.filter", a key that was not the cause."""
+    with pytest.raises(ValueError, match=r"survived filtering \(.*\); see data.filter and "
+                                         r"model.max_positions=4, which lets no pair be longer "
+                                         r"than 3 tokens$"):
+        trainer_factory("short", "model.max_positions=4")
+
+
 def test_no_valid_loss_is_nan_and_best_metric_loss_is_refused_for_it(trainer_factory, tmp_path,
                                                                     corpus_dir):
     """With no valid pair within model.max_positions the valid loss was a perfect 0.000, which
