@@ -637,8 +637,23 @@ def resume_override(run_dir: Path) -> str:
     return shlex.quote(override)
 
 
+def _one_line_per_record() -> None:
+    """``datasets`` and ``huggingface_hub`` log to stderr through handlers of their own and pass
+    each record on to the root logger as well, where Hydra's handlers print it again: every
+    hub retry line came out twice. Their own handlers go; Hydra's print each record once, with
+    a time, and keep it in train.log."""
+    import datasets  # noqa: F401 - its import adds the handlers
+
+    for name in ("datasets", "huggingface_hub"):
+        library = logging.getLogger(name)
+        for handler in list(library.handlers):
+            if type(handler) is logging.StreamHandler:
+                library.removeHandler(handler)
+
+
 def _run(dcfg: DictConfig) -> float | None:
     check_keys(dcfg)
+    _one_line_per_record()
     cfg: TrainConfig = OmegaConf.to_object(dcfg)
     check_values(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)

@@ -701,6 +701,29 @@ def test_the_resume_hint_reads_back_as_the_run_directory(tmp_path, name):
         assert text == f"hydra.run.dir={run_dir}"
 
 
+def test_a_library_warning_is_printed_once_and_kept_in_the_log(tmp_path, corpus_dir,
+                                                               tokenizer_dir):
+    """datasets and huggingface_hub print through handlers of their own and pass each record
+    on to Hydra's as well: every hub retry line came out twice on stderr."""
+    script = ("import logging, sys, mt.train as t\n"
+              "def fit(self):\n"
+              "    logging.getLogger('huggingface_hub').warning('retrying in 1s (probe)')\n"
+              "    logging.getLogger('datasets').warning('a datasets warning (probe)')\n"
+              "    raise SystemExit(0)\n"
+              "t.Trainer.fit = fit\n"
+              "sys.argv[0] = 'mt-train'\n"
+              "t.main()\n")
+    run_dir = tmp_path / "run"
+    cmd = [PYTHON, "-c", script, *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={run_dir}"]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for said in ("retrying in 1s (probe)", "a datasets warning (probe)"):
+        assert result.stderr.count(said) == 1, result.stderr
+        assert said in (run_dir / "train.log").read_text()
+
+
 def test_a_run_with_stderr_closed_trains_and_logs_to_its_file(tmp_path, corpus_dir,
                                                              tokenizer_dir):
     """`mt-train ... 2>&-` (a service, a cron line) died silently inside Hydra, exit status 1:
