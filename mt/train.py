@@ -20,7 +20,9 @@ import os
 import random
 import re
 import shlex
+import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import replace
@@ -90,6 +92,15 @@ def check_setup(cfg: TrainConfig) -> None:
         freeze(model, cfg.trainer.freeze)
     build_optimizer(model, cfg)
     lr_lambda(cfg)
+
+
+class Terminated(Exception):  # noqa: N818 - named for the signal, as KeyboardInterrupt is
+    """A SIGTERM (a scheduler's preemption notice, ``kill``, ``timeout``) stopped the run at
+    ``step``, which ``last.pt`` holds."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
 
 
 class Trainer:
@@ -452,6 +463,44 @@ class Trainer:
                        dynamic_ncols=True, mininterval=1.0)
         window = self.window
         window.restart_clock()
+        self.sigterm = False
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            stopped = self._epochs(bar, per_step)
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, previous)
+            if bar is not None:
+                bar.close()
+        if self.rank == 0:
+            log.info("training stopped at step %d: %s", self.step, stopped)
+        self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
+        if self.validated_step != self.step:
+            self._validate_and_save()
+        return self.best
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """A SIGTERM ends the run after the step in progress, with last.pt saved there: a
+        scheduler's preemption notice (SLURM waits 30 s by default before SIGKILL) costs no
+        training, where the default action lost every step since the last save."""
+        self.sigterm = True
+
+    def _terminated(self) -> bool:
+        """Whether a SIGTERM came; under DDP every rank must stop at the same step, so they
+        agree at each log step (where the loss is read anyway)."""
+        if self.world == 1:
+            return self.sigterm
+        if self.step % self.cfg.trainer.log_every:
+            return False
+        flag = torch.tensor([float(self.sigterm)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _epochs(self, bar, per_step: int) -> str:
+        """The training loop, until a budget ends it (its reason) or a SIGTERM (Terminated)."""
+        t = self.cfg.trainer
+        window = self.window
         stopped = self.stop_reason()
         while not stopped:
             batches = self.corpus.batches(t.max_tokens, t.seed, self.epoch)
@@ -486,6 +535,11 @@ class Trainer:
                     window.restart_clock()  # tokens/s measures training only
                 elif t.save_every and self.step % t.save_every == 0:
                     self.save(improved=False, step_checkpoint=False)
+                if self._terminated():
+                    self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
+                    self.save(improved=False, step_checkpoint=False)  # as trainer.save_every
+                    barrier(self.world)
+                    raise Terminated(self.step)
                 stopped = self.stop_reason()
                 if stopped:
                     break
@@ -493,13 +547,7 @@ class Trainer:
                 self.epoch += 1
                 self.step_in_epoch = 0
                 stopped = self.stop_reason()
-        if bar is not None:
-            bar.close()
-            log.info("training stopped at step %d: %s", self.step, stopped)
-        self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
-        if self.validated_step != self.step:
-            self._validate_and_save()
-        return self.best
+        return stopped
 
     def _validate_and_save(self) -> None:
         # Non-finite weights (a blow-up fewer than trainer.max_bad_steps steps ago) stop the run
@@ -549,6 +597,13 @@ def hydra_main(dcfg: DictConfig) -> float | None:
     except (KeyboardInterrupt, Exception) as err:
         if _ctrl_c_within(err):  # Ctrl-C: how to go on, not a traceback from inside torch
             raise SystemExit(_interrupted()) from None
+        if isinstance(err, Terminated):
+            if int(os.environ.get("RANK", "0")) == 0:
+                run_dir = Path(HydraConfig.get().runtime.output_dir)
+                log.warning("terminated (SIGTERM) after step %d, which %s holds: the same "
+                            "command with %s resumes it", err.step,
+                            run_dir / "checkpoints" / "last.pt", resume_override(run_dir))
+            raise SystemExit(128 + signal.SIGTERM) from None
         said = _in_words(err)
         if said is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

@@ -888,6 +888,43 @@ def test_extra_valid_splits_are_scored_beside_valid_and_change_nothing_else(
         assert len(test) == 8  # data.max_valid_sentences cuts each split alike
 
 
+def test_sigterm_saves_the_step_it_stops_at_and_the_resume_is_exact(tmp_path, corpus_dir,
+                                                                    tokenizer_dir):
+    """A SIGTERM (a scheduler's preemption notice) killed the run with every step since the
+    last save lost; now the step in progress ends, last.pt holds it, the run says how to resume
+    (exit status 143), and the resumed run ends with the weights of one never stopped."""
+    steps = ["trainer.max_steps=20", "trainer.validate_every=7", "trainer.save_every=0",
+             "trainer.log_every=1", "trainer.test_at_end=false"]
+    full = tmp_path / "full"
+    run_train(tmp_path, full, corpus_dir, tokenizer_dir, *steps)
+    stopped = tmp_path / "stopped"
+    cmd = [PYTHON, "-m", "mt.train", *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={stopped}", *steps]
+    err = open(tmp_path / "stopped.err", "w+")  # noqa: SIM115 (read after the process ends)
+    proc = subprocess.Popen(cmd, env=cli_env(tmp_path), stdout=subprocess.DEVNULL, stderr=err)
+    metrics = stopped / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(x)["step"] >= 9
+                                    for x in metrics.read_text().splitlines() if x):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait()
+    err.seek(0)
+    said = err.read()
+    err.close()
+    assert proc.returncode == 143 and "Traceback" not in said, said[-3000:]
+    step = torch.load(stopped / "checkpoints" / "last.pt", weights_only=True)["trainer"]["step"]
+    assert 9 <= step < 20  # past the last validation's save (step 7): nothing lost
+    assert (f"terminated (SIGTERM) after step {step}, which {stopped}/checkpoints/last.pt "
+            f"holds: the same command with hydra.run.dir={stopped} resumes it") in said
+    run_train(tmp_path, stopped, corpus_dir, tokenizer_dir, *steps)
+    a, b = weights(full), weights(stopped)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("victim", ["best.pt", "last.pt"])
 def test_a_kill_between_the_files_of_a_validation_loses_none_of_them(tmp_path, corpus_dir,
                                                                      tokenizer_dir, victim):
