@@ -30,6 +30,7 @@ import torch
 
 from mt.config import BEST_METRICS, REGULARIZATION_KEYS, model_config_from_dict
 from mt.model import Transformer, build_model
+from mt.textio import first_line
 from mt.tokenizer import Tokenizer
 
 FORMAT = "mt-checkpoint-1"
@@ -114,7 +115,7 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
                                                "PytorchStreamWriter")):
                 raise  # not the file's: a bug, with its traceback
             raise OSError(errno.EIO, f"write failed, is the disk full? (torch: "
-                          f"{str(err).splitlines()[0]})", str(path)) from None
+                          f"{first_line(err)})", str(path)) from None
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)

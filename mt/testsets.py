@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mt.config import conf_dir
+from mt.textio import first_line
 
 # The mt-eval command's logger: its messages keep one name, whichever module says them.
 log = logging.getLogger("mt.evaluate")
@@ -152,7 +153,7 @@ def load_named_test(name: str, langpair: str | None = None) -> TestSet:
     try:
         spec = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:  # e.g. a value starting with { that is not quoted
-        raise EvalError(f"{file}: not valid YAML ({str(err).splitlines()[0]}; quote values "
+        raise EvalError(f"{file}: not valid YAML ({first_line(err)}; quote values "
                         "that start with {)") from None
     for key in ("src", "ref"):
         if key not in spec:
