@@ -36,6 +36,7 @@ from mt.options import (
     add_search_arguments,
     add_worker_arguments,
     flags_mistake,
+    out_of_memory_said,
     search_options,
     unused_options,
     weights_mistake,
@@ -347,13 +348,11 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
     try:
         hyps, speed = translate_test(model, tokenizer, sources, opts, shortlist,
                                      replace_unk=args.replace_unk, layer=args.alignment_layer)
-    except WorkerDied as err:  # the out-of-memory killer, most likely
-        raise EvalError(f"-m {system.path}, {test.name}: {err}") from None
-    except (MemoryError, RuntimeError) as err:
-        if not out_of_memory(err):
+    except (WorkerDied, MemoryError, RuntimeError) as err:  # WorkerDied: the OOM killer, mostly
+        if not isinstance(err, WorkerDied) and not out_of_memory(err):
             raise
-        raise EvalError(f"-m {system.path}, {test.name}: out of memory: a smaller "
-                        f"--batch-tokens (now {args.batch_tokens}) or fewer --workers") from None
+        said = err if isinstance(err, WorkerDied) else out_of_memory_said(args.batch_tokens)
+        raise EvalError(f"-m {system.path}, {test.name}: {said}") from None
     speed.update(search=asdict(opts), device=args.device, dtype=args.dtype)
     log.info("%s: %.1f s, %.0f tokens/s", system.name, speed["decode_seconds"],
              speed["tokens_per_second"])

@@ -216,6 +216,11 @@ def search_options(args: argparse.Namespace, workers: int) -> SearchOptions:
         processes=not args.worker_threads)
 
 
+def out_of_memory_said(batch_tokens: int) -> str:
+    """What translate and mt-eval say when a search runs out of memory: what to lower."""
+    return f"out of memory: a smaller --batch-tokens (now {batch_tokens}) or fewer --workers"
+
+
 # mt.inference.DTYPES's names, here so that --help does not import torch (a test keeps the two
 # the same).
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "int8")

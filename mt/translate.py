@@ -60,6 +60,7 @@ from mt.options import (
     add_search_arguments,
     add_worker_arguments,
     flags_mistake,
+    out_of_memory_said,
     search_options,
     unused_options,
     weights_mistake,
@@ -485,19 +486,15 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
         print("translate: interrupted" + (f" after {done} lines" if args.output is None
                                           else f"; {args.output} not written"), file=sys.stderr)
         raise _Interrupted(getattr(err, "signal", signal.SIGINT)) from None
-    except WorkerDied as err:  # the out-of-memory killer, most likely
-        where = (f"; {args.output} not written" if args.output is not None
-                 else f" ({done} lines written before it)" if done else "")
-        raise SystemExit(f"translate: {err}{where}") from None
     except BrokenPipeError:  # the reader left (`translate ... | head`): stop without a traceback
         raise reader_left() from None
-    except (MemoryError, RuntimeError) as err:
-        if not out_of_memory(err):
+    except (WorkerDied, MemoryError, RuntimeError) as err:  # WorkerDied: the OOM killer, mostly
+        if not isinstance(err, WorkerDied) and not out_of_memory(err):
             raise
+        said = err if isinstance(err, WorkerDied) else out_of_memory_said(args.batch_tokens)
         where = (f"; {args.output} not written" if args.output is not None
                  else f" ({done} lines written before it)" if done else "")
-        raise SystemExit(f"translate: out of memory: a smaller --batch-tokens (now "
-                         f"{args.batch_tokens}) or fewer --workers{where}") from None
+        raise SystemExit(f"translate: {said}{where}") from None
     except OSError as err:  # writing failed (a full disk); the partial file is gone
         raise SystemExit(f"translate: {args.output or '<stdout>'}: cannot write "
                          f"({err.strerror})") from None
