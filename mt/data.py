@@ -314,6 +314,21 @@ def check_hub_splits(cfg: DataConfig, wanted: dict[str, list[str]]) -> None:
                                  f"{split!r}")
 
 
+def check_splits(cfg: DataConfig, test: bool) -> None:
+    """Refuses a mistake in a split that data.valid, data.extra_valid or (``test``) data.test
+    names at the start of a run, not after the tokenizer, the encoding or the training."""
+    tested = cfg.test.split("+") if test and cfg.test else []
+    valid = "+".join([cfg.valid, *cfg.extra_valid]).split("+")
+    if cfg.source == "files":
+        for split in [*valid, *tested]:
+            check_split(cfg, split, whole=True)
+    elif cfg.source == "hub":
+        extra = "+".join(cfg.extra_valid).split("+") if cfg.extra_valid else []
+        check_hub_splits(cfg, {f"data.train={cfg.train}": cfg.train.split("+"),
+                               f"data.valid={cfg.valid}": cfg.valid.split("+"),
+                               "data.extra_valid": extra, f"data.test={cfg.test}": tested})
+
+
 def _load_hub(cfg: DataConfig, split: str, cache_dir: str | None):
     """A hub dataset (``translation`` column, or one column per language) as src/tgt columns."""
     import datasets

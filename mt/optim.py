@@ -1,6 +1,6 @@
 """How a training step updates the weights: the optimizer, its learning-rate schedule, and the
 precision the step computes in (``trainer.precision``). Configured by the ``optim`` group
-(``conf/optim/``) and read by ``mt.train.Trainer``.
+(``conf/optim/``) and read by ``mt.trainer.Trainer``.
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ def test_a_value_out_of_range_fails_with_the_key(override, message):
 ])
 def test_what_the_model_and_optimizer_refuse_is_refused_before_any_data(override, message):
     """check_setup builds them on the meta device before the tokenizer and the corpus."""
-    from mt.train import check_setup
+    from mt.trainer import check_setup
 
     cfg = compose(override.split())
     with pytest.raises(ValueError, match=message):
@@ -414,7 +414,7 @@ def trainer_factory(tmp_path, corpus_dir, tokenizer_dir, monkeypatch):
     back afterwards), to be given validation scores instead of decoding."""
     import datasets
 
-    from mt.train import Trainer
+    from mt.trainer import Trainer
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
     threads = torch.get_num_threads()
@@ -531,7 +531,7 @@ def test_a_resume_with_a_new_lr_under_a_time_budget_takes_the_cosines_decayed_ra
     """The resumed run recomputed the rate before it had read the seconds trained: a cosine
     over trainer.max_minutes saw none and ran its first step at the peak."""
     from mt.optim import lr_lambda
-    from mt.train import Trainer
+    from mt.trainer import Trainer
 
     budget = ["optim.schedule=cosine", "trainer.max_steps=0", "trainer.max_minutes=1",
               "optim.min_lr=0"]
@@ -691,7 +691,7 @@ def test_the_resume_hint_reads_back_as_the_run_directory(tmp_path, name):
     directory with a space, a comma, parentheses or '=')."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from mt.train import resume_override
+    from mt.checkpoint import resume_override
 
     run_dir = tmp_path / name
     text = resume_override(run_dir)
@@ -1481,7 +1481,7 @@ def test_a_skipped_nan_step_leaves_the_moving_average_as_it_is(trainer_factory, 
     """The optimizer skips a step whose loss is NaN; the EMA used to be pulled towards the
     unmoved weights all the same (and its decay warm-up counted the step, which it still does,
     as the schedule does)."""
-    import mt.train
+    import mt.trainer
 
     trainer = trainer_factory("ema_nan", "trainer.ema_decay=0.5")
     batch, tokens = [0, 1], trainer.corpus.tgt_lens[0] + trainer.corpus.tgt_lens[1] + 2
@@ -1489,8 +1489,8 @@ def test_a_skipped_nan_step_leaves_the_moving_average_as_it_is(trainer_factory, 
     weights = [p.detach().clone() for p in trainer.ema.params]
     shadow = [s.clone() for s in trainer.ema.shadow]
     assert any(not torch.equal(w.float(), s) for w, s in zip(weights, shadow, strict=True))
-    real = mt.train.label_smoothed_nll
-    monkeypatch.setattr(mt.train, "label_smoothed_nll",
+    real = mt.trainer.label_smoothed_nll
+    monkeypatch.setattr(mt.trainer, "label_smoothed_nll",
                         lambda *a: tuple(x * float("nan") for x in real(*a)))
     _, finite = trainer.train_step([batch], tokens)
     assert not finite

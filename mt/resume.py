@@ -1,0 +1,129 @@
+"""What a run's ``last.pt`` keeps of its training beside the model (``trainer_state``), and how a
+run started again takes it back (``restore``): in one file, so that the two stay key for key alike.
+
+A resume is exact: the same weights, optimizer and schedule, loss scaler, data position (epoch,
+step within it), validations (best so far, patience, plateau cuts), training seconds (the clock
+of a time budget) and each rank's random streams, so a killed run continues the same curve.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from omegaconf import OmegaConf
+
+from mt import checkpoint
+from mt.config import TrainConfig, best_so_far, config_changes
+from mt.optim import EMA, take_optim_config
+
+if TYPE_CHECKING:
+    from mt.trainer import Trainer
+
+log = logging.getLogger("mt.train")
+
+
+def trained(model: torch.nn.Module) -> list[str]:
+    """The parameters a run trains (all but trainer.freeze's), by name: the optimizer's state
+    is matched to them by position, so a resume must train the same ones."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def trainer_state(trainer: Trainer, rng: list[dict]) -> dict:
+    """What last.pt holds beside the model for ``restore``: optimizer, schedule, loss scaler, the
+    position in the data, the validations so far, every rank's random streams (``rng``).
+    With an EMA, the checkpoint's "model" is the average; the trained weights go here."""
+    ema = ({"weights": checkpoint.weights(trainer.model), "ema_updates": trainer.ema.updates}
+           if trainer.ema is not None else {})
+    return {
+        **ema,
+        "trained": trained(trainer.model),
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "scaler": trainer.scaler.state_dict(),
+        "step": trainer.step, "epoch": trainer.epoch, "step_in_epoch": trainer.step_in_epoch,
+        "best": trainer.best, "bad_validations": trainer.bad_validations,
+        "history": trainer.history,
+        "skipped_steps": trainer.bad_steps.skipped,
+        "seconds": trainer.seconds(),
+        "rng": rng[0], "rng_ranks": rng,  # "rng": rank 0's, as checkpoints before rng_ranks
+        "world_size": trainer.world,
+        "window": trainer.window.state(),
+    }
+
+
+def restore(trainer: Trainer, path: Path) -> None:
+    """Puts the run that ``path`` (a last.pt) holds back into ``trainer``, built from this run's
+    config: what changed since is said, what cannot change (the parameters trained) refused."""
+    ckpt = checkpoint.load(path)
+    saved_config = ckpt.get("config") or {}
+    if trainer.rank == 0:
+        schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
+        changed = config_changes(saved_config, trainer.config_dict, defaults=schema)
+        if changed:
+            log.info("resuming with settings changed since %s: %s", path, ", ".join(changed))
+    if "trainer" not in ckpt:
+        raise ValueError(f"{path} holds weights only, no training state (an average or an "
+                         "imported model?), so the run cannot resume from it; move it away "
+                         "and give it as init_from=... to start from its weights")
+    state = ckpt["trainer"]
+    # "model" is what translates: with an EMA, the average; the trained weights are beside it
+    trainer.model.load_state_dict(state.get("weights") or ckpt["model"])
+    if trainer.ema is not None and "weights" in state:
+        trainer.ema.load(ckpt["model"], state["ema_updates"])
+    elif trainer.ema is not None:  # trained without one so far: the average starts here
+        trainer.ema = EMA(trainer.model, trainer.cfg.trainer.ema_decay)
+    for saved, group in zip(state["optimizer"]["param_groups"], trainer.optimizer.param_groups,
+                            strict=True):  # the kernel is this run's choice, not the saver's
+        saved["fused"], saved["foreach"] = group["fused"], group["foreach"]
+    # The optimizer's state is matched to parameters by position: the same ones must train.
+    saved_freeze = (saved_config.get("trainer") or {}).get("freeze", [])
+    if state.get("trained", trained(trainer.model)) != trained(trainer.model) or (
+            "trained" not in state and list(saved_freeze) != list(trainer.cfg.trainer.freeze)):
+        raise ValueError(f"{path}: the run trained another set of parameters (its "
+                         f"trainer.freeze={list(saved_freeze)}, now "
+                         f"{list(trainer.cfg.trainer.freeze)}); resume with its trainer.freeze, "
+                         "or start a new run with init_from")
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.history = state["history"]  # before take_optim_config: its rate has the cuts
+    # and the seconds trained: a time-budgeted schedule's rate depends on them
+    trainer.seconds_before = trainer.elapsed = state.get("seconds", 0.0)
+    changed = take_optim_config(trainer.optimizer, trainer.scheduler, trainer.cfg)
+    if changed:
+        log.warning("resuming with %s", ", ".join(changed))
+    trainer.scaler.load_state_dict(state["scaler"])
+    trainer.step, trainer.epoch, trainer.step_in_epoch = (state["step"], state["epoch"],
+                                                  state["step_in_epoch"])
+    # The position in the epoch is counted in steps; a step is accumulation x processes
+    # batches. Another count per step would start the epoch again at another batch.
+    saved_acc = (saved_config.get("trainer") or {}).get("accumulation", 1)
+    saved_per_step = saved_acc * state["world_size"]
+    per_step = trainer.cfg.trainer.accumulation * trainer.world
+    if saved_per_step != per_step:
+        seen = trainer.step_in_epoch * saved_per_step
+        trainer.step_in_epoch = seen // per_step
+        again = seen - trainer.step_in_epoch * per_step
+        log.warning("resuming with %d batches per step (trainer.accumulation x processes) "
+                    "where the run took %d: each update changes size, and the epoch goes on "
+                    "from its batch %d%s", per_step, saved_per_step, seen - again,
+                    f" ({again} of its batches trained again)" if again else "")
+    t = trainer.cfg.trainer  # replayed: the metric or threshold may differ from the saver's
+    trainer.best, trainer.bad_validations = best_so_far(trainer.history, t.best_metric,
+                                                  t.min_improvement)
+    if (trainer.best, trainer.bad_validations) != (state["best"], state["bad_validations"]):
+        log.info("resuming with trainer.best_metric=%s: best valid %s %s so far, %d "
+                 "validations without a better one", t.best_metric, t.best_metric,
+                 trainer.best, trainer.bad_validations)
+    trainer.bad_steps.skipped = state.get("skipped_steps", 0)
+    if "window" in state:
+        trainer.window.load(state["window"])
+    # Each rank's streams go on where they stopped. Else they stay new ones (another world
+    # size, or a checkpoint older than rng_ranks, which held rank 0's alone): no exact resume.
+    ranks = state.get("rng_ranks", [state["rng"]])
+    if state["world_size"] == trainer.world and trainer.rank < len(ranks):
+        checkpoint.set_rng_state(ranks[trainer.rank])
+    log.info("resumed %s at step %d (epoch %d, step %d of it)", path, trainer.step, trainer.epoch,
+             trainer.step_in_epoch)

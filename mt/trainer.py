@@ -1,0 +1,462 @@
+"""The training loop: ``Trainer`` builds the tokenizer, corpus, model and optimizer of a run,
+takes optimizer steps, validates, and writes checkpoints; ``mt.train`` is its command line.
+
+Under ``torchrun`` each process takes its share of every optimizer step (DistributedDataParallel,
+gloo on CPU, NCCL on GPU); only rank 0 writes. One optimizer step consumes ``accumulation *
+world_size`` consecutive batches of the epoch's shuffled batch list, rank r taking micro-batches
+``r * accumulation ...``; the loss is the sum of token losses divided by the number of target
+tokens in the whole step. So the same product ``accumulation * world_size`` gives the same update,
+whatever the split.
+
+A run directory started again resumes by itself from ``checkpoints/last.pt``: model, optimizer,
+schedule, RNG states and the position in the data (epoch, step within the epoch).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from mt import checkpoint, resume
+from mt.batching import step_batches
+from mt.checkpoint import resume_override
+from mt.config import (
+    BEST_METRICS,
+    TrainConfig,
+    finetune_model_config,
+    improves,
+    start_tokenizer_config,
+)
+from mt.corpus import Corpus
+from mt.data import check_splits, tokenizer_config, tokenizer_dir
+from mt.distributed import barrier, rank_seed, setup_distributed
+from mt.divergence import BadSteps, check_weights
+from mt.loss import label_smoothed_nll
+from mt.model import avoid_cudnn_attention, build_model, count_parameters
+from mt.optim import (
+    EMA,
+    autocast_dtype,
+    build_optimizer,
+    cut_on_plateau,
+    freeze,
+    lr_lambda,
+)
+from mt.runlog import Metrics, Window, bleu_language, fitting, validate
+from mt.tokenizer import META_FILE, Tokenizer
+
+log = logging.getLogger("mt.train")
+
+TIED_NEEDS_JOINT = ("model.tie_embeddings=all needs a joint vocabulary: set "
+                    "data.tokenizer.joint=true, or model.tie_embeddings=decoder")
+
+
+def check_setup(cfg: TrainConfig) -> None:
+    """Builds the model, freezes trainer.freeze's parameters and makes the optimizer and the
+    schedule on the meta device (no memory, no draw from the random streams), so that a value
+    only they check (model.norm=Pre, a d_model that model.heads does not divide, a freeze
+    pattern that matches nothing, optim.schedule=linear) stops the run now, not after the
+    tokenizer and the corpus, which can take many minutes, are built."""
+    with torch.device("meta"):  # any vocabulary size: the tokenizer's comes later
+        model = build_model(replace(cfg.model, src_vocab_size=8, tgt_vocab_size=8))
+    if cfg.trainer.freeze:
+        freeze(model, cfg.trainer.freeze)
+    build_optimizer(model, cfg)
+    lr_lambda(cfg)
+
+
+class Terminated(Exception):  # noqa: N818 - named for the signal, as KeyboardInterrupt is
+    """A SIGTERM (a scheduler's preemption notice, ``kill``, ``timeout``) stopped the run at
+    ``step``, which ``last.pt`` holds."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path) -> None:
+        self.cfg, self.run_dir = cfg, run_dir
+        self.rank, self.world, self.device = setup_distributed(cfg.trainer.device)
+        avoid_cudnn_attention(self.device)
+        # Settings that cannot work are refused before any SentencePiece training or encoding.
+        self.amp_dtype = autocast_dtype(cfg.trainer.precision, self.device)
+        if cfg.trainer.num_threads:
+            torch.set_num_threads(cfg.trainer.num_threads)
+        # Rank 0 keeps the seed; other ranks draw dropout from streams of their own, not copies of
+        # rank 0's. Data order and subword sampling do not use these.
+        seed = rank_seed(cfg.trainer.seed, self.rank)
+        torch.manual_seed(seed)
+        random.seed(seed)
+        self.ckpt_dir = run_dir / "checkpoints"
+        if self.rank == 0 and (removed := checkpoint.remove_unfinished(self.ckpt_dir)):
+            log.info("removed %d unfinished checkpoint write(s) from %s (a killed run's)",
+                     removed, self.ckpt_dir)
+        # The model's shape and tokenizer: a resumed run's own (whatever model=... says now), or
+        # those of the model that a fine-tuning run starts from; else the config's.
+        last = self.ckpt_dir / "last.pt"
+        resuming = last.exists()
+        start, origin = None, ""
+        if resuming:
+            start, origin = checkpoint.load(last, mmap=True), str(last)
+        elif cfg.init_from:
+            start, origin = checkpoint.load(cfg.init_from), f"init_from={cfg.init_from}"
+        if start is not None:
+            cfg.model, replaced = finetune_model_config(cfg.model, start["model_config"])
+            if replaced:
+                log.info("%s: the model's shape replaces %s", origin, replaced)
+        elif cfg.model.tie_embeddings == "all" and not cfg.data.tokenizer.joint:
+            # no tokenizer yet: it would be trained as two vocabularies
+            if not (tokenizer_dir(cfg.data.tokenizer, run_dir) / META_FILE).exists():
+                raise ValueError(TIED_NEEDS_JOINT)
+        check_setup(cfg)
+        cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
+        if start is not None:
+            cfg.data.tokenizer, ignored = start_tokenizer_config(cfg.data.tokenizer,
+                                                                 start.get("config"))
+            if ignored:
+                log.info("%s: the tokenizer is the checkpoint's; ignored %s", origin, ignored)
+        check_splits(cfg.data, test=cfg.trainer.test_at_end)
+        self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
+                             Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
+        self.bleu_lang = bleu_language(cfg.data.tgt_lang)  # zh, ja, ko: their BLEU tokenizer
+        tok = self.corpus.tokenizer
+        if cfg.model.tie_embeddings == "all" and not tok.joint:
+            # Two vocabularies of one size pass the model's size check, but id 11 would be
+            # "▁The" in one and "s" in the other, sharing one embedding.
+            raise ValueError(TIED_NEEDS_JOINT)
+        cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
+        if cfg.trainer.best_metric == "loss":  # a loss over no pair would be NaN at every check
+            src, tgt = self.corpus.valid[cfg.data.valid]
+            if not fitting(tok.encode_src(src), tok.encode_tgt(tgt), cfg.model.max_positions):
+                raise ValueError(f"trainer.best_metric=loss: no pair of data.valid="
+                                 f"{cfg.data.valid} fits model.max_positions="
+                                 f"{cfg.model.max_positions}, so it has no valid loss; raise "
+                                 "model.max_positions or choose trainer.best_metric=bleu")
+        self.model = build_model(cfg.model).to(self.device)
+        if start is not None and not resuming:
+            self.model.load_state_dict(start["model"])  # its own config: every key fits
+            log.info("initialised weights from %s", start["path"])
+        del start
+        log.info("model %s: %s parameters\n%s", cfg.model.name, f"{count_parameters(self.model):,}",
+                 OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
+        if cfg.trainer.freeze:
+            log.info("trainer.freeze: %d parameter tensors kept as they are",
+                     len(freeze(self.model, cfg.trainer.freeze)))
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.ema = EMA(self.model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
+        # Training seconds of earlier runs (resumed) and this one's start; `elapsed` is the clock
+        # every rank agrees on, read by the time-budgeted schedule.
+        self.seconds_before, self.fit_start, self.elapsed = 0.0, None, 0.0
+        # LambdaLR counts the steps taken (0 before the first); lr_lambda counts from 1, so
+        # step k runs at lr_lambda(k): the peak at step warmup_steps, min_lr at the last step.
+        self.history = []  # the validations so far: the plateau cuts are read from them
+        multiplier = lr_lambda(cfg, seconds=lambda: self.elapsed, history=lambda: self.history)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda taken: multiplier(taken + 1))
+        self.step_lr = cfg.optim.lr * multiplier(1)  # the learning rate of the last step taken
+        self.scaler = torch.amp.GradScaler(self.device.type,
+                                           enabled=self.amp_dtype == torch.float16)
+        log.info("precision: %s on %s, %d process(es)",
+                 self.amp_dtype or torch.float32, self.device, self.world)
+        self.net = self.model
+        if self.world > 1:
+            self.net = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if cfg.trainer.compile:
+            self.net = torch.compile(self.net)
+        self.step, self.epoch, self.step_in_epoch = 0, 0, 0
+        self.best, self.bad_validations = None, 0
+        self.bad_steps = BadSteps(self.device, cfg.trainer.max_bad_steps)
+        self.validated_step = -1
+        self.window = Window(self.device)  # the loss and speed since the last log line
+        self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+        if resuming:
+            resume.restore(self, last)
+            if self.history and self.history[-1]["step"] == self.step:
+                self.validated_step = self.step  # a finished run restarted: do not validate again
+        self.metrics = (Metrics(run_dir, cfg.trainer.tensorboard, self.step) if self.rank == 0
+                        else None)
+
+    # -- checkpoints
+
+    def save(self, improved: bool, step_checkpoint: bool = True) -> None:
+        """last.pt always; step_N.pt (for averaging) and best.pt at validations."""
+        check_weights(self.model, self.ckpt_dir / "last.pt")  # on every rank
+        mine = checkpoint.rng_state(self.device)
+        rng = [mine] * self.world
+        if self.world > 1:  # every rank's stream, so that each draws on after a resume as before
+            dist.all_gather_object(rng, mine)
+        if self.rank != 0:
+            return
+        with self._averaged():
+            inference = checkpoint.model_state(self.model, self.corpus.tokenizer,
+                                               self.config_dict)
+        # last.pt comes after the files of this validation: a run killed between them resumes
+        # from the last.pt before, validates this step again and writes them again. Written
+        # first, it would hold this validation as done, and its best.pt never came.
+        t = self.cfg.trainer
+        steps = step_checkpoint and (t.keep_last > 0 or t.keep_best > 0 or t.average_last > 0)
+        if steps:
+            checkpoint.save_atomic(inference, self.ckpt_dir / f"step_{self.step}.pt")
+        if improved:
+            checkpoint.save_atomic(inference, self.ckpt_dir / "best.pt")
+        checkpoint.save_atomic({**inference, "trainer": resume.trainer_state(self, rng)},
+                               self.ckpt_dir / "last.pt")
+        if steps:
+            checkpoint.prune_step_checkpoints(self.ckpt_dir, self.history,
+                                              max(t.keep_last, t.average_last),
+                                              t.keep_best, t.best_metric)
+
+    # -- validation
+
+    def _averaged(self):
+        """The EMA's weights in the model (trainer.ema_decay), or the model as it is."""
+        return self.ema.applied() if self.ema is not None else nullcontext()
+
+    def validate(self) -> dict:
+        """The scores on data.valid (valid_loss, ...) and on each of data.extra_valid's splits
+        (SPLIT/loss, ...); the translations in valid/step_N.hyp and valid/SPLIT/step_N.hyp."""
+        self.model.eval()
+        c, metrics = self.corpus, {}
+        with self._averaged(), torch.inference_mode(), self._autocast():
+            for split, (src, tgt) in c.valid.items():
+                extra = split != self.cfg.data.valid
+                hyps = self.run_dir / "valid" / (split if extra else "") / f"step_{self.step}.hyp"
+                scores = validate(self.model, c.tokenizer, src, tgt, self.cfg.trainer, self.device,
+                                  hyps if self.cfg.trainer.save_valid_hyps else None, split,
+                                  self.bleu_lang)
+                metrics.update({f"{split}/{key.removeprefix('valid_')}": v
+                                for key, v in scores.items()} if extra else scores)
+        self.model.train()
+        return metrics
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    # -- the loop
+
+    def train_step(self, micro_batches: list[list[int]],
+                   step_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over this rank's micro-batches.
+
+        Returns the summed label-smoothed loss and NLL (a (2,) tensor: the NLL is what the valid
+        loss measures, so the two curves compare) and whether they are finite, device tensors:
+        nothing here waits for the device. When the loss is NaN/inf the fused optimizer skips
+        the update on the device (weights and optimizer state unchanged; the schedule moves on),
+        and fit() reads the count every few steps (mt.divergence.BadSteps).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total = torch.zeros(2, device=self.device)
+        for i, batch in enumerate(micro_batches):
+            src, tgt_in, tgt_out = (t.to(self.device, non_blocking=True)
+                                    for t in self.corpus.collate(batch))
+            last = i == len(micro_batches) - 1
+            sync = nullcontext() if last or self.world == 1 else self.net.no_sync()
+            with sync:
+                with self._autocast():
+                    logits = self.net(src, tgt_in)
+                loss, nll = label_smoothed_nll(logits, tgt_out, self.cfg.optim.label_smoothing)
+                # DDP averages gradients over ranks; scale so the result is sum / step_tokens.
+                self.scaler.scale(loss * self.world / step_tokens).backward()
+            loss_total += torch.stack([loss.detach(), nll.detach()]).float()
+        finite = torch.isfinite(loss_total).all().float()
+        if self.world > 1:  # skip on every rank, or on none
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        self.scaler.unscale_(self.optimizer)
+        if self.cfg.optim.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_norm)
+        # The fused kernel skips the update where found_inf is 1 (a float16 GradScaler sets its
+        # own, which a NaN loss trips as well).
+        self.optimizer.found_inf = 1.0 - finite
+        self.scaler.step(self.optimizer)
+        self.optimizer.__dict__.pop("found_inf", None)  # no stale flag for any other caller
+        if self.ema is not None:
+            self.ema.update(finite)
+        self.scaler.update()
+        self.step_lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()  # the schedule follows the step counter, skipped steps included
+        return loss_total, finite.bool()
+
+    def seconds(self) -> float:
+        """Wall-clock seconds spent in fit(), over every run that resumed this one: the budget of
+        trainer.max_minutes, so a crashed run resumed does not start its clock again."""
+        running = time.perf_counter() - self.fit_start if self.fit_start is not None else 0.0
+        return self.seconds_before + running
+
+    def stop_reason(self) -> str:
+        """Why training ends now, for the log ("" while it goes on): a run that ends before the
+        bar's total (a time budget, patience) says which budget ended it."""
+        t = self.cfg.trainer
+        if t.max_steps and self.step >= t.max_steps:
+            return f"trainer.max_steps={t.max_steps} reached"
+        if t.max_epochs and self.epoch >= t.max_epochs:
+            return f"trainer.max_epochs={t.max_epochs} reached"
+        if t.patience and self.bad_validations >= t.patience:
+            by = (f" (by more than trainer.min_improvement={t.min_improvement:g})"
+                  if t.min_improvement else "")
+            return (f"trainer.patience={t.patience}: no better valid {t.best_metric}{by} in "
+                    f"{self.bad_validations} validations")
+        elapsed = self.seconds()
+        if self.world > 1:  # every rank must see the same clock: same stop step, same lr
+            clock = torch.tensor([elapsed], dtype=torch.float64, device=self.device)
+            dist.all_reduce(clock, op=dist.ReduceOp.MAX)
+            elapsed = clock.item()
+        self.elapsed = elapsed
+        if t.max_minutes and elapsed / 60 >= t.max_minutes:
+            return (f"trainer.max_minutes={t.max_minutes:g} reached "
+                    f"({elapsed / 60:.1f} minutes of training)")
+        return ""
+
+    def fit(self) -> float | None:
+        t = self.cfg.trainer
+        if not (t.max_steps or t.max_epochs or t.max_minutes or t.patience) and self.rank == 0:
+            log.warning("no budget (trainer.max_steps, max_epochs, max_minutes and patience are "
+                        "all 0): training goes on until you stop it; the same command with %s "
+                        "resumes it", resume_override(self.run_dir))
+        per_step = t.accumulation * self.world
+        self.fit_start = time.perf_counter()
+        self.model.train()
+        bar = None
+        if self.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=t.max_steps or None, initial=self.step, unit="step", file=sys.stderr,
+                       dynamic_ncols=True, mininterval=1.0)
+        window = self.window
+        window.restart_clock()
+        self.sigterm = False
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            stopped = self._epochs(bar, per_step)
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, previous)
+            if bar is not None:
+                bar.close()
+        if self.rank == 0:
+            log.info("training stopped at step %d: %s", self.step, stopped)
+        self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
+        if self.validated_step != self.step:
+            self._validate_and_save()
+        return self.best
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """A SIGTERM ends the run after the step in progress, with last.pt saved there: a
+        scheduler's preemption notice (SLURM waits 30 s by default before SIGKILL) costs no
+        training, where the default action lost every step since the last save."""
+        self.sigterm = True
+
+    def _terminated(self) -> bool:
+        """Whether a SIGTERM came; under DDP every rank must stop at the same step, so they
+        agree at each log step (where the loss is read anyway)."""
+        if self.world == 1:
+            return self.sigterm
+        if self.step % self.cfg.trainer.log_every:
+            return False
+        flag = torch.tensor([float(self.sigterm)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _epochs(self, bar, per_step: int) -> str:
+        """The training loop, until a budget ends it (its reason) or a SIGTERM (Terminated)."""
+        t = self.cfg.trainer
+        window = self.window
+        stopped = self.stop_reason()
+        while not stopped:
+            batches = self.corpus.batches(t.max_tokens, t.seed, self.epoch)
+            steps_in_epoch = len(batches) // per_step
+            if steps_in_epoch == 0:
+                raise ValueError(f"one epoch has {len(batches)} batches, fewer than "
+                                 f"trainer.accumulation x processes = {per_step}")
+            while self.step_in_epoch < steps_in_epoch:
+                shares = step_batches(batches, self.step_in_epoch, t.accumulation, self.world)
+                step_tokens = sum(self.corpus.tgt_lens[i] + 1
+                                  for share in shares for b in share for i in b)
+                loss, finite = self.train_step(shares[self.rank], step_tokens)
+                self.step += 1
+                self.step_in_epoch += 1
+                self.bad_steps.count(finite)
+                window.add(loss * self.world, step_tokens, finite)  # rank 0's estimate of the sum
+                if (self.step % t.log_every == 0 or self.bad_steps.due()
+                        or self.step % t.validate_every == 0
+                        or t.save_every and self.step % t.save_every == 0):
+                    # before any save: never NaN weights on disk
+                    self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
+                if self.step % t.log_every == 0 and bar is not None:
+                    record = {"step": self.step, "epoch": self.epoch, **window.read(),
+                              "lr": self.step_lr}
+                    self.metrics.write(record)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+                                    tok_s=f"{record['tgt_tokens_per_s']:.0f}", refresh=False)
+                if bar is not None:
+                    bar.update(1)
+                if self.step % t.validate_every == 0:
+                    self._validate_and_save()
+                    window.restart_clock()  # tokens/s measures training only
+                elif t.save_every and self.step % t.save_every == 0:
+                    self.save(improved=False, step_checkpoint=False)
+                if self._terminated():
+                    self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
+                    self.save(improved=False, step_checkpoint=False)  # as trainer.save_every
+                    barrier(self.world)
+                    raise Terminated(self.step)
+                stopped = self.stop_reason()
+                if stopped:
+                    break
+            if not stopped:
+                self.epoch += 1
+                self.step_in_epoch = 0
+                stopped = self.stop_reason()
+        return stopped
+
+    def _validate_and_save(self) -> None:
+        # Non-finite weights (a blow-up fewer than trainer.max_bad_steps steps ago) stop the run
+        # in the words of a divergence, not inside the search that validation runs.
+        check_weights(self.model, self.ckpt_dir / "last.pt")  # on every rank
+        self.validated_step = self.step
+        improved, record = False, None
+        if self.rank == 0:
+            metrics = self.validate()
+            t = self.cfg.trainer
+            value = metrics[BEST_METRICS[t.best_metric][0]]
+            improved = improves(value, self.best, t.best_metric, t.min_improvement)
+            if improved:
+                self.best, self.bad_validations = value, 0
+            else:
+                self.bad_validations += 1
+            # the epoch the last step trained in (after an epoch's last step, self.epoch is
+            # already the next one, where a resume starts)
+            epoch = self.epoch - 1 if self.step_in_epoch == 0 and self.step > 0 else self.epoch
+            record = {"step": self.step, "epoch": epoch, **metrics, "best": self.best}
+            self.metrics.write(record)
+            log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f%s%s", self.step,
+                     metrics["valid_loss"], metrics["valid_ppl"], metrics["valid_bleu"],
+                     metrics["valid_chrf"], " (best)" if improved else "", "".join(
+                         f"; {split}: loss {metrics[f'{split}/loss']:.3f}, BLEU "
+                         f"{metrics[f'{split}/bleu']:.2f}, chrF {metrics[f'{split}/chrf']:.2f}"
+                         for split in self.cfg.data.extra_valid))
+        if self.world > 1:  # early stopping and the plateau cuts must agree on every rank
+            state = [self.bad_validations, self.best, record]
+            dist.broadcast_object_list(state, src=0)
+            self.bad_validations, self.best, record = state
+        self.history.append(record)
+        cut = cut_on_plateau(self.optimizer, self.scheduler, self.history, self.cfg)
+        if cut and self.rank == 0:
+            log.info("step %d: %s", self.step, cut)
+        self.save(improved)
+        barrier(self.world)
+
