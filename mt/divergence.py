@@ -1,8 +1,8 @@
 """Training that blows up: steps whose loss is NaN/inf, and weights that are no longer finite.
 
 A NaN/inf loss skips its update on the device (the fused optimizer's ``found_inf``, set by
-``mt.trainer.Trainer.train_step``); ``BadSteps`` counts such steps there too, so that a step costs no
-host sync, and reads the count every few steps: a warning for the skipped ones, and ``Diverged``
+``mt.trainer.Trainer.train_step``); ``BadSteps`` counts such steps there too, so that a step costs
+no host sync, and reads the count every few steps: a warning for the skipped ones, and ``Diverged``
 for a run whose loss stays NaN/inf for ``trainer.max_bad_steps`` steps in a row. Weights are
 checked before every save, so that no checkpoint on disk holds NaN.
 """

@@ -21,7 +21,6 @@ import itertools
 import logging
 import os
 import signal
-import stat
 import sys
 import threading
 import time
@@ -30,14 +29,14 @@ from contextlib import contextmanager
 
 import torch
 
+from mt import translate_checks as checks
 from mt.alignment import align_lines, layer_mistake, word_scores
-from mt.checkpoint import out_of_memory, resolved
+from mt.checkpoint import out_of_memory
 from mt.config import positive_int
 from mt.constraints import encode_phrases, split_phrases
 from mt.incremental import max_positions
 from mt.inference import (
     cap_kernel_caches,
-    device_mistake,
     keep_freed_memory,
     load_models,
 )
@@ -59,11 +58,8 @@ from mt.options import (
     add_device_arguments,
     add_search_arguments,
     add_worker_arguments,
-    flags_mistake,
     out_of_memory_said,
     search_options,
-    unused_options,
-    weights_mistake,
 )
 from mt.results import LineResult
 from mt.shortlist import Shortlist
@@ -73,7 +69,6 @@ from mt.textio import (
     atomic_output,
     check_output,
     chunks,
-    count_lines,
     decode_line,
     fill_closed_descriptors,
     is_regular,
@@ -240,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("translate: stdout is closed; give the output file with -o FILE")
     keep_freed_memory()
     cap_kernel_caches(args.dtype)
-    _check_flags(args, parser)
+    checks.check_flags(args, parser)
     if args.output in STDOUT_NAMES:
         args.output = None
     try:
@@ -258,9 +253,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"translate: {option} -: stdin is closed; give it as a file")
     if interactive and parallel:
         raise SystemExit(f"translate: {next(iter(parallel))} needs -i (or piped input)")
-    _refuse_overwrite(args, parallel)
-    _refuse_shared_streams(args, parallel)
-    total = None if interactive else _count_input(args, parallel)
+    checks.refuse_overwrite(args, parallel)
+    checks.refuse_shared_streams(args, parallel)
+    total = None if interactive else checks.count_input(args, parallel)
     try:
         model, tokenizer, names = load_models(args.model, args.device, args.dtype,
                                               pack=not args.no_pack, weights=args.weights)
@@ -295,109 +290,6 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     log.info("%s %d lines in %.1f s (%.1f lines/s)", "scored" if args.score else "translated",
              done, seconds, done / max(seconds, 1e-9))
-
-
-def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Refuses options that cannot run (SystemExit) and warns of those that have no effect.
-    Combinations that cannot work are refused before values out of range: a range's message
-    asks for another value (--mbr --score: "needs --beam 16"), which would not help."""
-    if args.mbr and args.score:
-        raise SystemExit("translate: --mbr chooses among translations it searches; it does not "
-                         "combine with --score")
-    if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file
-                                   or args.constraints_file or args.shortlist or args.replace_unk):
-        raise SystemExit("translate: --score scores given translations; it does not combine with "
-                         "--sampling, --nbest, --prefix-file, --constraints-file, --shortlist or "
-                         "--replace-unk")
-    mistake = flags_mistake(args) or device_mistake(args.device)
-    if mistake:
-        raise SystemExit(f"translate: {mistake}")
-    unused = unused_options(args, parser)
-    if args.weights is not None and len(args.model) == 1:
-        unused.append("--weights has no effect with one model")
-    for warning in unused:
-        log.warning(warning)
-    if args.score is None and args.max_len_a == 0 and args.min_len >= args.max_len_b:
-        log.warning("--min-len %d is not below the budget of --max-len-a 0 --max-len-b %d (EOS "
-                    "included): every translation runs to the budget",
-                    args.min_len, args.max_len_b)
-    if args.weights is not None and len(args.model) > 1:
-        mistake = weights_mistake(args.weights, len(args.model), f"{len(args.model)} models (-m)")
-        if mistake:
-            raise SystemExit(f"translate: {mistake}")
-    if args.constraints_file and (args.sampling or args.beam < 2):
-        raise SystemExit("translate: --constraints-file needs beam search with --beam 2 or more "
-                         "(a beam of 1 has no room for a hypothesis that places a phrase)")
-
-
-def _read_files(args: argparse.Namespace, parallel: dict[str, str]
-                ) -> list[tuple[str, str, os.stat_result]]:
-    """(option, name, stat) of every file translate reads, the input first; stdin (no -i, or
-    -i -) is its file descriptor's. A file that cannot be stat'ed (no such file: said later; no
-    stdin at all) is left out."""
-    out = []
-    for option, path in (("-i", args.input), *parallel.items()):
-        try:
-            if path in (None, "-"):
-                out.append((option, "-", os.fstat(sys.stdin.fileno())))
-            else:
-                out.append((option, path, os.stat(path)))
-        except (OSError, ValueError, AttributeError):  # AttributeError: stdin closed (<&-)
-            continue
-    return out
-
-
-def _refuse_overwrite(args: argparse.Namespace, parallel: dict[str, str]) -> None:
-    """SystemExit when -o names a file that translate reads (the input, a side file, a model or
-    the shortlist): the translations would replace it."""
-    if not (args.output and os.path.exists(args.output)):
-        return
-    out = os.stat(args.output)
-    for option, path, read in _read_files(args, parallel) + _model_files(args):
-        if (read.st_dev, read.st_ino) == (out.st_dev, out.st_ino):
-            name = "input (stdin)" if (option, path) == ("-i", "-") else option
-            raise SystemExit(f"translate: -o {args.output} is the {name} file; the "
-                             "translations would replace it: write them elsewhere")
-
-
-def _model_files(args: argparse.Namespace) -> list[tuple[str, str, os.stat_result]]:
-    """(option, name, stat) of the checkpoints (-m, a run directory's as translate picks it) and
-    the --shortlist file; those that cannot be found are left out (loading says why)."""
-    files = [("-m", resolved(m)) for m in args.model] + [("--shortlist", args.shortlist)]
-    return [(option, str(file), os.stat(file)) for option, file in files
-            if file and os.path.exists(file)]
-
-
-def _refuse_shared_streams(args: argparse.Namespace, parallel: dict[str, str]) -> None:
-    """SystemExit when two of the files read line by line are one stream (stdin twice, one pipe
-    or FIFO twice): each would take every other line, and lines would be paired with the wrong
-    ones. A regular file given twice is read twice, from its start each time: that is fine."""
-    seen: dict[tuple[int, int], str] = {}
-    for option, path, read in _read_files(args, parallel):
-        if stat.S_ISREG(read.st_mode) and path != "-":  # stdin is one stream, even `< file`
-            continue
-        name = f"{option} {path}" if path != "-" else (
-            "the input (stdin)" if option == "-i" else f"{option} - (stdin)")
-        key = (read.st_dev, read.st_ino)
-        if key in seen:
-            raise SystemExit(f"translate: {name} and {seen[key]} are one stream, which cannot "
-                             "be read twice: give one of them as a file")
-        seen[key] = name
-
-
-def _count_input(args: argparse.Namespace, parallel: dict[str, str]) -> int | None:
-    """The input's lines (None where it cannot be counted ahead: a pipe), with each side file
-    checked to have as many: a regular file's mistakes stop translate before any work."""
-    try:
-        total = count_lines(args.input, args.errors)
-        for path in parallel.values():
-            n = count_lines(path, args.errors)
-            if None not in (n, total) and n != total:
-                raise InputError(f"{path}: {n} lines, but the input has {total}; one line per "
-                                 "input line")
-    except InputError as err:
-        raise SystemExit(f"translate: {err}") from None
-    return total
 
 
 # Side files whose lines the target vocabulary must spell (an unknown piece forced or required
@@ -449,34 +341,12 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
                     # too long to score (an empty pair has no sources and needs no score)
                     unfit += sum(bool(r.sources) and not r.hyps for r in results)
                 else:
-                    ids = {}
-                    for option in SPELLED:
-                        if option in side:
-                            try:
-                                ids[option] = _spelled(tokenizer, option, side[option],
-                                                       parallel[option], done + 1)
-                            except ValueError as err:
-                                raise InputError(str(err)) from None
-                    phrases = ([split_phrases(c) for c in side["--constraints-file"]]
-                               if args.constraints_file else None)
-                    results = search_lines(model, tokenizer, lines, opts, progress,
-                                           side.get("--prefix-file"), generator=generator,
-                                           warn=False, constraints=phrases,
-                                           shortlist=shortlist)
-                    unfit += sum(len(r.sources) > 1 for r in results)
-                    if phrases is not None:
-                        missed += unmet(results, ids["--constraints-file"])
-                    if args.prefix_file:  # an empty line is not searched: it has no prefix
-                        unused += sum(bool(p) and not r.sources for p, r in zip(
-                            ids["--prefix-file"], results, strict=True))
-                fields = _fields(model, tokenizer, results, args)
-                texts = (_texts(model, tokenizer, results, args)
-                         if not args.score else [None] * len(results))
-                for i, (r, f, nbest) in enumerate(zip(results, fields, texts, strict=True),
-                                                  start=done):
-                    lines_out = ([_format_score(r, f)] if args.score
-                                 else _format(i, nbest, f, args.nbest))
-                    out.write("".join(line + "\n" for line in lines_out))
+                    results, (u, m, n) = _search_chunk(model, tokenizer, opts, args, lines,
+                                                       side, parallel, done + 1, progress,
+                                                       generator, shortlist)
+                    unfit, missed, unused = unfit + u, missed + m, unused + n
+                for line in _formatted(model, tokenizer, results, args, done):
+                    out.write(line)  # a line at a time: see _formatted
                 out.flush()
                 done += len(chunk)
     except InputError as err:  # only what could not be checked beforehand comes this late
@@ -502,6 +372,49 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
         if bar is not None:
             bar.close()
     return done, unfit, missed, unused
+
+
+def _search_chunk(model, tokenizer, opts: SearchOptions, args: argparse.Namespace,
+                  lines: list[str], side: dict[str, list[str]], paths: dict[str, str],
+                  first_line: int, progress, generator: torch.Generator | None,
+                  shortlist: Shortlist | None) -> tuple[list[LineResult], tuple[int, int, int]]:
+    """The translations of one chunk's ``lines`` (``side``: its lines of each side file, by
+    option; ``paths``: the files), and how many of them were too long for the model, lacked a
+    constraint, or were empty with a prefix."""
+    ids = {}
+    for option in SPELLED:
+        if option in side:
+            try:
+                ids[option] = _spelled(tokenizer, option, side[option], paths[option],
+                                       first_line)
+            except ValueError as err:
+                raise InputError(str(err)) from None
+    phrases = ([split_phrases(c) for c in side["--constraints-file"]]
+               if args.constraints_file else None)
+    results = search_lines(model, tokenizer, lines, opts, progress, side.get("--prefix-file"),
+                           generator=generator, warn=False, constraints=phrases,
+                           shortlist=shortlist)
+    unfit = sum(len(r.sources) > 1 for r in results)
+    missed = unmet(results, ids["--constraints-file"]) if phrases is not None else 0
+    unused = (sum(bool(p) and not r.sources for p, r in zip(ids["--prefix-file"], results,
+                                                            strict=True))
+              if args.prefix_file else 0)  # an empty line is not searched: it has no prefix
+    return results, (unfit, missed, unused)
+
+
+def _formatted(model, tokenizer, results: list[LineResult], args: argparse.Namespace,
+               first: int) -> list[str]:
+    """The output of a chunk's results, a string per input line (its n-best lines with
+    --nbest), the first input line's index ``first``. Written one at a time: one write of a
+    whole chunk to a pipe whose reader left lost the rest silently (CPython 3.11, under
+    PYTHONUNBUFFERED=1)
+    (exit status 0), where a write per line gets the BrokenPipeError."""
+    fields = _fields(model, tokenizer, results, args)
+    texts = _texts(model, tokenizer, results, args) if not args.score else [None] * len(results)
+    return ["".join(line + "\n" for line in ([_format_score(r, f)] if args.score
+                                             else _format(i, nbest, f, args.nbest)))
+            for i, (r, f, nbest) in enumerate(zip(results, fields, texts, strict=True),
+                                              start=first)]
 
 
 class _Terminated(KeyboardInterrupt):

@@ -1,0 +1,122 @@
+"""What ``translate`` refuses before any work, each in one line that names the option or file:
+options that cannot combine or have no effect, an ``-o`` that is one of the files it reads, one
+stream (stdin, a pipe) given for two inputs, and side files whose line count differs from the
+input's. Translating for an hour and then failing, or writing over the input, loses work."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import stat
+import sys
+
+from mt.checkpoint import resolved
+from mt.inference import device_mistake
+from mt.options import flags_mistake, unused_options, weights_mistake
+from mt.textio import InputError, count_lines
+
+log = logging.getLogger("mt.translate")
+
+
+def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuses options that cannot run (SystemExit) and warns of those that have no effect.
+    Combinations that cannot work are refused before values out of range: a range's message
+    asks for another value (--mbr --score: "needs --beam 16"), which would not help."""
+    if args.mbr and args.score:
+        raise SystemExit("translate: --mbr chooses among translations it searches; it does not "
+                         "combine with --score")
+    if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file
+                                   or args.constraints_file or args.shortlist or args.replace_unk):
+        raise SystemExit("translate: --score scores given translations; it does not combine with "
+                         "--sampling, --nbest, --prefix-file, --constraints-file, --shortlist or "
+                         "--replace-unk")
+    mistake = flags_mistake(args) or device_mistake(args.device)
+    if mistake:
+        raise SystemExit(f"translate: {mistake}")
+    unused = unused_options(args, parser)
+    if args.weights is not None and len(args.model) == 1:
+        unused.append("--weights has no effect with one model")
+    for warning in unused:
+        log.warning(warning)
+    if args.score is None and args.max_len_a == 0 and args.min_len >= args.max_len_b:
+        log.warning("--min-len %d is not below the budget of --max-len-a 0 --max-len-b %d (EOS "
+                    "included): every translation runs to the budget",
+                    args.min_len, args.max_len_b)
+    if args.weights is not None and len(args.model) > 1:
+        mistake = weights_mistake(args.weights, len(args.model), f"{len(args.model)} models (-m)")
+        if mistake:
+            raise SystemExit(f"translate: {mistake}")
+    if args.constraints_file and (args.sampling or args.beam < 2):
+        raise SystemExit("translate: --constraints-file needs beam search with --beam 2 or more "
+                         "(a beam of 1 has no room for a hypothesis that places a phrase)")
+
+
+def read_files(args: argparse.Namespace, parallel: dict[str, str]
+                ) -> list[tuple[str, str, os.stat_result]]:
+    """(option, name, stat) of every file translate reads, the input first; stdin (no -i, or
+    -i -) is its file descriptor's. A file that cannot be stat'ed (no such file: said later; no
+    stdin at all) is left out."""
+    out = []
+    for option, path in (("-i", args.input), *parallel.items()):
+        try:
+            if path in (None, "-"):
+                out.append((option, "-", os.fstat(sys.stdin.fileno())))
+            else:
+                out.append((option, path, os.stat(path)))
+        except (OSError, ValueError, AttributeError):  # AttributeError: stdin closed (<&-)
+            continue
+    return out
+
+
+def refuse_overwrite(args: argparse.Namespace, parallel: dict[str, str]) -> None:
+    """SystemExit when -o names a file that translate reads (the input, a side file, a model or
+    the shortlist): the translations would replace it."""
+    if not (args.output and os.path.exists(args.output)):
+        return
+    out = os.stat(args.output)
+    for option, path, read in read_files(args, parallel) + model_files(args):
+        if (read.st_dev, read.st_ino) == (out.st_dev, out.st_ino):
+            name = "input (stdin)" if (option, path) == ("-i", "-") else option
+            raise SystemExit(f"translate: -o {args.output} is the {name} file; the "
+                             "translations would replace it: write them elsewhere")
+
+
+def model_files(args: argparse.Namespace) -> list[tuple[str, str, os.stat_result]]:
+    """(option, name, stat) of the checkpoints (-m, a run directory's as translate picks it) and
+    the --shortlist file; those that cannot be found are left out (loading says why)."""
+    files = [("-m", resolved(m)) for m in args.model] + [("--shortlist", args.shortlist)]
+    return [(option, str(file), os.stat(file)) for option, file in files
+            if file and os.path.exists(file)]
+
+
+def refuse_shared_streams(args: argparse.Namespace, parallel: dict[str, str]) -> None:
+    """SystemExit when two of the files read line by line are one stream (stdin twice, one pipe
+    or FIFO twice): each would take every other line, and lines would be paired with the wrong
+    ones. A regular file given twice is read twice, from its start each time: that is fine."""
+    seen: dict[tuple[int, int], str] = {}
+    for option, path, read in read_files(args, parallel):
+        if stat.S_ISREG(read.st_mode) and path != "-":  # stdin is one stream, even `< file`
+            continue
+        name = f"{option} {path}" if path != "-" else (
+            "the input (stdin)" if option == "-i" else f"{option} - (stdin)")
+        key = (read.st_dev, read.st_ino)
+        if key in seen:
+            raise SystemExit(f"translate: {name} and {seen[key]} are one stream, which cannot "
+                             "be read twice: give one of them as a file")
+        seen[key] = name
+
+
+def count_input(args: argparse.Namespace, parallel: dict[str, str]) -> int | None:
+    """The input's lines (None where it cannot be counted ahead: a pipe), with each side file
+    checked to have as many: a regular file's mistakes stop translate before any work."""
+    try:
+        total = count_lines(args.input, args.errors)
+        for path in parallel.values():
+            n = count_lines(path, args.errors)
+            if None not in (n, total) and n != total:
+                raise InputError(f"{path}: {n} lines, but the input has {total}; one line per "
+                                 "input line")
+    except InputError as err:
+        raise SystemExit(f"translate: {err}") from None
+    return total
