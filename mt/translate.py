@@ -407,8 +407,7 @@ def _formatted(model, tokenizer, results: list[LineResult], args: argparse.Names
     """The output of a chunk's results, a string per input line (its n-best lines with
     --nbest), the first input line's index ``first``. Written one at a time: one write of a
     whole chunk to a pipe whose reader left lost the rest silently (CPython 3.11, under
-    PYTHONUNBUFFERED=1)
-    (exit status 0), where a write per line gets the BrokenPipeError."""
+    PYTHONUNBUFFERED=1, exit status 0), where a write per line gets the BrokenPipeError."""
     fields = _fields(model, tokenizer, results, args)
     texts = _texts(model, tokenizer, results, args) if not args.score else [None] * len(results)
     return ["".join(line + "\n" for line in ([_format_score(r, f)] if args.score
