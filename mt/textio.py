@@ -195,7 +195,9 @@ class _Utf8Writer:
         self.buffer, self.line_buffering = stream, line_buffering
 
     def write(self, text: str) -> int:
-        self.buffer.write(text.encode("utf-8"))
+        data = memoryview(text.encode("utf-8"))
+        while data:  # a raw file (PYTHONUNBUFFERED) may take part; a buffered one takes all
+            data = data[self.buffer.write(data):]
         if self.line_buffering and "\n" in text:
             self.buffer.flush()
         return len(text)
@@ -217,9 +219,15 @@ def utf8_stdout() -> TextIO:
     (translations: input is always read as UTF-8 and ``-o FILE`` written so; a latin-1 stdout
     would garble them and an ASCII one fail on the first umlaut). sys.stdout itself where it is
     UTF-8 already or has no bytes underneath (a caller's StringIO); else a UTF-8 writer onto its
-    buffer, line-buffered where sys.stdout is (a terminal)."""
+    buffer, line-buffered where sys.stdout is (a terminal).
+
+    Under ``PYTHONUNBUFFERED=1`` (``python -u``, common in containers) stdout's buffer is the raw
+    file, whose write may take only part of the bytes (a pipe whose reader left, a signal, a full
+    disk), and sys.stdout drops the rest without a word (CPython 3.11: exit status 0 after a lost
+    chunk of translations): the writer here writes the rest, or raises."""
     out = sys.stdout
-    if not hasattr(out, "buffer") or codecs.lookup(out.encoding or "ascii").name == "utf-8":
+    if not hasattr(out, "buffer") or (codecs.lookup(out.encoding or "ascii").name == "utf-8"
+                                      and not isinstance(out.buffer, io.RawIOBase)):
         return out
     out.flush()  # what was printed before comes first
     return cast(TextIO, _Utf8Writer(out.buffer, out.line_buffering))

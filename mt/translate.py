@@ -345,8 +345,7 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
                                                        side, parallel, done + 1, progress,
                                                        generator, shortlist)
                     unfit, missed, unused = unfit + u, missed + m, unused + n
-                for line in _formatted(model, tokenizer, results, args, done):
-                    out.write(line)  # a line at a time: see _formatted
+                out.write(_formatted(model, tokenizer, results, args, done))
                 out.flush()
                 done += len(chunk)
     except InputError as err:  # only what could not be checked beforehand comes this late
@@ -403,17 +402,14 @@ def _search_chunk(model, tokenizer, opts: SearchOptions, args: argparse.Namespac
 
 
 def _formatted(model, tokenizer, results: list[LineResult], args: argparse.Namespace,
-               first: int) -> list[str]:
-    """The output of a chunk's results, a string per input line (its n-best lines with
-    --nbest), the first input line's index ``first``. Written one at a time: one write of a
-    whole chunk to a pipe whose reader left lost the rest silently (CPython 3.11, under
-    PYTHONUNBUFFERED=1, exit status 0), where a write per line gets the BrokenPipeError."""
+               first: int) -> str:
+    """The output lines of a chunk's results, the first input line's index ``first``."""
     fields = _fields(model, tokenizer, results, args)
     texts = _texts(model, tokenizer, results, args) if not args.score else [None] * len(results)
-    return ["".join(line + "\n" for line in ([_format_score(r, f)] if args.score
-                                             else _format(i, nbest, f, args.nbest)))
-            for i, (r, f, nbest) in enumerate(zip(results, fields, texts, strict=True),
-                                              start=first)]
+    lines = []
+    for i, (r, f, nbest) in enumerate(zip(results, fields, texts, strict=True), start=first):
+        lines += [_format_score(r, f)] if args.score else _format(i, nbest, f, args.nbest)
+    return "".join(line + "\n" for line in lines)
 
 
 class _Terminated(KeyboardInterrupt):

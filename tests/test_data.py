@@ -468,8 +468,8 @@ def test_padding_overhead_under_ten_percent(max_tokens):
 
 @pytest.mark.parametrize(("world", "accumulation"), [(1, 1), (2, 1), (3, 2), (4, 3)])
 def test_ranks_see_disjoint_batches_covering_the_epoch(world, accumulation):
-    """What mt.trainer.Trainer.fit trains: every batch of an epoch once, by one rank, but the tail that
-    cannot fill a step (fewer than accumulation x world batches)."""
+    """What mt.trainer.Trainer.fit trains: every batch of an epoch once, by one rank, but the tail
+    that cannot fill a step (fewer than accumulation x world batches)."""
     src, tgt = _lengths(3001, 3)
     batches = token_batches(src, tgt, 700, seed=0, epoch=2)
     per_step = accumulation * world

@@ -1364,16 +1364,19 @@ def test_console_script_keeps_stdout_for_translations(models):
     assert "translated 3 lines" in proc.stderr  # logs went to stderr
 
 
-@pytest.mark.parametrize("encoding", ["utf-8", "ascii"])  # ascii: through utf8_stdout's writer
-def test_a_reader_that_leaves_early_gets_no_traceback(models, tmp_path, encoding):
+@pytest.mark.parametrize(("encoding", "unbuffered"), [("utf-8", ""), ("ascii", ""),
+                                                     ("utf-8", "1")])
+def test_a_reader_that_leaves_early_gets_no_traceback(models, tmp_path, encoding, unbuffered):
     """`translate ... | head -1`: the output outgrows the pipe, head exits, and translate must stop
-    quietly instead of printing a BrokenPipeError traceback."""
+    quietly instead of printing a BrokenPipeError traceback. ascii: through utf8_stdout's writer;
+    PYTHONUNBUFFERED=1 (common in containers): one write of a whole chunk lost the rest silently
+    there, with exit status 0."""
     script = Path(sys.executable).with_name("translate")
     src = _write(tmp_path / "in.txt", ["the dog sees a red ball"] * 8000)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": encoding,
+           "PYTHONUNBUFFERED": unbuffered}  # empty: unset, for Python
     proc = subprocess.Popen([str(script), "-m", models["a"], "-i", src, "--beam", "1", *FAST],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1",
-                                 "PYTHONIOENCODING": encoding})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     # A 4 KiB pipe (the default 64 KiB held all 56 KB of the output: a test that paused ~2 s
     # before closing let translate finish and exit 0), set before translate has loaded.
     fcntl.fcntl(proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)
