@@ -143,69 +143,73 @@ def run(args: argparse.Namespace) -> dict:
         seen[s.path] = seen.get(s.path, 0) + 1
         s.name = s.path if seen[s.path] == 1 else f"{s.path}#{seen[s.path]}"
     _check_outputs(args, systems, tests)
-    metric_args = {"tokenize": args.tokenize, "lowercase": args.lowercase}
     for test in tests:  # a BLEU tokenizer that cannot load fails now, not after translating
-        make_metric("bleu", trg_lang=_target_lang(test), **metric_args)
-    result: dict = {"metrics": list(args.metrics), "tests": []}
-    loaded: dict[int, tuple] = {}
-    for test in tests:
-        all_refs = read_references(test)
-        # Checked for --hyp systems too: a source of another length means that the references are
-        # not the test set the user thinks, whatever made the hypotheses.
-        sources = read_text(test.src) if test.src else None
-        if sources is not None and len(sources) != len(all_refs[0]):
-            raise EvalError(f"{test.src} has {len(sources)} lines but {test.refs[0]} has "
-                            f"{len(all_refs[0])}; source and reference must be aligned line by "
-                            "line")
+        make_metric("bleu", trg_lang=_target_lang(test), tokenize=args.tokenize,
+                    lowercase=args.lowercase)
+    loaded: dict[int, tuple] = {}  # the models, loaded once for every test set
+    return {"metrics": list(args.metrics),
+            "tests": [_run_test(args, test, systems, loaded) for test in tests]}
 
-        def kept(lines: list[str], test: TestSet = test) -> list[str]:
-            return lines if test.keep is None else [lines[i] for i in test.keep]
 
-        refs = [kept(r) for r in all_refs]
-        trg_lang = _target_lang(test)
-        entry: dict = {"name": test.name, "langpair": test.langpair, "origin": test.origin,
-                       "source": test.src, "references": test.refs, "sentences": len(refs[0]),
-                       "systems": []}
-        if test.keep is not None:
-            entry.update(origlang=args.origlang, subset=args.subset,
-                         sentences_in_test_set=len(all_refs[0]))
-        named_hyps = []
-        for n, system in enumerate(systems, 1):
-            record: dict = {"name": system.name, "kind": system.kind}
-            if system.kind == "hyp":
-                hyp_file = _expand(system.path, test, n)
-                hyps = read_text(hyp_file)
-                record["hypotheses"] = hyp_file
-            else:  # only the kept lines are translated
-                hyps, speed = _translate(system, test, sources and kept(sources), n, loaded, args)
-                record.update(system.info, **speed)
-                hyp_file = record.get("hypotheses") or f"{system.name} (translations)"
-            # a --hyp file holds the whole test set, or only the kept lines (as -m --output
-            # writes them under --origlang)
-            whole = system.kind == "hyp" and len(hyps) != len(refs[0])
-            check_lines(hyps, hyp_file, all_refs if whole else refs, test.refs,
-                        warn_tokenized=args.tokenize != "none", from_model=system.kind == "model")
-            hyps = kept(hyps) if whole else hyps
-            record.update(score_system(hyps, refs, args.metrics, trg_lang=trg_lang,
-                                       confidence_n=args.confidence_n if args.confidence else 0,
-                                       **metric_args))
-            if args.sentence_scores:
-                record["sentence_scores"] = _write_sentence_scores(
-                    _expand(args.sentence_scores, test, n), hyps, refs, args.metrics,
-                    test.keep, trg_lang=trg_lang, **metric_args)
-            entry["systems"].append(record)
-            named_hyps.append((system.name, hyps))
-        entry["signatures"] = {m: entry["systems"][0]["scores"][m]["signature"]
-                               for m in args.metrics}
-        asked = [("bs", args.paired_bs_n)] * args.paired_bs
-        asked += [("ar", args.paired_ar_n)] * args.paired_ar
-        if asked and len(systems) > 1:
-            compare(entry, named_hyps, refs, args.metrics, asked, trg_lang=trg_lang,
-                    **metric_args)
-        elif asked:
-            log.warning("a paired test needs two systems or more; only one was given")
-        result["tests"].append(entry)
-    return result
+def _run_test(args: argparse.Namespace, test: TestSet, systems: list[System],
+              loaded: dict[int, tuple]) -> dict:
+    """One test set's entry of ``run``'s result: each system's scores, the signatures, and the
+    paired tests asked for."""
+    metric_args = {"tokenize": args.tokenize, "lowercase": args.lowercase}
+    all_refs = read_references(test)
+    # Checked for --hyp systems too: a source of another length means that the references are
+    # not the test set the user thinks, whatever made the hypotheses.
+    sources = read_text(test.src) if test.src else None
+    if sources is not None and len(sources) != len(all_refs[0]):
+        raise EvalError(f"{test.src} has {len(sources)} lines but {test.refs[0]} has "
+                        f"{len(all_refs[0])}; source and reference must be aligned line by line")
+
+    def kept(lines: list[str]) -> list[str]:
+        return lines if test.keep is None else [lines[i] for i in test.keep]
+
+    refs = [kept(r) for r in all_refs]
+    trg_lang = _target_lang(test)
+    entry: dict = {"name": test.name, "langpair": test.langpair, "origin": test.origin,
+                   "source": test.src, "references": test.refs, "sentences": len(refs[0]),
+                   "systems": []}
+    if test.keep is not None:
+        entry.update(origlang=args.origlang, subset=args.subset,
+                     sentences_in_test_set=len(all_refs[0]))
+    named_hyps = []
+    for n, system in enumerate(systems, 1):
+        record: dict = {"name": system.name, "kind": system.kind}
+        if system.kind == "hyp":
+            hyp_file = _expand(system.path, test, n)
+            hyps = read_text(hyp_file)
+            record["hypotheses"] = hyp_file
+        else:  # only the kept lines are translated
+            hyps, speed = _translate(system, test, sources and kept(sources), n, loaded, args)
+            record.update(system.info, **speed)
+            hyp_file = record.get("hypotheses") or f"{system.name} (translations)"
+        # a --hyp file holds the whole test set, or only the kept lines (as -m --output writes
+        # them under --origlang)
+        whole = system.kind == "hyp" and len(hyps) != len(refs[0])
+        check_lines(hyps, hyp_file, all_refs if whole else refs, test.refs,
+                    warn_tokenized=args.tokenize != "none", from_model=system.kind == "model")
+        hyps = kept(hyps) if whole else hyps
+        record.update(score_system(hyps, refs, args.metrics, trg_lang=trg_lang,
+                                   confidence_n=args.confidence_n if args.confidence else 0,
+                                   **metric_args))
+        if args.sentence_scores:
+            record["sentence_scores"] = _write_sentence_scores(
+                _expand(args.sentence_scores, test, n), hyps, refs, args.metrics,
+                test.keep, trg_lang=trg_lang, **metric_args)
+        entry["systems"].append(record)
+        named_hyps.append((system.name, hyps))
+    entry["signatures"] = {m: entry["systems"][0]["scores"][m]["signature"]
+                           for m in args.metrics}
+    asked = [("bs", args.paired_bs_n)] * args.paired_bs
+    asked += [("ar", args.paired_ar_n)] * args.paired_ar
+    if asked and len(systems) > 1:
+        compare(entry, named_hyps, refs, args.metrics, asked, trg_lang=trg_lang, **metric_args)
+    elif asked:
+        log.warning("a paired test needs two systems or more; only one was given")
+    return entry
 
 
 def _check_outputs(args: argparse.Namespace, systems: list[System], tests: list[TestSet]) -> None:

@@ -102,12 +102,36 @@ class Trainer:
         if self.rank == 0 and (removed := checkpoint.remove_unfinished(self.ckpt_dir)):
             log.info("removed %d unfinished checkpoint write(s) from %s (a killed run's)",
                      removed, self.ckpt_dir)
-        # The model's shape and tokenizer: a resumed run's own (whatever model=... says now), or
-        # those of the model that a fine-tuning run starts from; else the config's.
         last = self.ckpt_dir / "last.pt"
         resuming = last.exists()
-        start, origin = None, ""
+        start, origin = self._start(last if resuming else None)
+        self.corpus = self._corpus(start, origin)
+        self.bleu_lang = bleu_language(cfg.data.tgt_lang)  # zh, ja, ko: their BLEU tokenizer
+        self.model = self._model(None if resuming else start)
+        del start
+        self._optimization()
+        self.step, self.epoch, self.step_in_epoch = 0, 0, 0
+        self.best, self.bad_validations = None, 0
+        self.bad_steps = BadSteps(self.device, cfg.trainer.max_bad_steps)
+        self.validated_step = -1
+        self.window = Window(self.device)  # the loss and speed since the last log line
+        self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
         if resuming:
+            resume.restore(self, last)
+            if self.history and self.history[-1]["step"] == self.step:
+                self.validated_step = self.step  # a finished run restarted: do not validate again
+        self.metrics = (Metrics(run_dir, cfg.trainer.tensorboard, self.step) if self.rank == 0
+                        else None)
+
+    # -- set-up
+
+    def _start(self, last: Path | None) -> tuple[dict | None, str]:
+        """The checkpoint the run starts from (``last``: the run's own, resumed; else
+        init_from's, fine-tuned; else none) and its name, with the model's shape and tokenizer
+        settings taken from it into the config (whatever model=... says now). Mistakes only the
+        model and optimizer show are refused here, before the tokenizer and corpus are built."""
+        cfg, start, origin = self.cfg, None, ""
+        if last is not None:
             start, origin = checkpoint.load(last, mmap=True), str(last)
         elif cfg.init_from:
             start, origin = checkpoint.load(cfg.init_from), f"init_from={cfg.init_from}"
@@ -117,7 +141,7 @@ class Trainer:
                 log.info("%s: the model's shape replaces %s", origin, replaced)
         elif cfg.model.tie_embeddings == "all" and not cfg.data.tokenizer.joint:
             # no tokenizer yet: it would be trained as two vocabularies
-            if not (tokenizer_dir(cfg.data.tokenizer, run_dir) / META_FILE).exists():
+            if not (tokenizer_dir(cfg.data.tokenizer, self.run_dir) / META_FILE).exists():
                 raise ValueError(TIED_NEEDS_JOINT)
         check_setup(cfg)
         cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
@@ -126,33 +150,49 @@ class Trainer:
                                                                  start.get("config"))
             if ignored:
                 log.info("%s: the tokenizer is the checkpoint's; ignored %s", origin, ignored)
+        return start, origin
+
+    def _corpus(self, start: dict | None, origin: str) -> Corpus:
+        """The tokenizer (``start``'s, or trained or loaded as data.tokenizer says) and the
+        encoded corpus, with the model's vocabulary sizes set from the tokenizer."""
+        cfg = self.cfg
         check_splits(cfg.data, test=cfg.trainer.test_at_end)
-        self.corpus = Corpus(cfg, run_dir, self.rank, self.world,
-                             Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
-        self.bleu_lang = bleu_language(cfg.data.tgt_lang)  # zh, ja, ko: their BLEU tokenizer
-        tok = self.corpus.tokenizer
+        corpus = Corpus(cfg, self.run_dir, self.rank, self.world,
+                        Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
+        tok = corpus.tokenizer
         if cfg.model.tie_embeddings == "all" and not tok.joint:
             # Two vocabularies of one size pass the model's size check, but id 11 would be
             # "▁The" in one and "s" in the other, sharing one embedding.
             raise ValueError(TIED_NEEDS_JOINT)
         cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
         if cfg.trainer.best_metric == "loss":  # a loss over no pair would be NaN at every check
-            src, tgt = self.corpus.valid[cfg.data.valid]
+            src, tgt = corpus.valid[cfg.data.valid]
             if not fitting(tok.encode_src(src), tok.encode_tgt(tgt), cfg.model.max_positions):
                 raise ValueError(f"trainer.best_metric=loss: no pair of data.valid="
                                  f"{cfg.data.valid} fits model.max_positions="
                                  f"{cfg.model.max_positions}, so it has no valid loss; raise "
                                  "model.max_positions or choose trainer.best_metric=bleu")
-        self.model = build_model(cfg.model).to(self.device)
-        if start is not None and not resuming:
-            self.model.load_state_dict(start["model"])  # its own config: every key fits
-            log.info("initialised weights from %s", start["path"])
-        del start
-        log.info("model %s: %s parameters\n%s", cfg.model.name, f"{count_parameters(self.model):,}",
+        return corpus
+
+    def _model(self, init: dict | None) -> torch.nn.Module:
+        """The model on the device, with ``init``'s weights (fine-tuning) and trainer.freeze's
+        parameters frozen; a resumed run's weights come later, with the rest of its state."""
+        cfg = self.cfg
+        model = build_model(cfg.model).to(self.device)
+        if init is not None:
+            model.load_state_dict(init["model"])  # its own config: every key fits
+            log.info("initialised weights from %s", init["path"])
+        log.info("model %s: %s parameters\n%s", cfg.model.name, f"{count_parameters(model):,}",
                  OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
         if cfg.trainer.freeze:
             log.info("trainer.freeze: %d parameter tensors kept as they are",
-                     len(freeze(self.model, cfg.trainer.freeze)))
+                     len(freeze(model, cfg.trainer.freeze)))
+        return model
+
+    def _optimization(self) -> None:
+        """The optimizer, its schedule, the loss scaler and moving average, and the network that
+        the steps run (``net``: the model under DDP and torch.compile, as configured)."""
+        cfg = self.cfg
         self.optimizer = build_optimizer(self.model, cfg)
         self.ema = EMA(self.model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
         # Training seconds of earlier runs (resumed) and this one's start; `elapsed` is the clock
@@ -175,18 +215,6 @@ class Trainer:
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         if cfg.trainer.compile:
             self.net = torch.compile(self.net)
-        self.step, self.epoch, self.step_in_epoch = 0, 0, 0
-        self.best, self.bad_validations = None, 0
-        self.bad_steps = BadSteps(self.device, cfg.trainer.max_bad_steps)
-        self.validated_step = -1
-        self.window = Window(self.device)  # the loss and speed since the last log line
-        self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
-        if resuming:
-            resume.restore(self, last)
-            if self.history and self.history[-1]["step"] == self.step:
-                self.validated_step = self.step  # a finished run restarted: do not validate again
-        self.metrics = (Metrics(run_dir, cfg.trainer.tensorboard, self.step) if self.rank == 0
-                        else None)
 
     # -- checkpoints
 
