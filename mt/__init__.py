@@ -3,8 +3,10 @@
 The package follows the path from raw text to BLEU, one module per stage:
 ``tokenizer`` -> ``data`` (read corpora) -> ``batching`` (encode, filter, token batches) ->
 ``corpus`` (the training corpus, tokenized and cached) -> ``model`` -> ``search`` -> ``train``
-(with ``loss``) -> ``lines`` (text to n-best lists, each line's a ``results.LineResult``) ->
-``translate`` (its command line) -> ``evaluate`` (with ``testsets`` and ``report``).
+(the command line; ``trainer`` the loop, with ``loss``; ``resume`` what last.pt keeps of it) ->
+``lines`` (text to n-best lists, each line's a ``results.LineResult``) -> ``translate`` (its
+command line; ``translate_checks`` what it refuses first) -> ``evaluate`` (with ``testsets`` and
+``report``).
 ``config`` holds every stage's typed config; ``distributed`` starts ``torchrun``'s process group
 and ``runlog`` writes a run's logs, curves and final test; ``checkpoint`` saves and loads
 self-contained models and ``average`` (``mt-average``) averages them; ``inference`` readies them

@@ -6,7 +6,8 @@ A checkpoint is one ``torch.save`` file holding plain data only (it loads with
 - ``model_config``: the ModelConfig as a dict, ``model``: the state dict,
 - ``tokenizer``: the serialized SentencePiece model(s), so a model never meets the wrong vocabulary,
 - ``config``: the whole resolved training config (for the record),
-- ``trainer`` (training checkpoints only): optimizer, scheduler, step, data position, RNG states.
+- ``trainer`` (training checkpoints only): optimizer, scheduler, step, data position, RNG states
+  (``mt.resume.trainer_state`` lists them).
 
 A run directory keeps ``checkpoints/last.pt`` (full state, for resuming), ``checkpoints/best.pt``
 (weights only, best validation score) and a few ``checkpoints/step_N.pt``. Wherever a user passes
@@ -21,7 +22,6 @@ import errno
 import os
 import random
 import re
-import shlex
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -367,21 +367,3 @@ def average(paths: list[str | os.PathLike]) -> dict:
     out["model"] = avg
     out["averaged_from"] = [str(p) for p in paths]
     return out
-
-
-def resume_override(run_dir: Path) -> str:
-    """``hydra.run.dir=RUN`` as a shell command line must spell it for Hydra to read back RUN.
-
-    Hydra's own grammar refuses a bare value with a space, a comma, parentheses or ``=`` in it
-    (``shlex.quote`` alone gave ``'hydra.run.dir=/runs/a b'``, which Hydra cannot parse), so such
-    a directory is quoted for Hydra inside the shell's quotes. Plain paths stay as they are."""
-    text = str(run_dir)
-    if not re.fullmatch(r"[\w./:+@%-]+", text):
-        # Inside Hydra's quotes a backslash is literal, except in a run of them before a quote
-        # or at the end, which is doubled (and the quote escaped).
-        text = "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""),
-                            text) + "'"
-    override = f"hydra.run.dir={text}"
-    if not re.search(r'["$`\\!]', override):  # the shell's double quotes read more easily
-        return f'"{override}"' if override != shlex.quote(override) else override
-    return shlex.quote(override)

@@ -314,9 +314,10 @@ def check_hub_splits(cfg: DataConfig, wanted: dict[str, list[str]]) -> None:
                                  f"{split!r}")
 
 
-def check_splits(cfg: DataConfig, test: bool) -> None:
-    """Refuses a mistake in a split that data.valid, data.extra_valid or (``test``) data.test
-    names at the start of a run, not after the tokenizer, the encoding or the training."""
+def check_splits(cfg: DataConfig, *, test: bool) -> None:
+    """Refuses a mistake in a split that data.valid, data.extra_valid, (``test``) data.test or,
+    from the hub, data.train names, at the start of a run: not after the tokenizer, the
+    encoding or the training."""
     tested = cfg.test.split("+") if test and cfg.test else []
     valid = "+".join([cfg.valid, *cfg.extra_valid]).split("+")
     if cfg.source == "files":

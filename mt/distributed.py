@@ -1,6 +1,6 @@
 """The process group of a run under ``torchrun``: which process this is, on which device.
 
-Scaling past one process is plain DistributedDataParallel (``mt.train``); this module only starts
+Scaling past one process is plain DistributedDataParallel (``mt.trainer``); this module only starts
 the group (gloo on CPU, NCCL on GPU), lets ranks wait for each other, and gives every rank rank 0's
 run directory and config.
 """

@@ -1,28 +1,59 @@
-"""What a run's ``last.pt`` keeps of its training beside the model (``trainer_state``), and how a
-run started again takes it back (``restore``): in one file, so that the two stay key for key alike.
+"""What a run's ``last.pt`` keeps of its training beside the model (``trainer_state``), how a
+run started again takes it back (``restore``), in one file so that the two stay key for key
+alike, and the override that names the run to resume (``resume_override``).
 
-A resume is exact: the same weights, optimizer and schedule, loss scaler, data position (epoch,
-step within it), validations (best so far, patience, plateau cuts), training seconds (the clock
-of a time budget) and each rank's random streams, so a killed run continues the same curve.
+With the same number of processes and ``trainer.accumulation``, a resume is exact: the same
+weights, optimizer and schedule, loss scaler, data position (epoch, step within it),
+validations (best so far, patience, plateau cuts), training seconds (the clock of a time budget)
+and each rank's random streams, so a killed run continues the same curve. With another number
+of batches per step the epoch goes on from the same batch, with new random streams.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from omegaconf import OmegaConf
 
 from mt import checkpoint
 from mt.config import TrainConfig, best_so_far, config_changes
+from mt.divergence import BadSteps
 from mt.optim import EMA, take_optim_config
-
-if TYPE_CHECKING:
-    from mt.trainer import Trainer
+from mt.runlog import Window
 
 log = logging.getLogger("mt.train")
+
+
+class Run(Protocol):
+    """What ``trainer_state`` reads and ``restore`` sets: ``mt.trainer.Trainer``'s attributes,
+    named here rather than imported (``mt.trainer`` imports this module)."""
+
+    cfg: TrainConfig
+    config_dict: dict  # the run's config as plain data, compared with the saved one
+    rank: int
+    world: int
+    model: torch.nn.Module
+    ema: EMA | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    step: int
+    epoch: int
+    step_in_epoch: int
+    best: float | None
+    bad_validations: int
+    history: list[dict]
+    bad_steps: BadSteps
+    window: Window
+    seconds_before: float
+    elapsed: float
+
+    def seconds(self) -> float: ...
 
 
 def trained(model: torch.nn.Module) -> list[str]:
@@ -31,7 +62,7 @@ def trained(model: torch.nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def trainer_state(trainer: Trainer, rng: list[dict]) -> dict:
+def trainer_state(trainer: Run, rng: list[dict]) -> dict:
     """What last.pt holds beside the model for ``restore``: optimizer, schedule, loss scaler, the
     position in the data, the validations so far, every rank's random streams (``rng``).
     With an EMA, the checkpoint's "model" is the average; the trained weights go here."""
@@ -54,7 +85,7 @@ def trainer_state(trainer: Trainer, rng: list[dict]) -> dict:
     }
 
 
-def restore(trainer: Trainer, path: Path) -> None:
+def restore(trainer: Run, path: Path) -> None:
     """Puts the run that ``path`` (a last.pt) holds back into ``trainer``, built from this run's
     config: what changed since is said, what cannot change (the parameters trained) refused."""
     ckpt = checkpoint.load(path)
@@ -95,8 +126,8 @@ def restore(trainer: Trainer, path: Path) -> None:
     if changed:
         log.warning("resuming with %s", ", ".join(changed))
     trainer.scaler.load_state_dict(state["scaler"])
-    trainer.step, trainer.epoch, trainer.step_in_epoch = (state["step"], state["epoch"],
-                                                  state["step_in_epoch"])
+    trainer.step, trainer.epoch = state["step"], state["epoch"]
+    trainer.step_in_epoch = state["step_in_epoch"]
     # The position in the epoch is counted in steps; a step is accumulation x processes
     # batches. Another count per step would start the epoch again at another batch.
     saved_acc = (saved_config.get("trainer") or {}).get("accumulation", 1)
@@ -112,7 +143,7 @@ def restore(trainer: Trainer, path: Path) -> None:
                     f" ({again} of its batches trained again)" if again else "")
     t = trainer.cfg.trainer  # replayed: the metric or threshold may differ from the saver's
     trainer.best, trainer.bad_validations = best_so_far(trainer.history, t.best_metric,
-                                                  t.min_improvement)
+                                                        t.min_improvement)
     if (trainer.best, trainer.bad_validations) != (state["best"], state["bad_validations"]):
         log.info("resuming with trainer.best_metric=%s: best valid %s %s so far, %d "
                  "validations without a better one", t.best_metric, t.best_metric,
@@ -127,3 +158,21 @@ def restore(trainer: Trainer, path: Path) -> None:
         checkpoint.set_rng_state(ranks[trainer.rank])
     log.info("resumed %s at step %d (epoch %d, step %d of it)", path, trainer.step, trainer.epoch,
              trainer.step_in_epoch)
+
+
+def resume_override(run_dir: Path) -> str:
+    """``hydra.run.dir=RUN`` as a shell command line must spell it for Hydra to read back RUN.
+
+    Hydra's own grammar refuses a bare value with a space, a comma, parentheses or ``=`` in it
+    (``shlex.quote`` alone gave ``'hydra.run.dir=/runs/a b'``, which Hydra cannot parse), so such
+    a directory is quoted for Hydra inside the shell's quotes. Plain paths stay as they are."""
+    text = str(run_dir)
+    if not re.fullmatch(r"[\w./:+@%-]+", text):
+        # Inside Hydra's quotes a backslash is literal, except in a run of them before a quote
+        # or at the end, which is doubled (and the quote escaped).
+        text = "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""),
+                            text) + "'"
+    override = f"hydra.run.dir={text}"
+    if not re.search(r'["$`\\!]', override):  # the shell's double quotes read more easily
+        return f'"{override}"' if override != shlex.quote(override) else override
+    return shlex.quote(override)

@@ -10,6 +10,7 @@ checked as it is read.
 from __future__ import annotations
 
 import codecs
+import errno
 import gzip
 import io
 import itertools
@@ -187,8 +188,9 @@ class _Utf8Writer:
 
     Not an io.TextIOWrapper: that one closes its stream when it is collected, and cannot let go
     of it (``detach``) without flushing, which fails once the reader has left (``| head``). Here
-    the bytes wait in stdout's own buffer as before, so a reader that leaves fails the same write
-    or flush, and Python's last flush at exit goes where ``translate`` sends it.
+    the bytes wait in stdout's own buffer as before (or, under PYTHONUNBUFFERED, go to the file
+    at once, all of them), so a reader that leaves fails the same write or flush, and Python's
+    last flush at exit goes where ``translate`` sends it.
     """
 
     def __init__(self, stream: BinaryIO, line_buffering: bool) -> None:
@@ -197,7 +199,10 @@ class _Utf8Writer:
     def write(self, text: str) -> int:
         data = memoryview(text.encode("utf-8"))
         while data:  # a raw file (PYTHONUNBUFFERED) may take part; a buffered one takes all
-            data = data[self.buffer.write(data):]
+            written = self.buffer.write(data)
+            if not written:  # None: a non-blocking stdout is full, as a buffered one raises
+                raise BlockingIOError(errno.EAGAIN, "stdout is full (non-blocking)")
+            data = data[written:]
         if self.line_buffering and "\n" in text:
             self.buffer.flush()
         return len(text)
@@ -218,8 +223,8 @@ def utf8_stdout() -> TextIO:
     """stdout for text that must be UTF-8 whatever the locale or PYTHONIOENCODING say
     (translations: input is always read as UTF-8 and ``-o FILE`` written so; a latin-1 stdout
     would garble them and an ASCII one fail on the first umlaut). sys.stdout itself where it is
-    UTF-8 already or has no bytes underneath (a caller's StringIO); else a UTF-8 writer onto its
-    buffer, line-buffered where sys.stdout is (a terminal).
+    UTF-8 already and buffered, or has no bytes underneath (a caller's StringIO); else a UTF-8
+    writer onto its buffer, line-buffered where sys.stdout is (a terminal).
 
     Under ``PYTHONUNBUFFERED=1`` (``python -u``, common in containers) stdout's buffer is the raw
     file, whose write may take only part of the bytes (a pipe whose reader left, a signal, a full

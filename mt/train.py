@@ -24,11 +24,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from mt import checkpoint
-from mt.checkpoint import resume_override
 from mt.config import TrainConfig, check_keys, check_values, conf_dir, register_configs
 from mt.distributed import PeerFailed, setup_distributed, share_run
 from mt.divergence import Diverged
 from mt.inference import cap_kernel_caches
+from mt.resume import resume_override
 from mt.runlog import finish
 from mt.textio import fill_closed_descriptors, reader_left
 from mt.trainer import Terminated, Trainer

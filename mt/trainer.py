@@ -30,7 +30,6 @@ from omegaconf import OmegaConf
 
 from mt import checkpoint, resume
 from mt.batching import step_batches
-from mt.checkpoint import resume_override
 from mt.config import (
     BEST_METRICS,
     TrainConfig,
@@ -52,6 +51,7 @@ from mt.optim import (
     freeze,
     lr_lambda,
 )
+from mt.resume import resume_override
 from mt.runlog import Metrics, Window, bleu_language, fitting, validate
 from mt.tokenizer import META_FILE, Tokenizer
 
@@ -109,7 +109,7 @@ class Trainer:
         self.bleu_lang = bleu_language(cfg.data.tgt_lang)  # zh, ja, ko: their BLEU tokenizer
         self.model = self._model(None if resuming else start)
         del start
-        self._optimization()
+        self._optimization()  # optimizer, ema, scheduler, scaler, net, the clocks, history
         self.step, self.epoch, self.step_in_epoch = 0, 0, 0
         self.best, self.bad_validations = None, 0
         self.bad_steps = BadSteps(self.device, cfg.trainer.max_bad_steps)
@@ -154,7 +154,9 @@ class Trainer:
 
     def _corpus(self, start: dict | None, origin: str) -> Corpus:
         """The tokenizer (``start``'s, or trained or loaded as data.tokenizer says) and the
-        encoded corpus, with the model's vocabulary sizes set from the tokenizer."""
+        encoded corpus, with the model's vocabulary sizes set from the tokenizer. Refuses a
+        mistake in a split before, and after, tied embeddings over two vocabularies and a
+        trainer.best_metric=loss that no valid pair can give."""
         cfg = self.cfg
         check_splits(cfg.data, test=cfg.trainer.test_at_end)
         corpus = Corpus(cfg, self.run_dir, self.rank, self.world,

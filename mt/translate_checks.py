@@ -1,7 +1,8 @@
-"""What ``translate`` refuses before any work, each in one line that names the option or file:
-options that cannot combine or have no effect, an ``-o`` that is one of the files it reads, one
-stream (stdin, a pipe) given for two inputs, and side files whose line count differs from the
-input's. Translating for an hour and then failing, or writing over the input, loses work."""
+"""What ``translate`` refuses before it loads the model, each in one line that names the option
+or file: options that cannot combine or have no effect, an ``-o`` that is one of the files it
+reads, one stream (stdin, a pipe) given for two inputs, and side files whose line count differs
+from the input's. Translating for an hour and then failing, or writing over the input, loses
+work."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
                          "(a beam of 1 has no room for a hypothesis that places a phrase)")
 
 
-def read_files(args: argparse.Namespace, parallel: dict[str, str]
+def _read_files(args: argparse.Namespace, parallel: dict[str, str]
                 ) -> list[tuple[str, str, os.stat_result]]:
     """(option, name, stat) of every file translate reads, the input first; stdin (no -i, or
     -i -) is its file descriptor's. A file that cannot be stat'ed (no such file: said later; no
@@ -75,14 +76,14 @@ def refuse_overwrite(args: argparse.Namespace, parallel: dict[str, str]) -> None
     if not (args.output and os.path.exists(args.output)):
         return
     out = os.stat(args.output)
-    for option, path, read in read_files(args, parallel) + model_files(args):
+    for option, path, read in _read_files(args, parallel) + _model_files(args):
         if (read.st_dev, read.st_ino) == (out.st_dev, out.st_ino):
             name = "input (stdin)" if (option, path) == ("-i", "-") else option
             raise SystemExit(f"translate: -o {args.output} is the {name} file; the "
                              "translations would replace it: write them elsewhere")
 
 
-def model_files(args: argparse.Namespace) -> list[tuple[str, str, os.stat_result]]:
+def _model_files(args: argparse.Namespace) -> list[tuple[str, str, os.stat_result]]:
     """(option, name, stat) of the checkpoints (-m, a run directory's as translate picks it) and
     the --shortlist file; those that cannot be found are left out (loading says why)."""
     files = [("-m", resolved(m)) for m in args.model] + [("--shortlist", args.shortlist)]
@@ -95,7 +96,7 @@ def refuse_shared_streams(args: argparse.Namespace, parallel: dict[str, str]) ->
     or FIFO twice): each would take every other line, and lines would be paired with the wrong
     ones. A regular file given twice is read twice, from its start each time: that is fine."""
     seen: dict[tuple[int, int], str] = {}
-    for option, path, read in read_files(args, parallel):
+    for option, path, read in _read_files(args, parallel):
         if stat.S_ISREG(read.st_mode) and path != "-":  # stdin is one stream, even `< file`
             continue
         name = f"{option} {path}" if path != "-" else (

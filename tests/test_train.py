@@ -691,7 +691,7 @@ def test_the_resume_hint_reads_back_as_the_run_directory(tmp_path, name):
     directory with a space, a comma, parentheses or '=')."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from mt.checkpoint import resume_override
+    from mt.resume import resume_override
 
     run_dir = tmp_path / name
     text = resume_override(run_dir)
