@@ -6,6 +6,7 @@ this process and for every subprocess the tests start).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -86,3 +87,62 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except FileNotFoundError:
         return False
+
+
+def compose(overrides: list[str]):
+    """The TrainConfig that ``mt-train OVERRIDES`` would run, checked as it checks it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from mt.config import check_keys, check_values, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
+        OmegaConf.set_readonly(cfg.hydra, False)
+        with open_dict(cfg):
+            cfg.hydra.runtime.output_dir = "/tmp/run"
+        HydraConfig.instance().set_config(cfg)  # lets ${hydra:runtime.output_dir} resolve
+        with open_dict(cfg):
+            del cfg["hydra"]
+        check_keys(cfg)  # as mt.train.hydra_main does
+        cfg = OmegaConf.to_object(cfg)
+        check_values(cfg)
+        return cfg
+
+
+@pytest.fixture()
+def trainer_factory(tmp_path, corpus_dir, tokenizer_dir, monkeypatch):
+    """A tiny Trainer in this process (its datasets cache in tmp_path, torch's thread count put
+    back afterwards), to be given validation scores instead of decoding."""
+    import datasets
+    import torch
+
+    from mt.trainer import Trainer
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    threads = torch.get_num_threads()
+
+    def make(name: str, *overrides: str, corpus: Path | None = None) -> Trainer:
+        (tmp_path / name).mkdir(exist_ok=True)  # as Hydra does; there already: a resume
+        return Trainer(compose([*tiny_train_args(corpus or corpus_dir, tokenizer_dir),
+                                *overrides]), tmp_path / name)
+
+    yield make
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture()
+def fit_here(trainer_factory, caplog):
+    """Trains (or resumes) the run tmp_path/NAME in this process, as run_train does in another,
+    and returns what it logged: a process's start-up costs ~3 s a run. The command line around
+    the Trainer (the lock, one-line errors, the final test) is for run_train's tests."""
+    def fit(name: str, *overrides: str, corpus: Path | None = None) -> str:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mt.train"):
+            trainer_factory(name, *overrides, corpus=corpus).fit()
+        return caplog.text
+
+    return fit

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 import re
@@ -18,32 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PYTHON, REPO, cli_env, tiny_train_args
+from conftest import PYTHON, REPO, cli_env, compose, tiny_train_args
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
-
-
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, open_dict
-
-    from mt.config import check_keys, check_values, register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
-        OmegaConf.set_readonly(cfg.hydra, False)
-        with open_dict(cfg):
-            cfg.hydra.runtime.output_dir = "/tmp/run"
-        HydraConfig.instance().set_config(cfg)  # lets ${hydra:runtime.output_dir} resolve
-        with open_dict(cfg):
-            del cfg["hydra"]
-        check_keys(cfg)  # as mt.train.hydra_main does
-        cfg = OmegaConf.to_object(cfg)
-        check_values(cfg)
-        return cfg
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -408,26 +386,6 @@ def test_a_resume_gives_the_next_step_the_rate_of_this_runs_schedule():
                      "schedule settings give it"]
 
 
-@pytest.fixture()
-def trainer_factory(tmp_path, corpus_dir, tokenizer_dir, monkeypatch):
-    """A tiny Trainer in this process (its datasets cache in tmp_path, torch's thread count put
-    back afterwards), to be given validation scores instead of decoding."""
-    import datasets
-
-    from mt.trainer import Trainer
-
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
-    threads = torch.get_num_threads()
-
-    def make(name: str, *overrides: str) -> Trainer:
-        (tmp_path / name).mkdir()  # as Hydra does
-        return Trainer(compose([*tiny_train_args(corpus_dir, tokenizer_dir), *overrides]),
-                       tmp_path / name)
-
-    yield make
-    torch.set_num_threads(threads)
-
-
 def test_empty_valid_or_test_files_are_refused_at_start_naming_them(trainer_factory, tmp_path,
                                                                     corpus_dir):
     """datasets said 'Instruction "train" corresponds to no data!' (no file, and the wrong
@@ -783,13 +741,13 @@ def test_a_second_run_on_a_busy_run_directory_is_refused_in_one_line(tmp_path, c
                                   ["+data.upsample.train=0.5"], ["trainer.ema_decay=0.9"]],
                          ids=["one-segmentation", "subword-sampling", "upsample", "ema"])
 def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_dir, tokenizer_dir,
-                                                             data):
+                                                             data, fit_here):
     # Log lines every 3 steps and saves every 2: the kill lands inside a log window, after lines
     # of steps that the last checkpoint does not hold.
     steps = ["trainer.max_steps=20", "trainer.validate_every=7", "trainer.save_every=2",
              "trainer.log_every=3", "trainer.test_at_end=false", *data]
     full = tmp_path / "full"
-    run_train(tmp_path, full, corpus_dir, tokenizer_dir, *steps)
+    fit_here("full", *steps)  # in this process: the killed run's are mt-train's
 
     # The same run, killed without warning once step 9 is logged (after the validation of step 7;
     # its checkpoint is step 8's, or 10's), 11 steps before the end, which even a slow machine
@@ -860,7 +818,7 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
 
 
 def test_extra_valid_splits_are_scored_beside_valid_and_change_nothing_else(
-        tmp_path, corpus_dir, tokenizer_dir):
+        tmp_path, corpus_dir, fit_here):
     """data.extra_valid scores more splits at each validation, but only data.valid chooses: the
     weights and the valid scores are those of a run without them. A copy of the valid split
     scores exactly as the valid split does (the same pairs, the same search)."""
@@ -870,9 +828,8 @@ def test_extra_valid_splits_are_scored_beside_valid_and_change_nothing_else(
         shutil.copy(corpus / f"valid.{lang}", corpus / f"dev2.{lang}")
     steps = ["trainer.max_steps=8", "trainer.validate_every=4", "trainer.test_at_end=false"]
     plain, extra = tmp_path / "plain", tmp_path / "extra"
-    run_train(tmp_path, plain, corpus, tokenizer_dir, *steps)
-    said = run_train(tmp_path, extra, corpus, tokenizer_dir, *steps,
-                     "data.extra_valid=[dev2,test]").stderr
+    fit_here("plain", *steps, corpus=corpus)
+    said = fit_here("extra", *steps, "data.extra_valid=[dev2,test]", corpus=corpus)
     assert re.search(r"step 8: valid loss .*; dev2: loss [\d.]+, BLEU [\d.]+, chrF [\d.]+; "
                      r"test: loss", said), said[-2000:]
 
@@ -898,7 +855,8 @@ def test_extra_valid_splits_are_scored_beside_valid_and_change_nothing_else(
 
 @pytest.mark.parametrize("victim", ["best.pt", "last.pt"])
 def test_a_kill_between_the_files_of_a_validation_loses_none_of_them(tmp_path, corpus_dir,
-                                                                     tokenizer_dir, victim):
+                                                                     tokenizer_dir, victim,
+                                                                     fit_here):
     """A validation writes step_N.pt, best.pt and last.pt, each atomically. last.pt was written
     first: a kill before best.pt resumed past this validation, and its best.pt never came. A
     kill in best.pt's write (or in last.pt's, the last) now leaves a run that ends with the same
@@ -906,7 +864,7 @@ def test_a_kill_between_the_files_of_a_validation_loses_none_of_them(tmp_path, c
     temporary file."""
     steps = ["trainer.max_steps=14", "trainer.validate_every=7", "trainer.test_at_end=false"]
     full = tmp_path / "full"
-    run_train(tmp_path, full, corpus_dir, tokenizer_dir, *steps)
+    fit_here("full", *steps)
     killer = tmp_path / "kill_at_write.py"  # SIGKILL half-way through the victim's first write
     killer.write_text(textwrap.dedent(f"""
         import os, signal, sys, torch
@@ -974,17 +932,17 @@ def test_a_ctrl_c_inside_a_checkpoint_write_still_says_how_to_resume(tmp_path, c
 
 
 def test_a_resumed_run_logs_each_step_once_with_the_losses_of_a_run_never_stopped(
-        tmp_path, corpus_dir, tokenizer_dir):
+        tmp_path, fit_here):
     """A kill between two saves leaves log lines of steps the checkpoint does not hold (and may
     cut one short); the resumed run drops them and carries the open log window's loss over, so
     metrics.jsonl reads as if the run had never stopped. Deterministic: the "kill" is written."""
     common = ["trainer.validate_every=5", "trainer.log_every=3", "trainer.test_at_end=false"]
     full, split = tmp_path / "full", tmp_path / "split"
-    run_train(tmp_path, full, corpus_dir, tokenizer_dir, *common, "trainer.max_steps=15")
-    run_train(tmp_path, split, corpus_dir, tokenizer_dir, *common, "trainer.max_steps=10")
+    fit_here("full", *common, "trainer.max_steps=15")
+    fit_here("split", *common, "trainer.max_steps=10")
     with open(split / "metrics.jsonl", "a") as f:  # saved at step 10; logged 12, then killed
         f.write('{"step": 12, "epoch": 0, "loss": 9.0, "lr": 0.1}\n{"step": 15, "ep')
-    run_train(tmp_path, split, corpus_dir, tokenizer_dir, *common, "trainer.max_steps=15")
+    fit_here("split", *common, "trainer.max_steps=15")
 
     def records(run_dir: Path) -> list[dict]:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -1000,7 +958,7 @@ def test_a_resumed_run_logs_each_step_once_with_the_losses_of_a_run_never_stoppe
 
 
 def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr(
-        tmp_path, corpus_dir, tokenizer_dir):
+        tmp_path, fit_here):
     """Step 1 ran at the rate of step 0 (so steps 1 and 2 shared one, and the peak came a step
     late); and a resumed run kept the saved optim.lr, whatever the command line said, although
     the advice after a divergence is to lower it and run again."""
@@ -1008,18 +966,17 @@ def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr
 
     run_dir = tmp_path / "run"
     common = ["trainer.validate_every=6", "trainer.test_at_end=false"]  # warmup 5, lr 1e-3
-    run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *common, "trainer.max_steps=6")
-    resumed = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *common,
-                        "trainer.max_steps=9", "optim.lr=5e-4", "data.tokenizer.vocab_size=150",
-                        "model.heads=4", "data.tokenizer.path=null")
-    assert "resuming with optim.lr=0.0005 (was 0.001)" in resumed.stderr
+    fit_here("run", *common, "trainer.max_steps=6")
+    resumed = fit_here("run", *common, "trainer.max_steps=9", "optim.lr=5e-4",
+                       "data.tokenizer.vocab_size=150", "model.heads=4",
+                       "data.tokenizer.path=null")
+    assert "resuming with optim.lr=0.0005 (was 0.001)" in resumed
     # The model's shape and the tokenizer are the run's own: said, neither listed as changed
     # settings nor recorded as the config of the next checkpoints.
-    assert "the model's shape replaces model.heads=4 (model: 2)" in resumed.stderr
-    assert ("the tokenizer is the checkpoint's; ignored data.tokenizer.vocab_size=150 "
-            in resumed.stderr)
+    assert "the model's shape replaces model.heads=4 (model: 2)" in resumed
+    assert "the tokenizer is the checkpoint's; ignored data.tokenizer.vocab_size=150 " in resumed
     assert (run_dir / "tokenizer" / "tokenizer.json").exists()  # data.tokenizer.path is this run's
-    changed = next(x for x in resumed.stderr.splitlines() if "settings changed" in x)
+    changed = next(x for x in resumed.splitlines() if "settings changed" in x)
     assert "vocab_size" not in changed and "heads" not in changed
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["config"]
     assert saved["data"]["tokenizer"]["vocab_size"] != 150 and saved["model"]["heads"] == 2
@@ -1033,7 +990,7 @@ def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr
 
 
 def test_plateau_cuts_the_rate_and_a_killed_run_resumes_with_the_same_rates(
-        tmp_path, corpus_dir, tokenizer_dir):
+        tmp_path, corpus_dir, tokenizer_dir, fit_here):
     """trainer.min_improvement=100 makes every validation after the first a bad one, so with
     plateau_patience 1 each cuts the rate in half from the next step on. A run killed between
     saves (a save_every checkpoint, or a validation's) resumes at the same rates: the cuts are
@@ -1043,9 +1000,9 @@ def test_plateau_cuts_the_rate_and_a_killed_run_resumes_with_the_same_rates(
              "trainer.min_improvement=100", "optim.plateau_factor=0.5",
              "optim.plateau_patience=1"]
     full = tmp_path / "full"
-    result = run_train(tmp_path, full, corpus_dir, tokenizer_dir, *steps)
+    said = fit_here("full", *steps)
     assert "step 6: valid loss not better in 1 validations (optim.plateau_patience): learning " \
-           "rate x 0.5 (cut 1, x 0.5 in all)" in result.stderr
+           "rate x 0.5 (cut 1, x 0.5 in all)" in said
     lines = (full / "metrics.jsonl").read_text().splitlines()
     lr = {r["step"]: r["lr"] for r in map(json.loads, lines) if "lr" in r}
     for step, rate in lr.items():  # cuts at the validations of steps 6, 9, 12 and 15 (and 18)
@@ -1115,40 +1072,39 @@ def test_averaged_pt_is_scored_on_the_valid_split_beside_best_pt(tmp_path, corpu
     assert not (run_dir / "valid").exists()  # trainer.save_valid_hyps=false
 
 
-def test_a_run_says_which_budget_ended_it(tmp_path, corpus_dir, tokenizer_dir):
+def test_a_run_says_which_budget_ended_it(trainer_factory, caplog):
     """A run that stops before the progress bar's total (patience, a time budget) said nothing:
     the quick start seemed to end at step 429 of 500 for no reason."""
     common = ["trainer.test_at_end=false", "trainer.log_every=50"]
-    # lr 0: the valid loss never improves after the first validation
-    patience = run_train(tmp_path, tmp_path / "p", corpus_dir, tokenizer_dir, *common,
-                         "trainer.max_steps=60", "trainer.validate_every=5",
-                         "trainer.patience=2", "trainer.best_metric=loss", "optim.lr=0")
-    assert ("training stopped at step 15: trainer.patience=2: no better valid loss in 2 "
-            "validations") in patience.stderr
-    minutes = run_train(tmp_path, tmp_path / "m", corpus_dir, tokenizer_dir, *common,
-                        "trainer.max_steps=100000", "trainer.max_minutes=0.0001")
-    assert re.search(r"training stopped at step \d+: trainer.max_minutes=0.0001 reached",
-                     minutes.stderr)
-    steps = run_train(tmp_path, tmp_path / "s", corpus_dir, tokenizer_dir, *common,
-                      "trainer.max_steps=3")
-    assert "training stopped at step 3: trainer.max_steps=3 reached" in steps.stderr
+    for name, overrides, said in [
+        # lr 0: the valid loss never improves after the first validation
+        ("patience", ["trainer.max_steps=60", "trainer.validate_every=5", "trainer.patience=2",
+                      "trainer.best_metric=loss", "optim.lr=0"],
+         "training stopped at step 15: trainer.patience=2: no better valid loss in 2 "
+         "validations"),
+        ("minutes", ["trainer.max_steps=100000", "trainer.max_minutes=0.0001"],
+         r"training stopped at step \d+: trainer.max_minutes=0.0001 reached"),
+        ("steps", ["trainer.max_steps=3"], "training stopped at step 3: trainer.max_steps=3 "
+         "reached"),
+    ]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mt.train"):
+            trainer_factory(name, *common, *overrides).fit()
+        assert any(re.match(said, r.getMessage()) for r in caplog.records), caplog.text
 
 
-def test_a_resume_with_another_accumulation_goes_on_from_the_same_batch(tmp_path, corpus_dir,
-                                                                        tokenizer_dir):
+def test_a_resume_with_another_accumulation_goes_on_from_the_same_batch(tmp_path, fit_here):
     """The position in the epoch is kept in steps; 3 steps of 2 batches are 6 batches, so a
     resume at 1 batch per step (fewer processes, or accumulation 1) goes on from batch 6, not 3,
     and says what changed."""
     run_dir = tmp_path / "run"
     common = ["trainer.validate_every=100", "trainer.test_at_end=false"]
-    run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *common, "trainer.max_steps=3",
-              "trainer.accumulation=2")
-    resumed = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *common,
-                        "trainer.max_steps=5", "trainer.accumulation=1")
+    fit_here("run", *common, "trainer.max_steps=3", "trainer.accumulation=2")
+    resumed = fit_here("run", *common, "trainer.max_steps=5", "trainer.accumulation=1")
     assert "resuming with 1 batches per step (trainer.accumulation x processes) where the run " \
-           "took 2" in resumed.stderr
-    assert "trainer.accumulation=1 (was 2)" in resumed.stderr  # the settings that changed
-    assert "trainer.max_steps=5 (was 3)" in resumed.stderr
+           "took 2" in resumed
+    assert "trainer.accumulation=1 (was 2)" in resumed  # the settings that changed
+    assert "trainer.max_steps=5 (was 3)" in resumed
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["trainer"]
     assert (state["epoch"], state["step_in_epoch"], state["step"]) == (0, 8, 5)
 
@@ -1264,12 +1220,12 @@ def test_tied_embeddings_refuse_two_vocabularies_of_one_size(tmp_path, corpus_di
 
 
 def test_a_last_pt_without_training_state_is_refused_in_one_line(tmp_path, corpus_dir,
-                                                                 tokenizer_dir):
+                                                                 tokenizer_dir, fit_here):
     """An average or an imported model saved as last.pt (a review had mt-average write one
     there) cannot be resumed: one line says so, not a KeyError from inside the trainer."""
     run_dir = tmp_path / "run"
     steps = ["trainer.max_steps=2", "trainer.validate_every=2", "trainer.test_at_end=false"]
-    run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *steps)
+    fit_here("run", *steps)
     last = run_dir / "checkpoints" / "last.pt"
     state = torch.load(last, weights_only=True)
     del state["trainer"]
