@@ -188,9 +188,36 @@ def _null_group(argv: list[str]) -> str | None:
     return None
 
 
+# Hydra's flags that print and make no run directory: they work from any folder.
+_NO_RUN = {"-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc",
+           "--shell-completion", "--version"}
+
+
+def _unwritable_run_dir(argv: list[str]) -> str | None:
+    """A run directory that cannot be made, in words. Hydra makes it (with .hydra/ and
+    train.log) before mt's code runs, and said so in a traceback: ``mt-train`` started from a
+    read-only checkout, or ``hydra.run.dir`` under a file. Only the part of the path before its
+    first ``${...}`` is checked, against the nearest folder that exists."""
+    if _NO_RUN & set(argv):
+        return None
+    key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
+    given = [a.partition("=")[2] for a in argv if a.lstrip("+").startswith(f"{key}=")]
+    text = given[-1].strip("'\"") if given else "multirun" if key == "hydra.sweep.dir" else "runs"
+    place = Path(text.split("${")[0] or ".").absolute()
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    said = f"{key}={text}" if given else f"the run directory ({text}/... under {Path.cwd()})"
+    if not place.is_dir():
+        return f"mt-train: {said}: {place} is a file, not a folder"
+    if not os.access(place, os.W_OK | os.X_OK):
+        return (f"mt-train: {said}: cannot write in {place} (permission denied); start mt-train "
+                "in a folder of yours, or give hydra.run.dir=DIR")
+    return None
+
+
 def main() -> None:
     fill_closed_descriptors(quiet_stdout=True)  # `mt-train 2>&-` died silently inside Hydra
-    if mistake := _null_group(sys.argv[1:]):
+    if mistake := _null_group(sys.argv[1:]) or _unwritable_run_dir(sys.argv[1:]):
         raise SystemExit(mistake)
     cap_kernel_caches()  # before the first product: see its docstring
     register_configs()

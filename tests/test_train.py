@@ -100,6 +100,28 @@ def test_a_misspelt_key_added_with_plus_fails_with_its_name(override, name):
         compose([override])
 
 
+def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, monkeypatch):
+    """Hydra makes the run directory before mt's code runs, and said why it could not in a
+    traceback: a read-only working folder (a shared checkout), or a path under a file."""
+    from mt import train
+
+    (tmp_path / "afile").write_text("")
+    assert train._unwritable_run_dir([f"hydra.run.dir={tmp_path}/afile/run"]) == (
+        f"mt-train: hydra.run.dir={tmp_path}/afile/run: {tmp_path}/afile is a file, not a folder")
+    said = train._unwritable_run_dir(["-m", f"hydra.sweep.dir='{tmp_path}/afile/${{now:%H}}'"])
+    assert said.endswith(f": {tmp_path}/afile is a file, not a folder")  # and quotes dropped
+    assert train._unwritable_run_dir([f"hydra.run.dir={tmp_path}/new/run/${{now:%H}}"]) is None
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)  # (root: any)
+    assert train._unwritable_run_dir(["trainer.max_steps=1"]) == (
+        f"mt-train: the run directory (runs/... under {tmp_path}): cannot write in {tmp_path} "
+        "(permission denied); start mt-train in a folder of yours, or give hydra.run.dir=DIR")
+    assert train._unwritable_run_dir([f"hydra.run.dir={tmp_path}/afile2"]) is not None
+    assert train._unwritable_run_dir(["hydra.run.dir=/somewhere/else"]) is None
+    assert train._unwritable_run_dir(["--help"]) is None  # prints only: works from any folder
+    assert train._unwritable_run_dir(["--cfg", "job"]) is None
+
+
 @pytest.mark.parametrize("override", ["experiment=null", "model=", "+data=~"])
 def test_a_group_set_to_nothing_is_one_line_naming_it(override, monkeypatch):
     """Hydra refuses GROUP=null with a traceback ('Config group override must be a string');
