@@ -207,6 +207,10 @@ class _Utf8Writer:
             self.buffer.flush()
         return len(text)
 
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
+
     def flush(self) -> None:
         self.buffer.flush()
 

@@ -1635,3 +1635,33 @@ def test_the_dtype_flag_names_what_the_models_can_be_cast_to():
     from mt.options import DTYPE_NAMES
 
     assert sorted(DTYPE_NAMES) == sorted(DTYPES)
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "ascii"])
+def test_stdout_writer_writes_every_byte_of_a_raw_stdout(monkeypatch, encoding):
+    """Under PYTHONUNBUFFERED=1 stdout's buffer is the raw file, whose write may take part of
+    the bytes; sys.stdout dropped the rest without a word. utf8_stdout's writer writes them all
+    (and has writelines, which mt-eval --output - calls: it had none)."""
+    import io
+
+    from mt.textio import utf8_stdout
+
+    class Slow(io.RawIOBase):  # a pipe that takes 3 bytes a write
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:
+            self.data += bytes(b[:3])
+            return min(3, len(b))
+
+    raw = Slow()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding=encoding,
+                                                        write_through=True))
+    out = utf8_stdout()
+    out.write("Grüße aus Köln\n")
+    out.writelines(["zwei\n", "drei\n"])
+    out.flush()
+    assert raw.data.decode("utf-8") == "Grüße aus Köln\nzwei\ndrei\n"
