@@ -203,7 +203,10 @@ def _unwritable_run_dir(argv: list[str]) -> str | None:
     key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
     given = [a.partition("=")[2] for a in argv if a.lstrip("+").startswith(f"{key}=")]
     text = given[-1].strip("'\"") if given else "multirun" if key == "hydra.sweep.dir" else "runs"
-    place = Path(text.split("${")[0] or ".").absolute()
+    prefix = text.split("${")[0]
+    if not prefix:  # ${oc.env:HOME}/runs: where it goes is Hydra's to resolve
+        return None
+    place = Path(prefix).absolute()
     while not place.exists() and place != place.parent:
         place = place.parent
     said = f"{key}={text}" if given else f"the run directory ({text}/... under {Path.cwd()})"

@@ -118,6 +118,7 @@ def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, monkeypatch):
         "(permission denied); start mt-train in a folder of yours, or give hydra.run.dir=DIR")
     assert train._unwritable_run_dir([f"hydra.run.dir={tmp_path}/afile2"]) is not None
     assert train._unwritable_run_dir(["hydra.run.dir=/somewhere/else"]) is None
+    assert train._unwritable_run_dir(["hydra.run.dir=${oc.env:HOME}/runs"]) is None
     assert train._unwritable_run_dir(["--help"]) is None  # prints only: works from any folder
     assert train._unwritable_run_dir(["--cfg", "job"]) is None
 
