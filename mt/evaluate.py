@@ -51,7 +51,14 @@ from mt.testsets import (
     read_references,
     read_text,
 )
-from mt.textio import InputError, atomic_output, reader_left, text_list, utf8_stdout
+from mt.textio import (
+    InputError,
+    atomic_output,
+    nearest_existing,
+    reader_left,
+    text_list,
+    utf8_stdout,
+)
 
 log = logging.getLogger("mt.evaluate")
 
@@ -250,9 +257,7 @@ def _check_outputs(args: argparse.Namespace, systems: list[System], tests: list[
         for what, read in reads:
             if out.exists() and os.path.exists(read) and os.path.samefile(out, read):
                 raise EvalError(f"{flag} {path} is the {what} file; writing would overwrite it")
-        place = out.parent.resolve()
-        while not place.exists():  # made when written
-            place = place.parent
+        place = nearest_existing(out.parent.resolve())  # made when written
         if not os.access(out if out.exists() else place, os.W_OK):
             raise EvalError(f"{flag} {path}: cannot write there (permission denied)")
 

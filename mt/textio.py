@@ -171,6 +171,14 @@ def check_output(path: str | None) -> None:
         raise InputError(_LEFTOVER.format(partial=_partial(path), path=path))
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path``, or the nearest folder above it that exists: where making it would start, and
+    so what must be writable."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 _LEFTOVER = ("{partial} exists: another translate is writing {path}, or a killed one left it; "
              "remove it and run again")
 

@@ -31,7 +31,7 @@ from mt.divergence import Diverged
 from mt.inference import cap_kernel_caches
 from mt.resume import resume_override
 from mt.runlog import finish
-from mt.textio import fill_closed_descriptors, reader_left
+from mt.textio import fill_closed_descriptors, nearest_existing, reader_left
 from mt.trainer import Terminated, Trainer
 
 log = logging.getLogger("mt.train")
@@ -206,9 +206,7 @@ def _unwritable_run_dir(argv: list[str]) -> str | None:
     prefix = text.split("${")[0]
     if not prefix:  # ${oc.env:HOME}/runs: where it goes is Hydra's to resolve
         return None
-    place = Path(prefix).absolute()
-    while not place.exists() and place != place.parent:
-        place = place.parent
+    place = nearest_existing(Path(prefix).absolute())
     said = f"{key}={text}" if given else f"the run directory ({text}/... under {Path.cwd()})"
     if not place.is_dir():
         return f"mt-train: {said}: {place} is a file, not a folder"
