@@ -51,7 +51,6 @@ from mt.optim import (
     freeze,
     lr_lambda,
 )
-from mt.resume import resume_override
 from mt.runlog import Metrics, Window, bleu_language, fitting, validate
 from mt.tokenizer import META_FILE, Tokenizer
 
@@ -355,7 +354,7 @@ class Trainer:
         if not (t.max_steps or t.max_epochs or t.max_minutes or t.patience) and self.rank == 0:
             log.warning("no budget (trainer.max_steps, max_epochs, max_minutes and patience are "
                         "all 0): training goes on until you stop it; the same command with %s "
-                        "resumes it", resume_override(self.run_dir))
+                        "resumes it", resume.resume_override(self.run_dir))
         per_step = t.accumulation * self.world
         self.fit_start = time.perf_counter()
         self.model.train()
