@@ -71,16 +71,37 @@ def _read_files(args: argparse.Namespace, parallel: dict[str, str]
 
 
 def refuse_overwrite(args: argparse.Namespace, parallel: dict[str, str]) -> None:
-    """SystemExit when -o names a file that translate reads (the input, a side file, a model or
-    the shortlist): the translations would replace it."""
-    if not (args.output and os.path.exists(args.output)):
+    """SystemExit when the output is a file that translate reads: -o naming the input, a side
+    file, a model or the shortlist (the translations would replace it), or stdout appended to
+    one (``translate -i in.txt >> in.txt``: each chunk written would be read back as more input,
+    without end)."""
+    if args.output is None:
+        out = _stdout_file()
+    else:
+        out = os.stat(args.output) if os.path.exists(args.output) else None
+    if out is None:
         return
-    out = os.stat(args.output)
     for option, path, read in _read_files(args, parallel) + _model_files(args):
-        if (read.st_dev, read.st_ino) == (out.st_dev, out.st_ino):
-            name = "input (stdin)" if (option, path) == ("-i", "-") else option
+        if (read.st_dev, read.st_ino) != (out.st_dev, out.st_ino):
+            continue
+        name = "input (stdin)" if (option, path) == ("-i", "-") else option
+        if args.output is not None:
             raise SystemExit(f"translate: -o {args.output} is the {name} file; the "
                              "translations would replace it: write them elsewhere")
+        where = f" ({path})" if path != "-" else ""
+        harm = "be read back as input" if option == "-i" else "be written into it"
+        raise SystemExit(f"translate: stdout is the {name} file{where}; the translations would "
+                         f"{harm}: write them elsewhere")
+
+
+def _stdout_file() -> os.stat_result | None:
+    """The stat of stdout where it is a regular file (``> out.txt``, ``>> out.txt``); None for
+    a terminal, a pipe, or no stdout."""
+    try:
+        out = os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        return None
+    return out if stat.S_ISREG(out.st_mode) else None
 
 
 def _model_files(args: argparse.Namespace) -> list[tuple[str, str, os.stat_result]]:

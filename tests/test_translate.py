@@ -566,6 +566,24 @@ def test_an_output_that_is_one_of_the_inputs_is_refused_and_left_alone(models, t
     assert Path(given).read_text() == "der Hund\neine Katze\n"
 
 
+@pytest.mark.parametrize("how", ["-i", "stdin", "-o /dev/stdout"])
+def test_stdout_appended_to_the_input_is_refused_before_any_work(models, tmp_path, how):
+    """``translate -i in.txt >> in.txt``: stdout is the input file. A chunk written there was
+    read back as more input, translated, written again, without end (helper's report: a 3-line
+    file grew to 36 lines in 40 s with --chunk-lines 1). Refused, the file left alone."""
+    src = _write(tmp_path / "in.txt", ["the dog", "a cat"])
+    args = {"-i": f"-i {src}", "stdin": f"< {src}", "-o /dev/stdout": f"-i {src} -o /dev/stdout"}
+    proc = subprocess.run(f"{sys.executable} -m mt.translate -m {models['a']} {args[how]} "
+                          f"--chunk-lines 1 {' '.join(FAST)} >> {src}", shell=True,
+                          capture_output=True, text=True, timeout=60)
+    name = "input (stdin) file" if how == "stdin" else f"-i file ({src})"
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"translate: stdout is the {name}; the translations would be read back as input: "
+        "write them elsewhere")
+    assert Path(src).read_text() == "the dog\na cat\n"
+
+
 def test_an_output_that_is_the_model_or_the_shortlist_is_refused(models, tmp_path):
     """-o naming a checkpoint translate loads (a file, or a run directory's best.pt) or the
     --shortlist: the translations replaced a 50 MB model with a few lines of text."""
@@ -607,7 +625,7 @@ def test_a_side_file_on_a_closed_stdin_is_one_line(models, tmp_path):
     src = _write(tmp_path / "in.txt", ["the dog"])
     proc = subprocess.run(f"exec {sys.executable} -m mt.translate -m {models['a']} -i {src} "
                           f"--prefix-file - {' '.join(FAST)} <&-", shell=True,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stderr) == (
         1, "translate: --prefix-file -: stdin is closed; give it as a file\n")
 
