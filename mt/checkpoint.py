@@ -234,8 +234,21 @@ def load_model(path: str | os.PathLike,
     except RuntimeError as err:
         raise ValueError(f"{file}: its weights do not fit its model config "
                          f"({_first_reason(err)})") from None
+    _refuse_not_finite(model, file)
     model.to(device).eval()
     return model, tokenizer, ckpt
+
+
+def _refuse_not_finite(model: torch.nn.Module, file: str) -> None:
+    """ValueError naming the file for weights that hold NaN or infinite values (a diverged run's
+    or a damaged copy): every score of such a model is NaN, and beam search then finishes no
+    hypothesis, greedy search picks tokens at random and sampling fails inside torch."""
+    bad = {name: int((~torch.isfinite(w)).sum()) for name, w in model.named_parameters()}
+    bad = {name: n for name, n in bad.items() if n}
+    if bad:
+        raise ValueError(f"{file}: its weights hold {sum(bad.values())} values that are not "
+                         f"finite (NaN or infinite), first in '{next(iter(bad))}': a damaged or "
+                         "diverged model")
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

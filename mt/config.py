@@ -375,11 +375,11 @@ def check_values(cfg: TrainConfig) -> None:
     """
     t, o, d, m = cfg.trainer, cfg.optim, cfg.data, cfg.model
     at_least = {
+        2: {"model.max_positions": m.max_positions},  # a token and EOS
         1: {"trainer.max_tokens": t.max_tokens, "trainer.accumulation": t.accumulation,
             "trainer.validate_every": t.validate_every, "trainer.log_every": t.log_every,
             "trainer.beam_size": t.beam_size, "trainer.max_bad_steps": t.max_bad_steps,
             "data.subword_nbest": d.subword_nbest, "data.filter.min_tokens": d.filter.min_tokens,
-            "model.max_positions": m.max_positions,
             "optim.plateau_patience": o.plateau_patience,
             "model.encoder_layers": m.encoder_layers, "model.decoder_layers": m.decoder_layers,
             "model.d_model": m.d_model, "model.ffn_dim": m.ffn_dim, "model.heads": m.heads},
@@ -400,7 +400,9 @@ def check_values(cfg: TrainConfig) -> None:
         for key, value in values.items():
             if not value >= least:  # NaN fails too
                 raise ValueError(f"{key} must be at least {least}, got {value}")
-    finite = {"trainer.lenpen": t.lenpen, "optim.lr": o.lr, "optim.min_lr": o.min_lr}
+    if t.lenpen > MAX_LENPEN:
+        raise ValueError(f"trainer.lenpen must be at most {MAX_LENPEN:g}, got {t.lenpen}")
+    finite = {"optim.lr": o.lr, "optim.min_lr": o.min_lr}
     for key, value in finite.items():  # else found at a validation or a step, perhaps hours in
         if value == math.inf:
             raise ValueError(f"{key} must be finite, got {value}")
@@ -432,6 +434,9 @@ def check_values(cfg: TrainConfig) -> None:
                          "rate is ever reduced")
     if not o.eps > 0:
         raise ValueError(f"optim.eps must be above 0, got {o.eps}")
+    if 0 < d.filter.max_ratio < 1:  # then no pair is kept, found only after encoding the corpus
+        raise ValueError(f"data.filter.max_ratio must be 0 (off) or at least 1 (the longer side "
+                         f"over the shorter), got {d.filter.max_ratio:g}")
     if d.filter.max_tokens < d.filter.min_tokens:
         raise ValueError(f"data.filter.max_tokens={d.filter.max_tokens} is below "
                          f"data.filter.min_tokens={d.filter.min_tokens}")
@@ -493,6 +498,17 @@ def check_normalization(name: str) -> None:
                          f", got {name!r}")
 
 
+# The largest GNMT alpha taken: past it, a length penalty of ((5 + length) / 6) ** alpha
+# overflowed (--lenpen 1000: an OverflowError traceback), and at 10 a token more already weighs
+# (16 / 15) ** 10 = 1.9x at length 10.
+MAX_LENPEN = 10.0
+
+# The most a count flag takes (--beam, --batch-tokens, --chunk-lines, ...): far past any use,
+# and inside what torch's sizes and itertools.islice hold (--beam 2**62 failed on a negative
+# padding size, --chunk-lines 10**20 in islice, both as tracebacks).
+COUNT_MAX = 2**31 - 1
+
+
 def positive_int(text: str) -> int:
     """An argparse type for counts such as ``--workers``: an integer of at least 1."""
     return _int_from(text, 1)
@@ -515,6 +531,8 @@ def _int_from(text: str, least: int) -> int:
     value = int(text)
     if value < least:
         raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+    if value > COUNT_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {COUNT_MAX}, got {value}")
     return value
 
 

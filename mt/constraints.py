@@ -34,6 +34,7 @@ from torch import Tensor
 from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mt.incremental import Decoder
 from mt.search import (
+    NOT_A_NUMBER,
     Hypothesis,
     Prefix,
     check_beam,
@@ -193,6 +194,8 @@ def constrained_beam_search(model, src: Tensor, constraints: list[list[list[int]
         width = len(beams[0])  # 1 at step 0, k after
         n = len(active)
         lprobs = dec.log_probs(tokens)
+        if torch.isnan(lprobs).any():  # (a check per step: this search's steps are Python's)
+            raise FloatingPointError(NOT_A_NUMBER)
         rows = torch.tensor(active, device=device).repeat_interleave(width)
         force_eos = limits[rows] <= step + 1
         history = None

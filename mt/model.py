@@ -288,6 +288,9 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"model.positions must be sinusoidal or learned, got {cfg.positions!r}"
             )
+        if cfg.max_positions < 2:  # a checkpoint's config is not check_values'd
+            raise ValueError(f"model.max_positions must be at least 2 (a token and EOS), got "
+                             f"{cfg.max_positions}")
         if cfg.tie_embeddings not in ("all", "decoder", "none"):
             raise ValueError(
                 f"model.tie_embeddings must be all, decoder or none, got {cfg.tie_embeddings!r}"

@@ -10,7 +10,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from mt.config import count_or_off, positive_int
+from mt.config import COUNT_MAX, MAX_LENPEN, count_or_off, positive_int
 from mt.mbr import UTILITIES
 
 
@@ -108,6 +108,16 @@ def search_mistake(args: SearchOptions) -> str | None:
     """The first search option out of range or without the option it needs, in the words of
     its command-line flag; None if none."""
     nbest = args.nbest
+    counts = {"--beam": args.beam, "--nbest": nbest, "--min-len": args.min_len,
+              "--top-k": args.top_k, "--batch-tokens": args.batch_tokens,
+              "--mbr-candidates": args.mbr_candidates, "--workers": args.workers,
+              "--no-repeat-ngram-size": args.no_repeat_ngram}
+    for flag, value in counts.items():
+        if value > COUNT_MAX:
+            return f"{flag} must be at most {COUNT_MAX}, got {value}"
+    if not abs(args.lenpen) <= MAX_LENPEN:  # NaN too
+        return (f"--lenpen must be a number between -{MAX_LENPEN:g} and {MAX_LENPEN:g} (GNMT's "
+                f"alpha; 0.6-1 is usual), got {args.lenpen}")
     if args.beam < 1:
         return f"--beam must be at least 1, got {args.beam}"
     if not args.sampling and not 1 <= nbest <= args.beam:
@@ -121,8 +131,6 @@ def search_mistake(args: SearchOptions) -> str | None:
         return f"{shaped[0]} shapes the sampling distribution; add --sampling"
     if not 0 < args.temperature < math.inf:
         return f"--temperature must be positive and finite, got {args.temperature}"
-    if not math.isfinite(args.lenpen):
-        return f"--lenpen must be a finite number, got {args.lenpen}"
     if not 0 <= args.top_p <= 1:
         return f"--top-p must be between 0 and 1, got {args.top_p}"
     if args.top_k < 0:
@@ -216,9 +224,12 @@ def search_options(args: argparse.Namespace, workers: int) -> SearchOptions:
         processes=not args.worker_threads)
 
 
-def out_of_memory_said(batch_tokens: int) -> str:
-    """What translate and mt-eval say when a search runs out of memory: what to lower."""
-    return f"out of memory: a smaller --batch-tokens (now {batch_tokens}) or fewer --workers"
+def out_of_memory_said(args: argparse.Namespace) -> str:
+    """What translate and mt-eval say when a search runs out of memory: what to lower (a beam
+    multiplies a batch's memory as its tokens do: --beam 100000 ran out at any batch size)."""
+    beam = f" or --beam (now {args.beam})" if args.beam > 1 and not args.sampling else ""
+    return (f"out of memory: a smaller --batch-tokens (now {args.batch_tokens}){beam}, or fewer "
+            "--workers")
 
 
 # mt.inference.DTYPES's names, here so that --help does not import torch (a test keeps the two

@@ -63,6 +63,13 @@ class Hypothesis:
     token_logprobs: list[float] = field(default_factory=list, compare=False, repr=False)
 
 
+# What every search raises when the model's scores are NaN: its weights are finite (loading
+# refuses others), so an activation overflowed, as float16's can. A search must not return an
+# empty n-best list (translate would write no line for the sentence) nor tokens picked from NaN.
+NOT_A_NUMBER = ("the model's scores are not numbers (NaN): an activation overflowed, as float16's "
+                "can; --dtype bfloat16 or float32 keeps them finite")
+
+
 def length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
     """GNMT length penalty (Wu et al., 2016)."""
     return ((5.0 + length) / 6.0) ** alpha
@@ -72,8 +79,8 @@ def max_lengths(src: Tensor, max_len_a: float, max_len_b: int, limit: int) -> Te
     """Per-sentence output budget ``a * src_len + b`` (EOS included), capped by ``limit``."""
     src_len = (src != PAD_ID).sum(dim=1)
     # Clamped before the cast: a huge budget (inf: no limit but the model's) cast first
-    # would wrap to a negative one.
-    budget = src_len.float() * max_len_a + max_len_b
+    # would wrap to a negative one; b past what a tensor holds (10**20) failed as a traceback.
+    budget = src_len.float() * max_len_a + min(max_len_b, limit)
     return budget.clamp(min=1, max=limit).long()
 
 
@@ -182,7 +189,9 @@ def _sample(lprobs: Tensor, temperature: float, top_k: int, top_p: float,
     truncated distribution (Holtzman et al., 2020: the smallest set of tokens with mass >= top_p;
     Hewitt et al., 2022: no token of probability below epsilon, the most probable one always
     kept)."""
-    logits = lprobs / temperature
+    # Less the row's best first: a tiny temperature then sends the best to 0, not to -inf
+    # with every other token (which left multinomial nothing to draw from).
+    logits = (lprobs - lprobs.amax(dim=-1, keepdim=True)) / temperature
     if epsilon > 0:
         rare = logits.softmax(dim=-1) < epsilon
         rare &= logits < logits.amax(dim=-1, keepdim=True)
@@ -198,7 +207,12 @@ def _sample(lprobs: Tensor, temperature: float, top_k: int, top_p: float,
         drop[..., 0] = False  # even for top_p <= 0 (greedy)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -torch.inf))
     probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    try:
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    except RuntimeError:
+        if torch.isnan(probs).any():
+            raise FloatingPointError(NOT_A_NUMBER) from None
+        raise
 
 
 @inference_search
@@ -265,6 +279,8 @@ def greedy_search(model, src: Tensor, max_len_a: float = 1.5, max_len_b: int = 1
             dec.reorder(keep)
         step += 1
     logprob = token_lp.sum(dim=1)  # zeros after EOS
+    if torch.isnan(logprob).any():  # checked once here, not at every step
+        raise FloatingPointError(NOT_A_NUMBER)
     norm = length_penalty(lengths.float(), lenpen) if lenpen else torch.ones_like(logprob)
     rows, n, lps, ss = out.tolist(), lengths.tolist(), logprob.tolist(), (logprob / norm).tolist()
     return [Hypothesis(r[: n_i - 1], s, lp, t[:n_i])
@@ -441,4 +457,6 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
         beams = k
         step += 1
 
+    if not all(finished):  # NaN scores: no EOS is ever finite, so nothing finished
+        raise FloatingPointError(NOT_A_NUMBER)
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]

@@ -360,10 +360,14 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
     except (WorkerDied, MemoryError, RuntimeError) as err:  # WorkerDied: the OOM killer, mostly
         if not isinstance(err, WorkerDied) and not out_of_memory(err):
             raise
-        said = err if isinstance(err, WorkerDied) else out_of_memory_said(args.batch_tokens)
+        said = err if isinstance(err, WorkerDied) else out_of_memory_said(args)
         where = (f"; {args.output} not written" if args.output is not None
                  else f" ({done} lines written before it)" if done else "")
         raise SystemExit(f"translate: {said}{where}") from None
+    except FloatingPointError as err:  # NaN scores (mt.search.NOT_A_NUMBER)
+        where = (f"; {args.output} not written" if args.output is not None
+                 else f" ({done} lines written before it)" if done else "")
+        raise SystemExit(f"translate: {err}{where}") from None
     except OSError as err:  # writing failed (a full disk); the partial file is gone
         raise SystemExit(f"translate: {args.output or '<stdout>'}: cannot write "
                          f"({err.strerror})") from None

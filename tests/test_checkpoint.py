@@ -198,6 +198,14 @@ def test_a_checkpoint_whose_parts_do_not_belong_together_is_one_line(tmp_path, t
         (saved("gone.pt", lambda s: s["model"].pop("output_proj.weight")),
          "gone.pt: its weights do not fit its model config \\(Missing key\\(s\\) in "
          "state_dict: \"output_proj.weight\""),
+        # NaN weights: beam search wrote no line at all and exited 0 (every score NaN, no
+        # hypothesis ever finished), greedy wrote "⁇" lines, sampling a traceback
+        (saved("nan.pt", lambda s: s["model"]["decoder_layers.0.ffn.fc1.bias"][7:9].fill_(
+            float("nan"))), "nan.pt: its weights hold 2 values that are not finite \\(NaN or "
+         "infinite\\), first in 'decoder_layers.0.ffn.fc1.bias': a damaged or diverged model"),
+        (saved("short.pt", lambda s: s["model_config"].update(max_positions=1)),
+         "short.pt: its model config cannot be built \\(model.max_positions must be at least "
+         "2 \\(a token and EOS\\), got 1\\)"),
     ]
     for path, message in cases:
         with pytest.raises(ValueError, match=f"^{tmp_path}/{message}") as err:

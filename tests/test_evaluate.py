@@ -618,7 +618,7 @@ def test_out_of_memory_while_translating_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as err:
         main(["-m", model, "--src", src_file, "--ref", ref_file, "--batch-tokens", "300"])
     assert str(err.value) == (f"mt-eval: -m {model}, {ref_file}: out of memory: a smaller "
-                              "--batch-tokens (now 300) or fewer --workers")
+                              "--batch-tokens (now 300) or --beam (now 5), or fewer --workers")
 
 
 def test_bfloat16_evaluation_scores_what_translate_writes(tmp_path, capsys):

@@ -490,6 +490,36 @@ def test_sample_top_k_top_p_support_and_frequencies():
     assert _sample(flat, 1.0, 0, 1.0, g, epsilon=0.9).tolist() == [0] * 5  # the best stays
 
 
+def test_a_tiny_temperature_samples_the_best_token():
+    """--temperature 1e-40 passed the option checks (positive, finite), then every tempered
+    log-probability but an exact 0 overflowed to -inf and multinomial failed inside torch."""
+    lprobs = torch.tensor([[-0.7, -0.9, -3.0], [-2.0, -0.05, -4.0]])
+    g = torch.Generator().manual_seed(0)
+    assert _sample(lprobs, 1e-40, 0, 1.0, g).tolist() == [0, 1]
+    assert _sample(lprobs, 1e-40, 2, 0.5, g, epsilon=0.1).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("search", ["beam", "greedy", "sampling", "constrained"])
+def test_scores_that_are_not_numbers_raise_instead_of_an_empty_or_random_result(search):
+    """Finite weights whose activations overflow (as float16 can): every score is NaN. Beam
+    search finished no hypothesis and returned empty n-best lists (translate wrote no line and
+    exited 0), greedy search returned random tokens, sampling failed inside torch."""
+    from mt.constraints import constrained_beam_search
+
+    model = _model()
+    with torch.no_grad():
+        for layer in model.decoder_layers:
+            layer.ffn.fc2.weight.fill_(1e38)  # finite; its products overflow to inf
+    src = _pad(_sources(3))
+    run = {"beam": lambda: beam_search(model, src, beam_size=3),
+           "greedy": lambda: greedy_search(model, src),
+           "sampling": lambda: sample_search(model, src, nbest=2,
+                                             generator=torch.Generator().manual_seed(0)),
+           "constrained": lambda: constrained_beam_search(model, src, [[[5]]] * 3, beam_size=3)}
+    with pytest.raises(FloatingPointError, match="^the model's scores are not numbers \\(NaN\\)"):
+        run[search]()
+
+
 def test_ensemble_of_copies_equals_the_model_and_mixes_log_probs():
     model, other, srcs = _model(0), _model(1, d_model=16, ffn_dim=32, heads=2), _sources()
     single = beam_search(model, _pad(srcs), beam_size=3, nbest=3)

@@ -173,7 +173,10 @@ def test_a_group_set_to_nothing_is_one_line_naming_it(override, monkeypatch):
     ("data.extra_valid=[test,test]", r"data.extra_valid\[1\]='test' is named twice"),
     ("data.extra_valid=['']", r"data.extra_valid\[0\]='' is empty"),
     ("data.valid=''", "data.valid is empty: name a split"),
-    ("model.max_positions=0", "model.max_positions must be at least 1, got 0"),
+    ("model.max_positions=1", "model.max_positions must be at least 2, got 1"),
+    # no pair is ever kept (longer / shorter >= 1); said only after the tokenizer and encoding
+    ("data.filter.max_ratio=0.5", r"data.filter.max_ratio must be 0 \(off\) or at least 1 "
+     r"\(the longer side over the shorter\), got 0.5"),
     ("data.tokenizer.vocab_size=0", "data.tokenizer.vocab_size must be at least 1, got 0"),
     ("data.tokenizer.character_coverage=0.97",
      r"data.tokenizer.character_coverage must be in \[0.98, 1\], got 0.97"),
@@ -1290,7 +1293,7 @@ def test_a_bad_line_in_the_corpus_is_one_line_not_a_hang(tmp_path, corpus_dir, t
     ("data.test=tst", "tst.en: no such file"), ("data.valid=tst", "tst.en: no such file"),
     ("data.extra_valid=[test,tst]", "tst.en: no such file"),
     ("model.norm=Pre", "model.norm must be post or pre, got 'Pre'"),
-    ("trainer.lenpen=inf", "trainer.lenpen must be finite, got inf")])
+    ("trainer.lenpen=inf", "trainer.lenpen must be at most 10, got inf")])
 def test_a_mistake_found_late_fails_before_training(tmp_path, corpus_dir, tokenizer_dir,
                                                     override, message):
     """The test split is read after the last step: a typo in data.test cost the whole run; the

@@ -519,8 +519,26 @@ def test_out_of_memory_is_one_line_that_says_what_to_lower(models, tmp_path, mon
     with pytest.raises(SystemExit) as err:
         main(["-m", models["a"], "-i", str(src), "-o", str(out), "--batch-tokens", "512", *FAST])
     assert str(err.value) == ("translate: out of memory: a smaller --batch-tokens (now 512) or "
-                              f"fewer --workers; {out} not written")
+                              f"--beam (now 5), or fewer --workers; {out} not written")
     assert not out.exists() and list(tmp_path.iterdir()) == [src]
+
+
+def test_scores_that_are_not_numbers_are_one_line_and_write_nothing(models, tmp_path):
+    """A model whose activations overflow (finite weights, as a float16 model's can): beam search
+    finished no hypothesis, and translate wrote no line at all and exited 0."""
+    state = torch.load(models["a"], weights_only=False)
+    for name, value in state["model"].items():
+        if name.startswith("decoder_layers") and name.endswith(".ffn.fc2.weight"):
+            value.fill_(1e38)  # finite; the products overflow
+    torch.save(state, tmp_path / "big.pt")
+    src, out = _write(tmp_path / "in.txt", ["the dog", "", "a cat"]), tmp_path / "out.txt"
+    for extra in ([], ["--beam", "1"], ["--sampling"]):
+        with pytest.raises(SystemExit) as err:
+            main(["-m", str(tmp_path / "big.pt"), "-i", src, "-o", str(out), *extra, *FAST])
+        assert str(err.value) == ("translate: the model's scores are not numbers (NaN): an "
+                                  "activation overflowed, as float16's can; --dtype bfloat16 or "
+                                  f"float32 keeps them finite; {out} not written")
+        assert not out.exists()
 
 
 def _stdin(monkeypatch, data: bytes) -> None:
@@ -1135,14 +1153,29 @@ def test_mbr_prints_the_choice_among_the_searchs_candidates(models, tmp_path, ca
     (["--max-len-a", "nan"], "--max-len-a and --max-len-b must be at least 0, got nan"),
     (["--sampling", "--temperature", "inf"], "--temperature must be positive and finite"),
     (["--sampling", "--temperature", "nan"], "--temperature must be positive and finite"),
-    (["--lenpen", "nan"], "--lenpen must be a finite number, got nan"),
-    (["--lenpen", "inf"], "--lenpen must be a finite number"),
+    (["--lenpen", "nan"], "--lenpen must be a number between -10 and 10 \\(GNMT's alpha; "
+                          "0.6-1 is usual\\), got nan"),
+    (["--lenpen", "inf"], "--lenpen must be a number between -10 and 10"),
+    # past the bound, the penalty overflowed: an OverflowError traceback
+    (["--lenpen", "1000"], "--lenpen must be a number between -10 and 10"),
+    (["--beam", str(2**62)], f"--beam must be at most {2**31 - 1}, got {2**62}"),
+    (["--sampling", "--top-k", str(10**20)], "--top-k must be at most"),
     (["--sampling", "--seed", str(2 ** 64)], "--seed must be within -2\\*\\*63 and 2\\*\\*64")])
 def test_search_options_out_of_range_are_one_line_errors(models, tmp_path, bad, message):
     path = _write(tmp_path / "in.txt", ["a dog"])
     bad = [models["a"] if b == "SAME" else b for b in bad]
     with pytest.raises(SystemExit, match=f"^translate: {message}"):
         main(["-m", models["a"], "-i", path, *bad])
+
+
+def test_a_count_past_what_torch_and_islice_hold_is_a_usage_error(models, tmp_path, capsys):
+    """--chunk-lines 10**20 passed argparse and failed in itertools.islice, a traceback."""
+    path = _write(tmp_path / "in.txt", ["a dog"])
+    with pytest.raises(SystemExit) as err:
+        main(["-m", models["a"], "-i", path, "--chunk-lines", str(10**20)])
+    assert err.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"argument --chunk-lines: must be at most {2**31 - 1}, got {10**20}")
 
 
 def test_a_budget_past_the_model_maximum_is_the_model_maximum(models, tmp_path, capsys):
@@ -1153,7 +1186,7 @@ def test_a_budget_past_the_model_maximum_is_the_model_maximum(models, tmp_path, 
     want = _run([*base, "--max-len-a", "0", "--max-len-b", "1000"], capsys)
     assert len(want) == 2 and all(want)  # the bug: empty lines
     for budget in (["--max-len-a", "inf"], ["--max-len-a", "1e19"],
-                   ["--max-len-b", str(10 ** 19)]):
+                   ["--max-len-b", str(10 ** 19)], ["--max-len-b", str(10 ** 20)]):
         assert _run([*base, *budget], capsys) == want, budget
 
 
