@@ -151,6 +151,9 @@ def resolve(path: str | os.PathLike) -> Path:
             return candidate
     if p.is_dir():
         raise FileNotFoundError(f"{p}: no checkpoint in it (looked for best.pt, last.pt)")
+    if p.exists():  # /dev/null, a FIFO: there, but no file a checkpoint can be read from
+        raise FileNotFoundError(f"{p}: not a regular file; give a checkpoint file or a run "
+                                "directory")
     raise FileNotFoundError(f"{p}: no such model file or run directory")
 
 

@@ -25,7 +25,6 @@ The rewritten source model gets the same from SentencePiece itself, so that ``tr
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -36,6 +35,7 @@ from torch import Tensor
 from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ModelConfig
 from mt.export import HF_ACTIVATIONS, LANGUAGE_CODE, SPECIAL_PIECES, marian_names
 from mt.model import Transformer, build_model
+from mt.textio import json_object
 from mt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,10 +58,7 @@ class _Entries(dict):
 
 
 def _read_json(path: Path) -> _Entries:
-    try:
-        return _Entries(json.loads(path.read_text(encoding="utf-8")), path)
-    except (ValueError, AttributeError) as err:  # not JSON, or JSON but not an object
-        raise ValueError(f"{path}: not a JSON object ({err})") from None
+    return _Entries(json_object(path), path)
 
 
 def _read_hf_weights(directory: Path) -> _Entries:

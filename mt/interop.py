@@ -160,6 +160,11 @@ def import_main(argv: list[str] | None = None) -> None:
     # would otherwise overwrite the very weights being imported).
     from mt.import_hf import READS
 
+    if not Path(args.dir).is_dir():  # a hub name most often: said so, not a missing config.json
+        sys.exit(f"mt-import: {args.dir}: " + (
+            "is a file, not a Marian model folder" if Path(args.dir).exists() else
+            "no such folder; mt-import reads a Marian model folder that is on disk (a hub name: "
+            f"download it first, e.g. huggingface-cli download {args.dir} --local-dir DIR)"))
     reads = [Path(args.dir) / name for name in READS]
     if mistake := output_mistake("--out", args.out, args.force, reads,
                                  read_as=f"a file of {args.dir} that it imports",

@@ -345,6 +345,20 @@ def fill_closed_descriptors(quiet_stdout: bool = False) -> None:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
 
 
+def json_object(path: Path) -> dict:
+    """The JSON object in ``path``; ValueError naming the file for text that is not JSON, or
+    JSON that is not an object (a damaged or hand-edited file)."""
+    import json
+
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:  # UnicodeDecodeError too
+        raise ValueError(f"{path}: not a JSON object ({first_line(err)})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not a JSON object (a JSON {type(value).__name__})")
+    return value
+
+
 def first_line(err: BaseException) -> str:
     """An exception's message for a one-line error: its first line (libraries put tracebacks of
     their own, C++ ones included, below it), or its type's name when it says nothing."""

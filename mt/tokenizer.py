@@ -45,7 +45,7 @@ from mt.config import (
     check_tokenizer,
     is_user_symbol,
 )
-from mt.textio import replace_file
+from mt.textio import first_line, json_object, replace_file
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,17 @@ class Boundaries:
     closes: list[bool]
     unspaced: list[bool]
     inside: list[bool]
+
+
+def _proto(path: Path) -> bytes:
+    """The SentencePiece model in ``path``, checked to parse: SentencePiece's own error is a
+    RuntimeError naming its C++ source line, not the file."""
+    proto = path.read_bytes()
+    try:
+        spm.SentencePieceProcessor(model_proto=proto)
+    except RuntimeError as err:
+        raise ValueError(f"{path}: not a SentencePiece model ({first_line(err)})") from None
+    return proto
 
 
 class Tokenizer:
@@ -169,10 +180,10 @@ class Tokenizer:
     def load(cls, directory: str | os.PathLike) -> Tokenizer:
         directory = Path(directory)
         if (directory / "spm.model").exists():
-            return cls((directory / "spm.model").read_bytes())
+            return cls(_proto(directory / "spm.model"))
         if (directory / "src.model").exists() and (directory / "tgt.model").exists():
-            return cls((directory / "src.model").read_bytes(),
-                       (directory / "tgt.model").read_bytes())
+            src = _proto(directory / "src.model")
+            return cls(src, _proto(directory / "tgt.model"))
         raise FileNotFoundError(
             f"{directory}: no SentencePiece model (expected spm.model, or src.model and tgt.model)"
         )
@@ -377,7 +388,7 @@ def load_or_train(
     directory = Path(directory)
     wanted = {"config": dataclasses.asdict(cfg), "seed": seed}
     if (directory / META_FILE).exists():
-        made = json.loads((directory / META_FILE).read_text()).get("config")
+        made = json_object(directory / META_FILE).get("config")
         check_spelling(made, cfg, directory)
         made = made or {}
         # path says where the tokenizer lives, not how it was made: pointing at it is no change;

@@ -44,8 +44,9 @@ read -r pair beam_size lenpen device <<< "$(python -c "
 import sys, torch, yaml
 cfg = yaml.safe_load(open(sys.argv[1]))
 d, t = cfg['data'], cfg['trainer']
-gpu = t['device'] == 'cuda' or (t['device'] == 'auto' and torch.cuda.is_available())
-print(d['src_lang'] + '-' + d['tgt_lang'], t['beam_size'], t['lenpen'], 'cuda' if gpu else 'cpu')" "${runs[0]}/.hydra/config.yaml")"
+dev = str(t['device'])  # cuda:1 evaluates on cuda:1 (it read as the CPU)
+dev = dev if dev.startswith('cuda') else 'cuda' if dev == 'auto' and torch.cuda.is_available() else 'cpu'
+print(d['src_lang'] + '-' + d['tgt_lang'], t['beam_size'], t['lenpen'], dev)" "${runs[0]}/.hydra/config.yaml")"
 
 systems=()
 for dir in "${runs[@]}"; do

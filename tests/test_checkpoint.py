@@ -390,3 +390,12 @@ def test_running_out_of_memory_while_loading_is_not_called_a_bad_checkpoint(tmp_
     monkeypatch.setattr(torch, "load", load)
     with pytest.raises(ValueError, match=f"^{path}: out of memory while loading it$"):
         checkpoint.load(path)
+
+
+def test_a_model_path_that_is_no_regular_file_is_said_so(tmp_path):
+    """``-m /dev/null`` said "no such model file or run directory" of a path that exists."""
+    with pytest.raises(FileNotFoundError, match="^/dev/null: not a regular file; give a "
+                                                "checkpoint file or a run directory$"):
+        checkpoint.resolve("/dev/null")
+    with pytest.raises(FileNotFoundError, match="no such model file or run directory$"):
+        checkpoint.resolve(tmp_path / "gone.pt")

@@ -594,6 +594,19 @@ def test_a_damaged_marian_directory_is_one_line_naming_the_file(tmp_path, corpus
         assert "\n" not in message
 
 
+def test_import_of_a_file_or_a_hub_name_says_it_reads_a_folder(tmp_path):
+    """A file was a NotADirectoryError traceback; a hub name (or a missing folder) said
+    "No such file or directory: 'Helsinki-NLP/opus-mt-en-de/config.json'", a file never given."""
+    (tmp_path / "train.en").write_text("a line\n")
+    for given, said in [(str(tmp_path / "train.en"), "is a file, not a Marian model folder"),
+                        ("Helsinki-NLP/opus-mt-en-de", "no such folder; mt-import reads a Marian "
+                         "model folder that is on disk (a hub name: download it first, e.g. "
+                         "huggingface-cli download Helsinki-NLP/opus-mt-en-de --local-dir DIR)")]:
+        with pytest.raises(SystemExit) as err:
+            import_main(["--from", "hf", given, "--out", str(tmp_path / "x.pt")])
+        assert str(err.value) == f"mt-import: {given}: {said}"
+
+
 def test_import_rejects_other_architectures(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bart"}))
     with pytest.raises(SystemExit) as err:
