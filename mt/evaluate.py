@@ -357,13 +357,12 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
     try:
         hyps, speed = translate_test(model, tokenizer, sources, opts, shortlist,
                                      replace_unk=args.replace_unk, layer=args.alignment_layer)
-    except (WorkerDied, MemoryError, RuntimeError) as err:  # WorkerDied: the OOM killer, mostly
-        if not isinstance(err, WorkerDied) and not out_of_memory(err):
+    # WorkerDied: the OOM killer, mostly; FloatingPointError: NaN scores (search.NOT_A_NUMBER)
+    except (WorkerDied, FloatingPointError, MemoryError, RuntimeError) as err:
+        if not isinstance(err, WorkerDied | FloatingPointError) and not out_of_memory(err):
             raise
-        said = err if isinstance(err, WorkerDied) else out_of_memory_said(args)
+        said = err if isinstance(err, WorkerDied | FloatingPointError) else out_of_memory_said(args)
         raise EvalError(f"-m {system.path}, {test.name}: {said}") from None
-    except FloatingPointError as err:  # NaN scores (mt.search.NOT_A_NUMBER)
-        raise EvalError(f"-m {system.path}, {test.name}: {err}") from None
     speed.update(search=asdict(opts), device=args.device, dtype=args.dtype)
     log.info("%s: %.1f s, %.0f tokens/s", system.name, speed["decode_seconds"],
              speed["tokens_per_second"])

@@ -357,17 +357,14 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
         raise _Interrupted(getattr(err, "signal", signal.SIGINT)) from None
     except BrokenPipeError:  # the reader left (`translate ... | head`): stop without a traceback
         raise reader_left() from None
-    except (WorkerDied, MemoryError, RuntimeError) as err:  # WorkerDied: the OOM killer, mostly
-        if not isinstance(err, WorkerDied) and not out_of_memory(err):
+    # WorkerDied: the OOM killer, mostly; FloatingPointError: NaN scores (search.NOT_A_NUMBER)
+    except (WorkerDied, FloatingPointError, MemoryError, RuntimeError) as err:
+        if not isinstance(err, WorkerDied | FloatingPointError) and not out_of_memory(err):
             raise
-        said = err if isinstance(err, WorkerDied) else out_of_memory_said(args)
+        said = err if isinstance(err, WorkerDied | FloatingPointError) else out_of_memory_said(args)
         where = (f"; {args.output} not written" if args.output is not None
                  else f" ({done} lines written before it)" if done else "")
         raise SystemExit(f"translate: {said}{where}") from None
-    except FloatingPointError as err:  # NaN scores (mt.search.NOT_A_NUMBER)
-        where = (f"; {args.output} not written" if args.output is not None
-                 else f" ({done} lines written before it)" if done else "")
-        raise SystemExit(f"translate: {err}{where}") from None
     except OSError as err:  # writing failed (a full disk); the partial file is gone
         raise SystemExit(f"translate: {args.output or '<stdout>'}: cannot write "
                          f"({err.strerror})") from None

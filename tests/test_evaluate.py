@@ -621,6 +621,25 @@ def test_out_of_memory_while_translating_is_one_line(tmp_path, monkeypatch):
                               "--batch-tokens (now 300) or --beam (now 5), or fewer --workers")
 
 
+def test_scores_that_are_not_numbers_while_translating_are_one_line(tmp_path):
+    """A model whose activations overflow (finite weights): beam search finished nothing and the
+    empty n-best lists were an IndexError traceback, after the model had loaded."""
+    import torch
+
+    src_file, ref_file = _tiny_model_and_test_set(tmp_path)
+    model = str(tmp_path / "m.pt")
+    state = torch.load(model, weights_only=False)
+    for name, value in state["model"].items():
+        if name.startswith("decoder_layers") and name.endswith(".ffn.fc2.weight"):
+            value.fill_(1e38)
+    torch.save(state, model)
+    with pytest.raises(SystemExit) as err:
+        main(["-m", model, "--src", src_file, "--ref", ref_file])
+    assert str(err.value) == (f"mt-eval: -m {model}, {ref_file}: the model's scores are not "
+                              "numbers (NaN): an activation overflowed, as float16's can; --dtype "
+                              "bfloat16 or float32 keeps them finite")
+
+
 def test_bfloat16_evaluation_scores_what_translate_writes(tmp_path, capsys):
     from mt.translate import main as translate_main
 
