@@ -215,8 +215,12 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
         except InputError as err:
             print(f"translate: {err}", file=sys.stderr)
             continue
-        results = search_lines(model, tokenizer, [line], opts, shortlist=shortlist,
-                               generator=generator)
+        try:
+            results = search_lines(model, tokenizer, [line], opts, shortlist=shortlist,
+                                   generator=generator)
+        except FloatingPointError as err:  # NaN scores (search.NOT_A_NUMBER): this line only
+            print(f"translate: {err}", file=sys.stderr)
+            continue
         fields = _fields(model, tokenizer, results, args)
         for text in _format(lineno - 1, _texts(model, tokenizer, results, args)[0], fields[0],
                             args.nbest):
