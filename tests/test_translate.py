@@ -596,7 +596,7 @@ def test_stdout_appended_to_the_input_is_refused_before_any_work(models, tmp_pat
     file grew to 36 lines in 40 s with --chunk-lines 1). Refused, the file left alone."""
     src = _write(tmp_path / "in.txt", ["the dog", "a cat"])
     args = {"-i": f"-i {src}", "stdin": f"< {src}", "-o /dev/stdout": f"-i {src} -o /dev/stdout"}
-    proc = subprocess.run(f"{sys.executable} -m mt.translate -m {models['a']} {args[how]} "
+    proc = subprocess.run(f"exec {sys.executable} -m mt.translate -m {models['a']} {args[how]} "
                           f"--chunk-lines 1 {' '.join(FAST)} >> {src}", shell=True,
                           capture_output=True, text=True, timeout=60)
     name = "input (stdin) file" if how == "stdin" else f"-i file ({src})"
