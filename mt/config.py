@@ -477,10 +477,12 @@ def check_tokenizer(tok: TokenizerConfig) -> None:
     if tok.model_type not in ("unigram", "bpe"):
         raise ValueError("data.tokenizer.model_type must be unigram or bpe, got "
                          f"{tok.model_type!r}")
-    for key, value in (("vocab_size", tok.vocab_size),
-                       ("input_sentence_size", tok.input_sentence_size)):
-        if value < 1:
-            raise ValueError(f"data.tokenizer.{key} must be at least 1, got {value}")
+    if tok.vocab_size < 5:  # 1 to 3 failed inside SentencePiece as it placed the special ids
+        raise ValueError(f"data.tokenizer.vocab_size must be at least 5 (4 special ids and a "
+                         f"piece of text), got {tok.vocab_size}")
+    if tok.input_sentence_size < 1:
+        raise ValueError(f"data.tokenizer.input_sentence_size must be at least 1, got "
+                         f"{tok.input_sentence_size}")
     if not 0.98 <= tok.character_coverage <= 1:  # SentencePiece's own range
         raise ValueError("data.tokenizer.character_coverage must be in [0.98, 1], got "
                          f"{tok.character_coverage}")

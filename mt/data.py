@@ -314,10 +314,27 @@ def check_hub_splits(cfg: DataConfig, wanted: dict[str, list[str]]) -> None:
                                  f"{split!r}")
 
 
+def _check_split_names(key: str, value: str, local: bool) -> None:
+    """Refuses an empty part of ``a+b`` (``valid+`` looked for ``.en`` in the folder above
+    data.dir) and, for local files, a name with a folder in it (``sub/test``: "Invalid name")."""
+    parts = value.split("+")
+    if len(parts) > 1 and not all(parts):
+        raise ValueError(f"{key}={value}: an empty split name; join split names with '+', e.g. "
+                         "train+extra")
+    if local and any("/" in p or "\\" in p for p in parts):
+        raise ValueError(f"{key}={value}: a split is a file name in data.dir, without a folder; "
+                         "set data.dir to the folder")
+
+
 def check_splits(cfg: DataConfig, *, test: bool) -> None:
     """Refuses a mistake in a split that data.valid, data.extra_valid, (``test``) data.test or,
     from the hub, data.train names, at the start of a run: not after the tokenizer, the
     encoding or the training."""
+    named = [("data.train", cfg.train), ("data.valid", cfg.valid),
+             *((f"data.extra_valid[{i}]", v) for i, v in enumerate(cfg.extra_valid)),
+             *([("data.test", cfg.test)] if test and cfg.test else [])]
+    for key, value in named:
+        _check_split_names(key, value, local=cfg.source == "files")
     tested = cfg.test.split("+") if test and cfg.test else []
     valid = "+".join([cfg.valid, *cfg.extra_valid]).split("+")
     if cfg.source == "files":

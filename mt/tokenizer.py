@@ -216,7 +216,8 @@ def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
     # With the '▁' that SentencePiece puts before every word, a symbol at a sentence's start (where
     # data.tag goes) is one piece, and the first. The sample may hold tagged sources: a user
     # symbol is cut out of the text before pieces are learned, so it bends no other piece.
-    symbols = {"user_defined_symbols": ["\u2581" + u for u in user_symbols]} if user_symbols else {}
+    symbols = ({"user_defined_symbols": ["\u2581" + u for u in dict.fromkeys(user_symbols)]}
+               if user_symbols else {})  # (a symbol given twice is one: SentencePiece refused it)
     model = io.BytesIO()
     spm.set_random_generator_seed(seed)  # SentencePiece's own sampling, for reproducible models
     try:
@@ -233,6 +234,10 @@ def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
             # of failing (SentencePiece picks the largest size it can; valid for unigram and bpe).
             hard_vocab_limit=False,
             input_sentence_size=0,  # all of them: we sampled already
+            # Every sampled line, however long: past max_sentence_length (4,192 bytes by
+            # default) SentencePiece skips a line without a word, and characters found only in
+            # long lines (a document-level corpus) got no piece.
+            max_sentence_length=max(4192, *(len(s.encode("utf-8")) + 1 for s in sentences)),
             num_threads=os.cpu_count() or 1,
             minloglevel=2,
             **symbols,

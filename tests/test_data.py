@@ -4,6 +4,7 @@ import gzip
 import json
 import os
 import random
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before datasets is imported: never wait on a network
 
@@ -105,6 +106,25 @@ def test_splits_joined_by_plus_are_concatenated_in_order(tmp_path):
         load_split(_cfg(tmp_path / "d"), "train+", cache_dir=cache)
     with pytest.raises(FileNotFoundError, match="missing.en"):
         load_split(_cfg(tmp_path / "d"), "train+missing", cache_dir=cache)
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("valid", "valid+", "data.valid=valid+: an empty split name; join split names with '+'"),
+    ("test", "+test", "data.test=+test: an empty split name"),
+    ("extra_valid", ["valid+"], "data.extra_valid[0]=valid+: an empty split name"),
+    ("test", "sub/test", "data.test=sub/test: a split is a file name in data.dir, without a "
+                         "folder; set data.dir to the folder")])
+def test_a_split_name_with_an_empty_part_or_a_folder_is_refused_naming_the_key(tmp_path, key,
+                                                                               value, said):
+    """``data.valid=valid+`` read ``.en`` and ``.de`` from the folder above data.dir (or said
+    that they were missing there); ``data.test=sub/test`` was "Invalid name 'sub/test.en'"."""
+    from mt.data import check_splits
+
+    for split in ("train", "valid", "test"):
+        _write_split(tmp_path / "d", "text", split, PAIRS)
+    with pytest.raises(ValueError, match=f"^{re.escape(said)}"):
+        check_splits(_cfg(tmp_path / "d", **{key: value}), test=True)
+    check_splits(_cfg(tmp_path / "d"), test=True)  # the same folder with good names
 
 
 def test_hub_style_datasets_load_the_same_pairs(tmp_path):

@@ -149,6 +149,25 @@ def test_a_damaged_reused_tokenizer_is_one_line_naming_its_file(tmp_path, damage
     assert "\n" not in str(err.value)
 
 
+def test_lines_longer_than_sentencepieces_default_limit_are_learned_from():
+    """SentencePiece skips, without a word, every sentence over its max_sentence_length (4,192
+    bytes by default): characters found only in long lines (a document-level corpus) got no
+    piece and came out as <unk>, and a corpus of long lines only failed inside SentencePiece."""
+    long = [" ".join(["straße grün über"] * 300)] * 20  # 5,999 bytes each: ß, ü only here
+    tok = train_tokenizer(SRC[:50], long, TokenizerConfig(vocab_size=120), seed=1)
+    ids = tok.encode_tgt(["straße grün über"])[0]
+    assert UNK_ID not in ids and tok.decode_tgt([ids]) == ["straße grün über"]
+    only_long = train_tokenizer(long, long, TokenizerConfig(vocab_size=60), seed=1)
+    assert UNK_ID not in only_long.encode_src(["grün"])[0]
+
+
+def test_a_user_symbol_given_twice_is_one_piece():
+    """SentencePiece refused a repeated user symbol with a traceback ("is already defined")."""
+    tok = train_tokenizer(SRC, TGT, TokenizerConfig(vocab_size=100, user_symbols=["<X>", "<X>"]),
+                          seed=1)
+    assert tok.encode_src(["<X> the house"])[0][0] == tok.src.piece_to_id("\u2581<X>")
+
+
 def test_special_ids_are_checked():
     import io
 

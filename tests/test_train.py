@@ -177,7 +177,9 @@ def test_a_group_set_to_nothing_is_one_line_naming_it(override, monkeypatch):
     # no pair is ever kept (longer / shorter >= 1); said only after the tokenizer and encoding
     ("data.filter.max_ratio=0.5", r"data.filter.max_ratio must be 0 \(off\) or at least 1 "
      r"\(the longer side over the shorter\), got 0.5"),
-    ("data.tokenizer.vocab_size=0", "data.tokenizer.vocab_size must be at least 1, got 0"),
+    ("data.tokenizer.vocab_size=0", "data.tokenizer.vocab_size must be at least 5 "),
+    ("data.tokenizer.vocab_size=3", r"data.tokenizer.vocab_size must be at least 5 \(4 special "
+     r"ids and a piece of text\), got 3"),
     ("data.tokenizer.character_coverage=0.97",
      r"data.tokenizer.character_coverage must be in \[0.98, 1\], got 0.97"),
     ("data.tokenizer.model_type=char", "data.tokenizer.model_type must be unigram or bpe"),
