@@ -383,6 +383,11 @@ def _load_hub(cfg: DataConfig, split: str, cache_dir: str | None):
     if missing:
         raise ValueError(f"{name} split {split!r} has columns {ds.column_names}, not {missing}: "
                          "check data.src_lang and data.tgt_lang")
+    for col in (s_col, t_col):  # numbers or lists: a traceback in the tokenizer or at validation
+        feature = ds.features[col]
+        kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__
+        if kind not in ("string", "large_string"):
+            raise DataError(f"{name} split {split!r} column {col!r} holds {kind}, not text")
     ds = ds.select_columns([s_col, t_col]).rename_columns({s_col: "src", t_col: "tgt"})
     for col, lang in (("src", s), ("tgt", t)):  # a missing value; Arrow keeps their count
         column = ds.data.column(col)

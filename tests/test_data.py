@@ -169,6 +169,19 @@ def test_a_missing_value_in_a_hub_dataset_names_its_split_and_row(tmp_path, layo
         load_split(cfg, "test")
 
 
+@pytest.mark.parametrize("values, kind", [([1, 2, 3, 4], "int64"), ([["a"], ["b"], ["c"], ["d"]],
+                                                                    "List")])
+def test_a_hub_column_that_is_not_text_names_its_split_and_column(tmp_path, values, kind):
+    """Numbers in a language's column passed the load and failed later with a traceback: in
+    the tokenizer's sample ('int' object has no attribute 'strip'), or, in the valid split
+    only, at the first validation, after the first stretch of training."""
+    rows = {"en": ["a b", "c d", "e f", "g h"], "de": values}
+    datasets.DatasetDict({"valid": datasets.Dataset.from_dict(rows)}).save_to_disk(tmp_path / "d")
+    cfg = DataConfig(source="hub", hub_name=str(tmp_path / "d"), src_lang="en", tgt_lang="de")
+    with pytest.raises(DataError, match=f"split 'valid' column 'de' holds {kind}, not text$"):
+        load_split(cfg, "valid")
+
+
 @pytest.mark.skipif(not datasets.config.HF_HUB_OFFLINE, reason="needs HF_HUB_OFFLINE=1")
 def test_hub_offline_fails_with_one_clear_sentence():
     cfg = DataConfig(source="hub", hub_name="wmt/wmt14", hub_config="de-en", src_lang="en",
