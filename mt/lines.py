@@ -382,14 +382,16 @@ def nbest_texts(model, tokenizer, results: list[LineResult], replace_unk: bool =
             for line, nbest in zip(texts, nbests, strict=True)]
 
 
-def best_translations(model, tokenizer, lines: list[str], opts: SearchOptions, *,
+def best_translations(model, tokenizer, lines: list[str], opts: SearchOptions | None = None, *,
                       constraints: list[list[str]] | None = None,
                       shortlist: Shortlist | None = None, replace_unk: bool = False,
                       layer: int | None = None) -> list[str]:
     """Each line's best translation (the first of its ``translate_lines`` n-best), searched under
     ``torch.inference_mode``: what validation, the final test and ``mt-eval`` score.
     ``replace_unk``: each <unk> copied from the source, as ``translate --replace-unk`` (reading
-    the cross-attention of decoder ``layer``)."""
+    the cross-attention of decoder ``layer``). ``opts``: None for the defaults, as
+    ``translate_lines``."""
+    opts = opts or SearchOptions()
     with torch.inference_mode():
         results = search_lines(model, tokenizer, lines, opts, constraints=constraints,
                                shortlist=shortlist)

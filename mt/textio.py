@@ -315,10 +315,18 @@ def text_list(lines: Iterable[str], name: str) -> list[str]:
     SentencePiece: both are a TypeError naming the argument."""
     if isinstance(lines, str):
         raise TypeError(f"{name}: a list of strings, not one string (give [{name}])")
+    if not isinstance(lines, Iterable):
+        raise TypeError(f"{name}: a list of strings, not {type(lines).__name__}")
     lines = list(lines)
     for i, line in enumerate(lines):
         if not isinstance(line, str):
             raise TypeError(f"{name}[{i}] is {type(line).__name__}, not str")
+        try:  # a lone surrogate ("\ud800", from a bad decode) failed inside SentencePiece
+            line.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"{name}[{i}] holds a lone surrogate ({line[err.start]!r} at "
+                            f"character {err.start}), which is no text: decode its bytes with "
+                            "errors='replace'") from None
     return lines
 
 

@@ -37,6 +37,7 @@ from mt.inference import (
     prepare_model,
 )
 from mt.kvcache import KVCache
+from mt.lines import best_translations
 from mt.model import build_model
 from mt.scoring import cross_attention
 from mt.search import NOT_A_NUMBER
@@ -1493,6 +1494,13 @@ def test_the_python_api_refuses_what_it_would_misread(models):
         translate_lines(model, tok, "a line", opts)
     with pytest.raises(TypeError, match=r"lines\[1\] is int, not str"):
         translate_lines(model, tok, ["a line", 3], opts)
+    with pytest.raises(TypeError, match="^lines: a list of strings, not NoneType$"):  # iterating
+        translate_lines(model, tok, None, opts)
+    with pytest.raises(ValueError, match=r"^lines\[1\] holds a lone surrogate \('\\ud800' at "
+                                         "character 1\\)"):  # SentencePiece's TypeError
+        translate_lines(model, tok, ["a line", "a\ud800b"], opts)
+    assert best_translations(model, tok, lines, None) == [  # AttributeError on None.mbr
+        n[0][0] for n in translate_lines(model, tok, lines, None)]
     with pytest.raises(TypeError, match="targets: a list of strings"):
         score_lines(model, tok, ["a line"], "a line")
     with pytest.raises(TypeError, match="hypotheses: a list of strings"):
