@@ -409,8 +409,12 @@ class Trainer:
             batches = self.corpus.batches(t.max_tokens, t.seed, self.epoch)
             steps_in_epoch = len(batches) // per_step
             if steps_in_epoch == 0:
-                raise ValueError(f"one epoch has {len(batches)} batches, fewer than "
-                                 f"trainer.accumulation x processes = {per_step}")
+                shrunk = {s: f for s, f in self.cfg.data.upsample.items() if f < 1}
+                why = (f" (data.upsample {', '.join(f'{s}={f:g}' for s, f in shrunk.items())} "
+                       "draws a share of its pairs per epoch, at random: here too few)"
+                       if shrunk else "")
+                raise ValueError(f"epoch {self.epoch} has {len(batches)} batches, fewer than "
+                                 f"trainer.accumulation x processes = {per_step}{why}")
             while self.step_in_epoch < steps_in_epoch:
                 shares = step_batches(batches, self.step_in_epoch, t.accumulation, self.world)
                 step_tokens = sum(self.corpus.tgt_lens[i] + 1
