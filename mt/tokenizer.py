@@ -210,7 +210,9 @@ def _sample(texts: Iterable[str], size: int, seed: int) -> list[str]:
 
 
 def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
-               user_symbols: Sequence[str] = ()) -> bytes:
+               user_symbols: Sequence[str] = (), side: str = "") -> bytes:
+    """A SentencePiece model of ``sentences``; ``side`` ("source ", "target " for separate
+    vocabularies) names the text whose vocabulary is too small in the error."""
     if not sentences:
         raise ValueError("no non-empty sentence to train SentencePiece on")
     # With the '▁' that SentencePiece puts before every word, a symbol at a sentence's start (where
@@ -249,9 +251,9 @@ def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
         parts = "its characters, 4 special ids" + (", user symbols" if user_symbols else "")
         if cfg.byte_fallback:
             parts += f", {BYTE_PIECES} byte pieces: or set data.tokenizer.byte_fallback=false"
-        raise ValueError(f"data.tokenizer.vocab_size={cfg.vocab_size}: the text needs at least "
-                         f"{need[1]} pieces; raise it or lower data.tokenizer.character_coverage "
-                         f"({parts})") from None
+        raise ValueError(f"data.tokenizer.vocab_size={cfg.vocab_size}: the {side}text needs at "
+                         f"least {need[1]} pieces; raise it or lower "
+                         f"data.tokenizer.character_coverage ({parts})") from None
     return model.getvalue()
 
 
@@ -285,8 +287,9 @@ def train_tokenizer(
     else:
         tok = Tokenizer(  # user symbols mark sources: the target vocabulary has no use for them
             _train_one(_sample(src_texts, cfg.input_sentence_size, seed), cfg, seed,
-                       cfg.user_symbols),
-            _train_one(_sample(tgt_texts, cfg.input_sentence_size, seed), cfg, seed),
+                       cfg.user_symbols, side="source "),
+            _train_one(_sample(tgt_texts, cfg.input_sentence_size, seed), cfg, seed,
+                       side="target "),
         )
     sizes = {tok.src_vocab_size, tok.tgt_vocab_size}
     if min(sizes) < cfg.vocab_size:  # hard_vocab_limit=False shrank it to what the text holds

@@ -94,6 +94,9 @@ def test_bad_values_are_one_line_errors_naming_the_key():
     with pytest.raises(ValueError, match=r"^data.tokenizer.vocab_size=270: the text needs at "
                                          r"least \d+ pieces.*byte_fallback=false\)$"):
         _train(vocab_size=270, byte_fallback=True)
+    with pytest.raises(ValueError, match=r"^data.tokenizer.vocab_size=270: the source text needs "
+                                         r"at least \d+ pieces"):  # separate: which side is said
+        _train(vocab_size=270, byte_fallback=True, joint=False)
     with pytest.raises(ValueError, match="data.tokenizer.normalization"):
         _train(normalization="nfc")
     # case folding would fold the back-translation tag out of its own piece: said before training
