@@ -400,6 +400,8 @@ def check_values(cfg: TrainConfig) -> None:
         for key, value in values.items():
             if not value >= least:  # NaN fails too
                 raise ValueError(f"{key} must be at least {least}, got {value}")
+    if t.beam_size > COUNT_MAX:  # as translate's --beam (else refused in its words, hours in)
+        raise ValueError(f"trainer.beam_size must be at most {COUNT_MAX}, got {t.beam_size}")
     if t.lenpen > MAX_LENPEN:
         raise ValueError(f"trainer.lenpen must be at most {MAX_LENPEN:g}, got {t.lenpen}")
     finite = {"optim.lr": o.lr, "optim.min_lr": o.min_lr}

@@ -36,7 +36,7 @@ from mt.options import (
     add_search_arguments,
     add_worker_arguments,
     flags_mistake,
-    out_of_memory_said,
+    search_failure_said,
     search_options,
     unused_options,
     weights_mistake,
@@ -315,7 +315,6 @@ def _members(path: str) -> list[str]:
 
 def _translate(system: System, test: TestSet, sources: list[str] | None, n: int, loaded: dict,
                args: argparse.Namespace) -> tuple[list[str], dict]:
-    from mt.checkpoint import out_of_memory
     from mt.workers import WorkerDied, default_workers
 
     if sources is None:
@@ -357,11 +356,10 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
     try:
         hyps, speed = translate_test(model, tokenizer, sources, opts, shortlist,
                                      replace_unk=args.replace_unk, layer=args.alignment_layer)
-    # WorkerDied: the OOM killer, mostly; FloatingPointError: NaN scores (search.NOT_A_NUMBER)
     except (WorkerDied, FloatingPointError, MemoryError, RuntimeError) as err:
-        if not isinstance(err, WorkerDied | FloatingPointError) and not out_of_memory(err):
+        said = search_failure_said(err, args)
+        if said is None:
             raise
-        said = err if isinstance(err, WorkerDied | FloatingPointError) else out_of_memory_said(args)
         raise EvalError(f"-m {system.path}, {test.name}: {said}") from None
     speed.update(search=asdict(opts), device=args.device, dtype=args.dtype)
     log.info("%s: %.1f s, %.0f tokens/s", system.name, speed["decode_seconds"],

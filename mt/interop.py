@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import sys
 import tempfile
@@ -160,11 +161,13 @@ def import_main(argv: list[str] | None = None) -> None:
     # would otherwise overwrite the very weights being imported).
     from mt.import_hf import READS
 
-    if not Path(args.dir).is_dir():  # a hub name most often: said so, not a missing config.json
+    if not Path(args.dir).is_dir():  # a hub name often: said so, not a missing config.json
+        hub_name = re.fullmatch(r"[\w.-]+/[\w.-]+", args.dir) is not None
         sys.exit(f"mt-import: {args.dir}: " + (
             "is a file, not a Marian model folder" if Path(args.dir).exists() else
-            "no such folder; mt-import reads a Marian model folder that is on disk (a hub name: "
-            f"download it first, e.g. huggingface-cli download {args.dir} --local-dir DIR)"))
+            "no such folder; mt-import reads a Marian model folder on disk" + (
+                f" (a hub name: download it first, e.g. hf download {args.dir} --local-dir DIR)"
+                if hub_name else "")))
     reads = [Path(args.dir) / name for name in READS]
     if mistake := output_mistake("--out", args.out, args.force, reads,
                                  read_as=f"a file of {args.dir} that it imports",

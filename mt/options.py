@@ -224,9 +224,21 @@ def search_options(args: argparse.Namespace, workers: int) -> SearchOptions:
         processes=not args.worker_threads)
 
 
-def out_of_memory_said(args: argparse.Namespace) -> str:
-    """What translate and mt-eval say when a search runs out of memory: what to lower (a beam
-    multiplies a batch's memory as its tokens do: --beam 100000 ran out at any batch size)."""
+def search_failure_said(err: BaseException, args: argparse.Namespace) -> str | None:
+    """What translate and mt-eval say, in one line, of a search that failed for a reason the
+    user can act on: a worker killed (the out-of-memory killer, mostly), scores that are not
+    numbers (mt.search.NOT_A_NUMBER), out of memory (what to lower: a beam multiplies a batch's
+    memory as its tokens do, so --beam 100000 ran out at any batch size). None for a bug."""
+    from mt.checkpoint import out_of_memory
+    from mt.search import nan_hint
+    from mt.workers import WorkerDied
+
+    if isinstance(err, WorkerDied):
+        return str(err)
+    if isinstance(err, FloatingPointError):
+        return f"{err}{nan_hint(args.dtype)}"
+    if not out_of_memory(err):
+        return None
     beam = f" or --beam (now {args.beam})" if args.beam > 1 and not args.sampling else ""
     return (f"out of memory: a smaller --batch-tokens (now {args.batch_tokens}){beam}, or fewer "
             "--workers")

@@ -64,10 +64,17 @@ class Hypothesis:
 
 
 # What every search raises when the model's scores are NaN: its weights are finite (loading
-# refuses others), so an activation overflowed, as float16's can. A search must not return an
-# empty n-best list (translate would write no line for the sentence) nor tokens picked from NaN.
-NOT_A_NUMBER = ("the model's scores are not numbers (NaN): an activation overflowed, as float16's "
-                "can; --dtype bfloat16 or float32 keeps them finite")
+# refuses others), so an activation overflowed (float16's can; huge weights can in any dtype).
+# A search must not return an empty or short n-best list (translate would write no line for
+# the sentence) nor tokens picked from NaN. Commands add what to change (``nan_hint``).
+NOT_A_NUMBER = "the model's scores are not numbers (NaN): an activation overflowed"
+
+
+def nan_hint(dtype: str) -> str:
+    """What to change after NOT_A_NUMBER, by the dtype the model ran in."""
+    if dtype in ("float16", "fp16"):
+        return "; --dtype bfloat16 or float32 keeps activations finite"
+    return "; the model's weights are likely damaged or diverged (huge values)"
 
 
 def length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
@@ -206,13 +213,12 @@ def _sample(lprobs: Tensor, temperature: float, top_k: int, top_p: float,
         drop = (probs.cumsum(dim=-1) - probs) >= top_p
         drop[..., 0] = False  # even for top_p <= 0 (greedy)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -torch.inf))
+    # A NaN row is drawn from uniformly, not refused: on a GPU, multinomial's check is a
+    # device-side assert that no except can catch. Its NaN log-probability, recorded with the
+    # token, makes greedy_search raise NOT_A_NUMBER at the end.
     probs = logits.softmax(dim=-1)
-    try:
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
-    except RuntimeError:
-        if torch.isnan(probs).any():
-            raise FloatingPointError(NOT_A_NUMBER) from None
-        raise
+    probs = probs.masked_fill(probs.isnan(), 1.0)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 @inference_search
@@ -438,6 +444,9 @@ def beam_search(model, src: Tensor, beam_size: int = 5, lenpen: float = 0.6, nbe
         if exact_stop:
             done |= kept[active, -1] >= cont_scores[:, 0]
         if done.any():
+            # topk ranks NaN first: one NaN beam made a sentence "done" with what it had
+            if torch.isnan(cont_scores[:, 0]).any():  # (a step that waits on the device anyway)
+                raise FloatingPointError(NOT_A_NUMBER)
             keep = (~done).nonzero().squeeze(1)
             if keep.numel() == 0:
                 break

@@ -76,13 +76,15 @@ class Boundaries:
 
 
 def _proto(path: Path) -> bytes:
-    """The SentencePiece model in ``path``, checked to parse: SentencePiece's own error is a
-    RuntimeError naming its C++ source line, not the file."""
+    """The SentencePiece model in ``path``, checked to parse: SentencePiece's own error, a
+    RuntimeError, names its C++ source, not the file (it is kept after the file's name)."""
     proto = path.read_bytes()
     try:
-        spm.SentencePieceProcessor(model_proto=proto)
+        pieces = spm.SentencePieceProcessor(model_proto=proto).get_piece_size()
     except RuntimeError as err:
         raise ValueError(f"{path}: not a SentencePiece model ({first_line(err)})") from None
+    if not pieces:  # an empty file parses, as a model of no pieces
+        raise ValueError(f"{path}: not a SentencePiece model (no pieces; an empty file?)")
     return proto
 
 

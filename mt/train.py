@@ -81,6 +81,9 @@ def _in_words(err: BaseException) -> str | None:
                 if isinstance(err, torch.OutOfMemoryError) else "out of memory")
         return (f"{said}: lower trainer.max_tokens (a larger trainer.accumulation keeps the "
                 "batch as large)")
+    if isinstance(err, FloatingPointError):  # mt.search.NOT_A_NUMBER, in a validation or test
+        return (f"{err} in a validation or the final test: with trainer.precision=fp16, bf16 or "
+                "fp32 keeps activations finite; else the model diverged (lower optim.lr)")
     if isinstance(err, OSError) and err.filename and err.strerror:  # name the file, not errno
         return f"{err.filename}: {err.strerror}"
     return str(err) if isinstance(err, ValueError | OSError | Diverged | PeerFailed) else None

@@ -31,7 +31,6 @@ import torch
 
 from mt import translate_checks as checks
 from mt.alignment import align_lines, layer_mistake, word_scores
-from mt.checkpoint import out_of_memory
 from mt.config import positive_int
 from mt.constraints import encode_phrases, split_phrases
 from mt.incremental import max_positions
@@ -58,7 +57,7 @@ from mt.options import (
     add_device_arguments,
     add_search_arguments,
     add_worker_arguments,
-    out_of_memory_said,
+    search_failure_said,
     search_options,
 )
 from mt.results import LineResult
@@ -219,7 +218,7 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
             results = search_lines(model, tokenizer, [line], opts, shortlist=shortlist,
                                    generator=generator)
         except FloatingPointError as err:  # NaN scores (search.NOT_A_NUMBER): this line only
-            print(f"translate: {err}", file=sys.stderr)
+            print(f"translate: {search_failure_said(err, args)}", file=sys.stderr)
             continue
         fields = _fields(model, tokenizer, results, args)
         for text in _format(lineno - 1, _texts(model, tokenizer, results, args)[0], fields[0],
@@ -361,11 +360,10 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
         raise _Interrupted(getattr(err, "signal", signal.SIGINT)) from None
     except BrokenPipeError:  # the reader left (`translate ... | head`): stop without a traceback
         raise reader_left() from None
-    # WorkerDied: the OOM killer, mostly; FloatingPointError: NaN scores (search.NOT_A_NUMBER)
     except (WorkerDied, FloatingPointError, MemoryError, RuntimeError) as err:
-        if not isinstance(err, WorkerDied | FloatingPointError) and not out_of_memory(err):
+        said = search_failure_said(err, args)
+        if said is None:
             raise
-        said = err if isinstance(err, WorkerDied | FloatingPointError) else out_of_memory_said(args)
         where = (f"; {args.output} not written" if args.output is not None
                  else f" ({done} lines written before it)" if done else "")
         raise SystemExit(f"translate: {said}{where}") from None

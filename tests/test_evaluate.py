@@ -636,8 +636,8 @@ def test_scores_that_are_not_numbers_while_translating_are_one_line(tmp_path):
     with pytest.raises(SystemExit) as err:
         main(["-m", model, "--src", src_file, "--ref", ref_file])
     assert str(err.value) == (f"mt-eval: -m {model}, {ref_file}: the model's scores are not "
-                              "numbers (NaN): an activation overflowed, as float16's can; --dtype "
-                              "bfloat16 or float32 keeps them finite")
+                              "numbers (NaN): an activation overflowed; the model's weights are "
+                              "likely damaged or diverged (huge values)")
 
 
 def test_bfloat16_evaluation_scores_what_translate_writes(tmp_path, capsys):

@@ -600,8 +600,10 @@ def test_import_of_a_file_or_a_hub_name_says_it_reads_a_folder(tmp_path):
     (tmp_path / "train.en").write_text("a line\n")
     for given, said in [(str(tmp_path / "train.en"), "is a file, not a Marian model folder"),
                         ("Helsinki-NLP/opus-mt-en-de", "no such folder; mt-import reads a Marian "
-                         "model folder that is on disk (a hub name: download it first, e.g. "
-                         "huggingface-cli download Helsinki-NLP/opus-mt-en-de --local-dir DIR)")]:
+                         "model folder on disk (a hub name: download it first, e.g. hf download "
+                         "Helsinki-NLP/opus-mt-en-de --local-dir DIR)"),
+                        (str(tmp_path / "a" / "b"), "no such folder; mt-import reads a Marian "
+                         "model folder on disk")]:
         with pytest.raises(SystemExit) as err:
             import_main(["--from", "hf", given, "--out", str(tmp_path / "x.pt")])
         assert str(err.value) == f"mt-import: {given}: {said}"

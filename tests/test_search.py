@@ -520,6 +520,27 @@ def test_scores_that_are_not_numbers_raise_instead_of_an_empty_or_random_result(
         run[search]()
 
 
+@pytest.mark.parametrize("step, rows", [(3, [4]), (3, slice(4, 8))])
+def test_a_beam_whose_scores_turn_nan_midway_raises(monkeypatch, step, rows):
+    """topk ranks NaN first: one NaN beam made its sentence done with the hypotheses finished
+    so far (one of nbest=4 came back), and no error was raised (a review's case)."""
+    import mt.incremental
+
+    model, src = _model(), _pad(_sources(3))
+    original, calls = mt.incremental.Decoder.log_probs, []
+
+    def log_probs(self, tokens):
+        out = original(self, tokens)
+        calls.append(1)
+        if len(calls) == step + 1:
+            out[rows] = float("nan")  # sentence 1's beams are rows 4-7
+        return out
+
+    monkeypatch.setattr(mt.incremental.Decoder, "log_probs", log_probs)
+    with pytest.raises(FloatingPointError, match="^the model's scores are not numbers"):
+        beam_search(model, src, beam_size=4, nbest=4)
+
+
 def test_ensemble_of_copies_equals_the_model_and_mixes_log_probs():
     model, other, srcs = _model(0), _model(1, d_model=16, ffn_dim=32, heads=2), _sources()
     single = beam_search(model, _pad(srcs), beam_size=3, nbest=3)

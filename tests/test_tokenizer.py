@@ -133,14 +133,15 @@ def test_load_or_train_reuses_a_complete_directory(tmp_path, caplog):
     assert calls == [1, 1]
 
 
-@pytest.mark.parametrize("damage", ["spm.model", "json text", "json list"])
+@pytest.mark.parametrize("damage", ["spm.model", "empty spm.model", "json text", "json list"])
 def test_a_damaged_reused_tokenizer_is_one_line_naming_its_file(tmp_path, damage):
     """A reused tokenizer folder (data.tokenizer.path) with a damaged file: SentencePiece's
     RuntimeError and an AttributeError on a JSON list were tracebacks in mt-train, and text that
     is not JSON was "Expecting value: line 1 column 1 (char 0)", naming no file."""
     cfg = TokenizerConfig(vocab_size=100)
     load_or_train(tmp_path / "tok", lambda: (SRC, TGT), cfg, seed=1)
-    file, text = {"spm.model": ("spm.model", "junk\n"), "json text": (META_FILE, "junk\n"),
+    file, text = {"spm.model": ("spm.model", "junk\n"), "empty spm.model": ("spm.model", ""),
+                  "json text": (META_FILE, "junk\n"),
                   "json list": (META_FILE, "[1, 2]\n")}[damage]
     (tmp_path / "tok" / file).write_text(text)
     said = ("not a SentencePiece model" if file == "spm.model" else "not a JSON object")

@@ -178,6 +178,7 @@ def test_a_group_set_to_nothing_is_one_line_naming_it(override, monkeypatch):
     ("data.filter.max_ratio=0.5", r"data.filter.max_ratio must be 0 \(off\) or at least 1 "
      r"\(the longer side over the shorter\), got 0.5"),
     ("data.tokenizer.vocab_size=0", "data.tokenizer.vocab_size must be at least 5 "),
+    ("trainer.beam_size=4611686018427387904", "trainer.beam_size must be at most 2147483647"),
     ("data.tokenizer.vocab_size=3", r"data.tokenizer.vocab_size must be at least 5 \(4 special "
      r"ids and a piece of text\), got 3"),
     ("data.tokenizer.character_coverage=0.97",
@@ -1507,3 +1508,14 @@ def test_an_epoch_too_small_for_a_step_names_the_upsample_that_shrank_it(fit_her
                                          r"trainer.accumulation x processes = 1 \(data.upsample "
                                          r"train=0.001 draws a share of its pairs"):
         fit_here("run", "+data.upsample.train=0.001", "trainer.max_steps=50")
+
+
+def test_scores_that_are_not_numbers_in_a_validation_are_one_line():
+    """A validation or the final test whose scores turned NaN (search.NOT_A_NUMBER) was a
+    traceback that also stopped the rest of a sweep; it is one line with what to change."""
+    from mt.search import NOT_A_NUMBER
+    from mt.train import _in_words
+
+    assert _in_words(FloatingPointError(NOT_A_NUMBER)) == (
+        f"{NOT_A_NUMBER} in a validation or the final test: with trainer.precision=fp16, bf16 "
+        "or fp32 keeps activations finite; else the model diverged (lower optim.lr)")
