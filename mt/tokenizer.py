@@ -241,7 +241,7 @@ def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
             # Every sampled line, however long: past max_sentence_length (4,192 bytes by
             # default) SentencePiece skips a line without a word, and characters found only in
             # long lines (a document-level corpus) got no piece.
-            max_sentence_length=max(4192, *(len(s.encode("utf-8")) + 1 for s in sentences)),
+            max_sentence_length=max(4192, 1 + max(len(s.encode("utf-8")) for s in sentences)),
             num_threads=os.cpu_count() or 1,
             minloglevel=2,
             **symbols,
