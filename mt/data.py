@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from mt.config import DataConfig, TokenizerConfig, is_user_symbol
+from mt.textio import carriage_returns_only
 
 # Part of the text cache's key: bump it when reading changes what a file's lines become (2: a
 # byte-order mark before line 1 is dropped, a blank TSV line is an empty pair), so that a cache
@@ -66,6 +67,8 @@ def _open_text(path: Path):
 
 def _decode(raw: bytes, path: Path, lineno: int) -> str:
     """A line's text; the byte-order mark that Windows editors put before line 1 is no text."""
+    if (mistake := carriage_returns_only(raw, lineno)) is not None:
+        raise DataError(f"{path}:{lineno}: {mistake}")
     try:
         text = raw.decode("utf-8").rstrip("\r\n")
         return text.removeprefix("\ufeff") if lineno == 1 else text

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mt.config import conf_dir
-from mt.textio import first_line
+from mt.textio import carriage_returns_only, first_line
 
 # The mt-eval command's logger: its messages keep one name, whichever module says them.
 log = logging.getLogger("mt.evaluate")
@@ -77,6 +77,8 @@ def read_text(path: str | os.PathLike) -> list[str]:
         raise EvalError(f"{p}: no such file") from None
     except (OSError, EOFError, zlib.error) as err:  # a broken .gz
         raise EvalError(f"{p}: cannot read ({err})") from None
+    if (mistake := carriage_returns_only(data, 1)) is not None:  # no line feed in the file
+        raise EvalError(f"{p}:1: {mistake}")
     lines = data.split(b"\n")
     if lines[-1] == b"":
         lines.pop()  # the final newline ends the last line

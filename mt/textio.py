@@ -29,9 +29,23 @@ class InputError(Exception):
     """A problem with the user's input files: the message names the file and line."""
 
 
+def carriage_returns_only(raw: bytes, lineno: int) -> str | None:
+    """Why a file is not to be read, in words, when its first line read as bytes is the whole
+    file and holds carriage returns inside: its lines end in ``\\r`` alone (old Mac files), and
+    read as one line they would be translated or trained on as one sentence. None otherwise; a
+    ``\\r`` inside one line of a file with line feeds is text (web corpora have them)."""
+    if lineno == 1 and not raw.endswith(b"\n") and b"\r" in raw.rstrip(b"\r"):
+        return ("its lines end in a carriage return (\\r) alone, so it would read as one line; "
+                "convert it first: tr '\\r' '\\n' < FILE > NEW")
+    return None
+
+
 def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> str:
     """One line read as bytes, as text without its line end; invalid UTF-8 raises InputError
-    with the file's name and the line number (``errors="replace"``: U+FFFD instead)."""
+    with the file's name and the line number (``errors="replace"``: U+FFFD instead), and so
+    does a file whose lines end in ``\\r`` alone (``carriage_returns_only``)."""
+    if (mistake := carriage_returns_only(raw, lineno)) is not None:
+        raise InputError(f"{name}:{lineno}: {mistake}")
     try:
         return raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r")
     except UnicodeDecodeError as err:

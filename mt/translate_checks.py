@@ -81,16 +81,17 @@ def refuse_overwrite(args: argparse.Namespace, parallel: dict[str, str]) -> None
         out = os.stat(args.output) if os.path.exists(args.output) else None
     if out is None:
         return
+    written = "scores" if args.score is not None else "translations"
     for option, path, read in _read_files(args, parallel) + _model_files(args):
         if (read.st_dev, read.st_ino) != (out.st_dev, out.st_ino):
             continue
         name = "input (stdin)" if (option, path) == ("-i", "-") else option
         if args.output is not None:
             raise SystemExit(f"translate: -o {args.output} is the {name} file; the "
-                             "translations would replace it: write them elsewhere")
+                             f"{written} would replace it: write them elsewhere")
         where = f" ({path})" if path != "-" else ""
         harm = "be read back as input" if option == "-i" else "be written into it"
-        raise SystemExit(f"translate: stdout is the {name} file{where}; the translations would "
+        raise SystemExit(f"translate: stdout is the {name} file{where}; the {written} would "
                          f"{harm}: write them elsewhere")
 
 

@@ -224,6 +224,10 @@ def test_a_new_way_of_reading_is_not_served_from_an_old_cache(tmp_path, monkeypa
         ("text", {"train.en": b"a\nb\xff\n", "train.de": b"x\ny\n"}, r"train\.en:2: invalid UTF-8"),
         ("tsv", {"train.tsv": b"a\tx\nno tab here\n"}, r"train\.tsv:2: expected source<TAB>target"),
         ("tsv", {"train.tsv": b"a\tx\tz\n"}, r"train\.tsv:1: .*found 2 tabs"),
+        # old Mac line ends: both files read as one line each, a pair of whole files
+        ("text", {"train.en": b"a\rb\r", "train.de": b"x\ry\r"},
+         r"train\.en:1: its lines end in a carriage return \(\\r\) alone"),
+        ("tsv", {"train.tsv": b"a\tx\rb\ty\r"}, r"train\.tsv:1: .*carriage return"),
         ("jsonl", {"train.jsonl": b'{"en": "a", "de": "x"}\n{"en": "a"}\n'},
          r"train\.jsonl:2: expected a JSON object"),
         ("jsonl", {"train.jsonl": b'{"en": "a", "de": "x"}\n{oops\n'}, r"train\.jsonl:2:"),
@@ -235,6 +239,14 @@ def test_bad_input_names_file_and_line(tmp_path, fmt, files, message):
         (tmp_path / name).write_bytes(data)
     with pytest.raises(DataError, match=message):
         load_split(_cfg(tmp_path, fmt), "train", cache_dir=str(tmp_path / "cache"))
+
+
+def test_a_carriage_return_inside_a_line_of_a_file_with_line_feeds_is_text(tmp_path):
+    """Web corpora hold stray \\r inside lines; only a file without any line feed is refused."""
+    (tmp_path / "train.en").write_bytes(b"a\rb\r\nc\n")
+    (tmp_path / "train.de").write_bytes(b"x\r\ny\n")
+    ds = load_split(_cfg(tmp_path), "train", cache_dir=str(tmp_path / "cache"))
+    assert _pairs(ds) == [("a\rb", "x"), ("c", "y")]
 
 
 def test_a_blank_tsv_line_is_an_empty_pair_as_in_the_text_format(tmp_path):

@@ -187,6 +187,10 @@ def test_source_is_checked_for_hypothesis_files_too(files):
     latin1.write_bytes("caf\xe9\n".encode("latin-1") * 200)
     with pytest.raises(SystemExit, match="latin1.en:1: invalid UTF-8"):
         main(["--hyp", files["good"], "--src", str(latin1), "--ref", files["ref"]])
+    mac = files["tmp"] / "mac.de"  # old Mac line ends: one line, not 200
+    mac.write_bytes(Path(files["good"]).read_bytes().replace(b"\n", b"\r"))
+    with pytest.raises(SystemExit, match=r"mac.de:1: its lines end in a carriage return \(\\r"):
+        main(["--hyp", str(mac), "--ref", files["ref"]])
 
 
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])

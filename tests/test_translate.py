@@ -577,11 +577,13 @@ def test_an_output_that_is_one_of_the_inputs_is_refused_and_left_alone(models, t
     src = _write(tmp_path / "in.txt", ["the dog", "a cat"])
     given = _write(tmp_path / "given.txt", ["der Hund", "eine Katze"])
     (tmp_path / "link.txt").symlink_to("in.txt")
-    for args, option in [(["-i", src, "-o", src], "-i"),
-                         (["-i", src, "-o", str(tmp_path / "link.txt")], "-i"),
-                         (["-i", src, "--score", given, "-o", given], "--score")]:
+    for args, option, written in [(["-i", src, "-o", src], "-i", "translations"),
+                                  (["-i", src, "-o", str(tmp_path / "link.txt")], "-i",
+                                   "translations"),
+                                  (["-i", src, "--score", given, "-o", given], "--score",
+                                   "scores")]:
         with pytest.raises(SystemExit, match=f"^translate: -o .* is the {option} file; the "
-                                             "translations would replace it"):
+                                             f"{written} would replace it"):
             main(["-m", models["a"], *args, *FAST])
     with open(src) as stdin:  # translate -o in.txt < in.txt
         result = subprocess.run([sys.executable, "-m", "mt.translate", "-m", models["a"], "-o",
@@ -707,6 +709,18 @@ def test_one_stream_read_twice_is_refused(models, tmp_path, capsys):
         result = subprocess.run([*cmd, "--score", src], stdin=stdin, capture_output=True,
                                 text=True)
     assert result.returncode == 0 and len(result.stdout.splitlines()) == 4, result.stderr
+
+
+def test_a_file_of_carriage_return_line_ends_is_refused_not_read_as_one_line(models, tmp_path,
+                                                                             capsys):
+    """Old Mac line ends (\\r alone): read as one line, 3 sentences came out as one line."""
+    mac = tmp_path / "mac.txt"
+    mac.write_bytes(b"the dog\ra cat\rthe cat\r")
+    with pytest.raises(SystemExit, match=f"^translate: {mac}:1: its lines end in a carriage "
+                                         r"return \(\\r\) alone"):
+        main(["-m", models["a"], "-i", str(mac), *FAST])
+    dos = _write(tmp_path / "dos.txt", ["the dog\r", "a\rcat\r"])  # CRLF, a stray \r inside
+    assert len(_run(["-m", models["a"], "-i", dos, *FAST], capsys)) == 2
 
 
 def test_output_file_appears_only_whole(models, tmp_path, monkeypatch):
