@@ -312,7 +312,7 @@ def check_hub_splits(cfg: DataConfig, wanted: dict[str, list[str]]) -> None:
         return
     for key, splits in wanted.items():
         for split in splits:
-            if split not in names:
+            if split.split("[", 1)[0] not in names:  # train[:1000]: a slice of train
                 raise ValueError(f"{key}: {cfg.hub_name} has splits {sorted(names)}, not "
                                  f"{split!r}")
 
@@ -365,10 +365,19 @@ def _load_hub(cfg: DataConfig, split: str, cache_dir: str | None):
                 raise ValueError(f"data.hub_name={local} holds one saved Dataset, without split "
                                  "names, so training, validation and test would all be its "
                                  "pairs; save a DatasetDict with a split for each")
-            if split not in ds:
+            base = split.split("[", 1)[0]  # train[:1000], as load_dataset reads a slice
+            if base not in ds:
                 raise ValueError(f"{local} has splits {sorted(ds)}, not {split!r}: set "
                                  "data.train / data.valid / data.test")
-            ds = ds[split]
+            ds = ds[base]
+            if base != split:
+                try:
+                    (part,) = datasets.ReadInstruction.from_spec(split).to_absolute(
+                        {base: len(ds)})
+                except ValueError as err:
+                    raise ValueError(f"{local}: split {split!r}: {err}") from None
+                start, stop = min(part.from_, len(ds)), min(part.to, len(ds))
+                ds = ds.select(range(start, stop) if start < stop else [])  # none: said later
         else:
             ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split,
                                        cache_dir=cache_dir)
@@ -398,7 +407,8 @@ def _load_hub(cfg: DataConfig, split: str, cache_dir: str | None):
             import pyarrow.compute as pc
 
             row = pc.index(column.is_null(), True).as_py()
-            raise DataError(f"{name} split {split!r} row {row}: no {lang} text (null; "
+            raise DataError(f"{name} split {split!r} row {row} (counting from 0): no {lang} "
+                            "text (null; "
                             f"{column.null_count} such rows): drop or fill them")
     return ds
 

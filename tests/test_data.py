@@ -23,7 +23,7 @@ from mt.batching import (  # noqa: E402
     token_batches,
 )
 from mt.config import BOS_ID, EOS_ID, PAD_ID, DataConfig, FilterConfig, TokenizerConfig  # noqa: E402
-from mt.data import DataError, load_split, read_lines, sample_texts  # noqa: E402
+from mt.data import DataError, check_hub_splits, load_split, read_lines, sample_texts  # noqa: E402
 from mt.subwords import SampledPairs, Segmentations  # noqa: E402
 from mt.tokenizer import train_tokenizer  # noqa: E402
 
@@ -165,8 +165,24 @@ def test_a_missing_value_in_a_hub_dataset_names_its_split_and_row(tmp_path, layo
             {"translation": [{"en": s, "de": t} for s, t in zip(src, tgt, strict=True)]})
     datasets.DatasetDict({"test": datasets.Dataset.from_dict(rows)}).save_to_disk(tmp_path / "d")
     cfg = DataConfig(source="hub", hub_name=str(tmp_path / "d"), src_lang="en", tgt_lang="de")
-    with pytest.raises(DataError, match=r"split 'test' row 2: no de text \(null; 1 such rows\)"):
+    with pytest.raises(DataError, match=r"split 'test' row 2 \(counting from 0\): no de text "
+                                        r"\(null; 1 such rows\)"):
         load_split(cfg, "test")
+
+
+def test_a_slice_of_a_hub_split_is_a_split_it_has(tmp_path):
+    """``datasets`` loads ``train[:2]``; the start-up check refused it as a split the dataset
+    lacks."""
+    src, tgt = zip(*PAIRS, strict=True)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"en": src, "de": tgt})}
+                         ).save_to_disk(tmp_path / "d")
+    cfg = DataConfig(source="hub", hub_name=str(tmp_path / "d"), src_lang="en", tgt_lang="de")
+    check_hub_splits(cfg, {"data.valid": ["train[:2]"], "data.test": ["train[50%:]"]})
+    assert _pairs(load_split(cfg, "train[:2]")) == PAIRS[:2]
+    assert _pairs(load_split(cfg, "train[-1:]")) == PAIRS[-1:]
+    with pytest.raises(ValueError, match=r"^data.test: .* has splits \['train'\], not "
+                                         r"'test\[:2\]'"):
+        check_hub_splits(cfg, {"data.test": ["test[:2]"]})
 
 
 @pytest.mark.parametrize("values, kind", [([1, 2, 3, 4], "int64"), ([["a"], ["b"], ["c"], ["d"]],
