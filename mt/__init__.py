@@ -7,10 +7,10 @@ The package follows the path from raw text to BLEU, one module per stage:
 ``lines`` (text to n-best lists, each line's a ``results.LineResult``) -> ``translate`` (its
 command line; ``translate_checks`` what it refuses first) -> ``evaluate`` (with ``testsets`` and
 ``report``).
-``config`` holds every stage's typed config; ``distributed`` starts ``torchrun``'s process group
-and ``runlog`` writes a run's logs, curves and final test; ``checkpoint`` saves and loads
-self-contained models and ``average`` (``mt-average``) averages them; ``inference`` readies them
-for decoding (dtype, CPU packing, ensembles).
+``config`` holds every stage's typed config and ``config_checks`` the ranges of its values;
+``distributed`` starts ``torchrun``'s process group and ``runlog`` writes a run's logs, curves and
+final test; ``checkpoint`` saves and loads self-contained models and ``average`` (``mt-average``)
+averages them; ``inference`` readies them for decoding (dtype, CPU packing, ensembles).
 ``subwords`` draws subword regularization's segmentations; ``optim`` is the optimizer, its
 schedule and the training precision; ``divergence`` catches a run that blows up.
 ``kvcache`` is the decoder's cache and the attention that reads it; ``incremental`` steps one

@@ -42,9 +42,9 @@ from mt.config import (
     PAD_ID,
     UNK_ID,
     TokenizerConfig,
-    check_tokenizer,
     is_user_symbol,
 )
+from mt.config_checks import check_tokenizer
 from mt.textio import first_line, json_object, replace_file
 
 log = logging.getLogger(__name__)

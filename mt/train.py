@@ -25,7 +25,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from mt import checkpoint
-from mt.config import TrainConfig, check_keys, check_values, conf_dir, register_configs
+from mt.config import TrainConfig, conf_dir, register_configs
+from mt.config_checks import check_keys, check_values
 from mt.distributed import PeerFailed, setup_distributed, share_run
 from mt.divergence import Diverged
 from mt.inference import cap_kernel_caches

@@ -96,7 +96,8 @@ def compose(overrides: list[str]):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
-    from mt.config import check_keys, check_values, register_configs
+    from mt.config import register_configs
+    from mt.config_checks import check_keys, check_values
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):

@@ -14,7 +14,8 @@ import unicodedata
 import pytest
 import torch
 
-from mt.config import UNK_ID, ModelConfig, TokenizerConfig, TrainConfig, check_values
+from mt.config import UNK_ID, ModelConfig, TokenizerConfig, TrainConfig
+from mt.config_checks import check_values
 from mt.tokenizer import META_FILE, Tokenizer, load_or_train, train_tokenizer
 
 WORDS = ["house", "garden", "green", "small", "river", "stone", "light", "water", "tree", "bird",

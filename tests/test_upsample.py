@@ -7,7 +7,8 @@ import datasets
 import numpy as np
 import pytest
 
-from mt.config import PAD_ID, DataConfig, FilterConfig, TokenizerConfig, TrainConfig, check_values
+from mt.config import PAD_ID, DataConfig, FilterConfig, TokenizerConfig, TrainConfig
+from mt.config_checks import check_values
 from mt.corpus import Corpus, Mix
 
 WORDS = ["house", "garden", "green", "small", "river", "stone", "light", "water", "tree", "bird"]
