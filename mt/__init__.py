@@ -24,4 +24,39 @@ alignments and word scores; ``export`` / ``import_hf`` (CLIs in ``interop``) mov
 from Hugging Face Marian and CTranslate2; ``demo`` generates the default corpus.
 """
 
+import argparse
+
 __version__ = "0.1.0"
+
+
+def version_line() -> str:
+    """What every command's ``--version`` prints: mt's version and those of the libraries that
+    decide its results, which a bug report or a paper's setup needs (sacreBLEU's signature names
+    only its own). Read from the installed packages' metadata, so nothing heavy is imported."""
+    from importlib import metadata
+
+    parts = []
+    for name in ("torch", "sentencepiece", "sacrebleu", "datasets", "hydra-core"):
+        try:
+            parts.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{name} not installed")
+    return f"mt {__version__} ({', '.join(parts)})"
+
+
+class _Version(argparse.Action):
+    """``--version``: the line unwrapped (argparse's own action folds it at the terminal width),
+    and the metadata read only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version_line())
+        parser.exit()
+
+
+def add_version_flag(parser: argparse.ArgumentParser) -> None:
+    """Gives a command ``--version`` (``version_line``)."""
+    parser.add_argument("--version", action=_Version,
+                        help="print the versions of mt and of the libraries it runs on, and exit")

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mt import add_version_flag
 from mt.config import count_or_off, positive_int, resamples
 from mt.options import (
     add_device_arguments,
@@ -387,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mt-eval", description="Score and compare MT systems with sacrebleu. The first "
         "system given is the baseline of the paired tests.")
+    add_version_flag(p)
     g = p.add_argument_group("systems (several allowed, in any mix)")
     g.add_argument("-m", "--model", nargs="+", action=_AddSystem, default=None,
                    help="run directory or checkpoint; translates each test set's source. "

@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mt import add_version_flag
+
 log = logging.getLogger(__name__)
 
 
@@ -34,6 +36,7 @@ def export_main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="mt-export", description=(
         "Export an mt model to a Hugging Face Marian directory or a CTranslate2 model."))
+    add_version_flag(p)
     p.add_argument("-m", "--model", required=True, help="checkpoint file or run directory")
     p.add_argument("--format", required=True, choices=["hf", "ctranslate2"])
     p.add_argument("--out", required=True, help="output directory")
@@ -150,6 +153,7 @@ def import_main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="mt-import", description=(
         "Import a Hugging Face Marian model directory (e.g. OPUS-MT) as an mt checkpoint."))
+    add_version_flag(p)
     p.add_argument("--from", dest="source", required=True, choices=["hf"],
                    help="the format of DIR")
     p.add_argument("dir", help="model directory (config.json, weights, *.spm, vocab.json)")

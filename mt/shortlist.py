@@ -24,6 +24,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from mt import add_version_flag
 from mt.batching import budget_batches, pad
 from mt.config import EOS_ID, PAD_ID
 from mt.incremental import Restricted
@@ -291,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         description="Learn a vocabulary shortlist for a model from a parallel corpus (its "
                     "training data): translate --shortlist FILE then computes the output layer "
                     "over each line's likely target pieces only. See docs/decoding.md.")
+    add_version_flag(p)
     p.add_argument("-m", "--model", required=True,
                    help="the model (checkpoint or run directory) whose pieces it lists")
     p.add_argument("--src", required=True, help="source side of the corpus, one sentence a line")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from mt import checkpoint
+from mt import checkpoint, version_line
 from mt.config import TrainConfig, conf_dir, register_configs
 from mt.config_checks import check_keys, check_values
 from mt.distributed import PeerFailed, setup_distributed, share_run
@@ -222,6 +222,9 @@ def _unwritable_run_dir(argv: list[str]) -> str | None:
 
 def main() -> None:
     fill_closed_descriptors(quiet_stdout=True)  # `mt-train 2>&-` died silently inside Hydra
+    if "--version" in sys.argv[1:]:  # Hydra's own names Hydra's version only
+        print(version_line())
+        return
     if mistake := _null_group(sys.argv[1:]) or _unwritable_run_dir(sys.argv[1:]):
         raise SystemExit(mistake)
     cap_kernel_caches()  # before the first product: see its docstring

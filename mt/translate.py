@@ -29,6 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
+from mt import add_version_flag
 from mt import translate_checks as checks
 from mt.alignment import align_lines, layer_mistake, word_scores
 from mt.config import positive_int
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Translate text with an mt model: one output line per input line. "
                     "See docs/decoding.md.",
     )
+    add_version_flag(p)
     p.add_argument("-m", "--model", required=True, action="extend", nargs="+",
                    help="a checkpoint file, or a run directory (its checkpoints/best.pt, else "
                         "last.pt; give RUN/checkpoints/averaged.pt for the averaged model); "

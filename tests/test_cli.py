@@ -178,3 +178,34 @@ def test_the_shell_scripts_print_their_usage(script, flag, tmp_path):
     assert "the repository root with mt installed" in " ".join(result.stdout.split())
     assert not any(line.startswith("#") for line in result.stdout.splitlines())
     assert list(tmp_path.iterdir()) == []  # nothing made, nothing run
+
+
+def test_every_command_prints_the_versions_a_bug_report_needs(tmp_path, capsys):
+    """``--version`` on every console script: mt's version (the one pip installed) and the
+    versions of the libraries that decide results, on one line, and nothing run."""
+    import inspect
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+    from importlib import metadata
+
+    from conftest import REPO
+
+    import mt
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert mt.__version__ == project["version"] == metadata.version("mt")
+    libraries = ("torch", "sentencepiece", "sacrebleu", "datasets", "hydra-core")
+    want = (f"mt {mt.__version__} ("
+            + ", ".join(f"{lib} {metadata.version(lib)}" for lib in libraries) + ")")
+    for name, entry in project["scripts"].items():
+        module, func = entry.split(":")
+        main = getattr(__import__(module, fromlist=[func]), func)
+        if not inspect.signature(main).parameters:  # mt-train (Hydra's), translate's cli
+            result = subprocess.run([script(name), "--version"], cwd=tmp_path,
+                                    capture_output=True, text=True, timeout=60)
+            assert (result.returncode, result.stdout) == (0, want + "\n"), result.stderr
+            continue
+        with pytest.raises(SystemExit) as stop:
+            main(["--version"])
+        assert stop.value.code == 0
+        assert capsys.readouterr().out == want + "\n", name
+    assert list(tmp_path.iterdir()) == []  # no run directory made
