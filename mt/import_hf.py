@@ -191,7 +191,54 @@ def _take(table: Tensor, order: list[int | None], fill: float = 0.0) -> Tensor:
 # The files of a Marian directory that import_hf reads (those present): what mt-import must not
 # overwrite, even with --force.
 READS = ("config.json", "model.safetensors", "pytorch_model.bin", "source.spm", "target.spm",
-         "vocab.json", "target_vocab.json")
+         "vocab.json", "target_vocab.json", "tokenizer_config.json")
+
+# config.json's sizes and ids, each an integer of at least this (a string or an id past the
+# vocabulary failed as a traceback deep in the import)
+_COUNTS = {"encoder_layers": 1, "decoder_layers": 1, "d_model": 1, "encoder_ffn_dim": 1,
+           "decoder_ffn_dim": 1, "encoder_attention_heads": 1, "decoder_attention_heads": 1,
+           "max_position_embeddings": 2, "pad_token_id": 0, "eos_token_id": 0,
+           "decoder_start_token_id": 0}
+
+
+def _check_config(config: _Entries, path: Path) -> None:
+    """Raises ValueError naming config.json and the first key whose value is not an integer of
+    its range; optional keys may be missing (or null: a null decoder start is the pad, as
+    Marian's default)."""
+    for key, least in _COUNTS.items():
+        value = config.get(key) if key in ("max_position_embeddings", "decoder_start_token_id") \
+            else config[key]
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{path}: {key}={value!r} is not an integer of at least {least}")
+
+
+def _target_vocab(d: Path, share: bool, src_vocab: _Entries) -> _Entries:
+    """The target side's vocabulary: target_vocab.json where tokenizer_config.json says the
+    vocabularies are separate (as MarianTokenizer reads it), or where the embeddings are not
+    shared and the file is there; else vocab.json. A separate one that is missing is an error:
+    read from vocab.json, every target row got a source piece, and the model wrote source words."""
+    tok_config = d / "tokenizer_config.json"
+    separate = bool(_read_json(tok_config).get("separate_vocabs")) if tok_config.exists() else False
+    target = d / "target_vocab.json"
+    if separate and not target.exists():
+        raise ValueError(f"{tok_config}: separate_vocabs is true, but {target} is missing")
+    return _read_json(target) if separate or (not share and target.exists()) else src_vocab
+
+
+def _unused_weights(weights: dict[str, Tensor], used: set[str], path: Path) -> None:
+    """Raises ValueError naming weights that config.json's model does not have (layers past
+    ``decoder_layers``: left out, the model translated nonsense); embedding tables, positions
+    (mt computes them) and a tied output layer are not layers and may be spare."""
+    spare = {"model.shared.weight", "model.encoder.embed_tokens.weight", "lm_head.weight",
+             "model.decoder.embed_tokens.weight", "final_logits_bias"}
+    unused = sorted(k for k in weights if k not in used and k not in spare
+                    and not k.endswith("embed_positions.weight"))
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        raise ValueError(f"{path}: {', '.join(unused[:3])}{more} are weights that config.json's "
+                         "layers do not use; check its encoder_layers and decoder_layers")
 
 
 def import_hf(directory: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
@@ -211,18 +258,24 @@ def import_hf(directory: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
     if activation not in HF_ACTIVATIONS:
         raise ValueError(f"{d / 'config.json'}: activation_function={activation!r} is not one of "
                          f"{sorted(HF_ACTIVATIONS)}")
+    _check_config(config, d / "config.json")
     weights = _read_hf_weights(d)
     share = config.get("share_encoder_decoder_embeddings", True)
     tie_out = config.get("tie_word_embeddings", True)
     src_vocab = _read_json(d / "vocab.json")
-    tgt_vocab = src_vocab
-    if not share and (d / "target_vocab.json").exists():
-        tgt_vocab = _read_json(d / "target_vocab.json")
+    tgt_vocab = _target_vocab(d, share, src_vocab)
     src_table = _first(weights, ["model.encoder.embed_tokens.weight", "model.shared.weight"], d)
     tgt_table = _first(weights, ["model.decoder.embed_tokens.weight", "model.shared.weight"], d)
     out_table = tgt_table if tie_out else _first(weights, ["lm_head.weight"], d)
     bias = weights.get("final_logits_bias", torch.zeros(1, out_table.size(0))).view(-1)
-    start = config.get("decoder_start_token_id", config["pad_token_id"])
+    start = config.get("decoder_start_token_id")
+    if start is None:  # missing or null: Marian starts from the pad
+        start = config["pad_token_id"]
+    for key, row in (("pad_token_id", config["pad_token_id"]), ("eos_token_id",
+                     config["eos_token_id"]), ("decoder_start_token_id", start)):
+        if row >= out_table.size(0):
+            raise ValueError(f"{d / 'config.json'}: {key}={row} is past the {out_table.size(0)} "
+                             "rows of the target vocabulary")
     tgt_order = marian_rows(tgt_vocab, out_table.size(0), tgt_vocab.get("<pad>"), start,
                             config["eos_token_id"])
     # A shared table needs one order; a source of its own never holds the decoder start.
@@ -247,10 +300,13 @@ def import_hf(directory: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
         src_vocab_size=len(src_order), tgt_vocab_size=len(tgt_order),
     )
     model = build_model(cfg)
-    sd = {}
+    sd, used = {}, set()
     for mt_name, hf_names in marian_names(cfg):
         for kind in ("weight", "bias"):
-            sd[f"{mt_name}.{kind}"] = torch.cat([weights[f"{n}.{kind}"] for n in hf_names], dim=0)
+            names = [f"{n}.{kind}" for n in hf_names]
+            sd[f"{mt_name}.{kind}"] = torch.cat([weights[n] for n in names], dim=0)
+            used.update(names)
+    _unused_weights(weights, used, weights.source)
     sd["src_embed.weight"] = _take(src_table, src_order)
     sd["tgt_embed.weight"] = _take(tgt_table, tgt_order)
     sd["output_proj.weight"] = _take(out_table, tgt_order)
@@ -278,6 +334,8 @@ def _remap_file(path: Path, proto: bytes, pieces: list[str], language_codes: boo
     """``remap_spm`` of the model read from ``path``, whose parse error names the file."""
     from google.protobuf.message import DecodeError
 
+    if not proto:  # parses, as a model of no pieces: every line one piece, or <unk>
+        raise ValueError(f"{path}: not a SentencePiece model (no pieces; an empty file?)")
     try:
         return remap_spm(proto, pieces, language_codes)
     except DecodeError as err:

@@ -583,7 +583,17 @@ def test_a_damaged_marian_directory_is_one_line_naming_the_file(tmp_path, corpus
         ("key", config(encoder_ffn_dim=None), "config.json: no 'encoder_ffn_dim'"),
         ("layers", config(encoder_layers=3), f"{weights}: no 'model.encoder.layers.2."),
         ("sizes", config(d_model=64), "the weights do not have config.json's sizes (size "
-                                      "mismatch for ")]:
+                                      "mismatch for "),
+        # these imported without a word, into models that translated nonsense
+        ("fewer", config(decoder_layers=1), f"{weights}: model.decoder.layers.1."),
+        ("empty_target_spm", write("target.spm", b""), "target.spm: not a SentencePiece model "
+                                                       "(no pieces; an empty file?)"),
+        ("empty_source_spm", write("source.spm", b""), "source.spm: not a SentencePiece model "
+                                                       "(no pieces; an empty file?)"),
+        # and these were tracebacks
+        ("eos", config(eos_token_id=5000), "config.json: eos_token_id=5000 is past the "),
+        ("text", config(encoder_layers="2"), "config.json: encoder_layers='2' is not an integer "
+                                             "of at least 1")]:
         d = tmp_path / name
         shutil.copytree(good, d)
         damage(d)
@@ -592,6 +602,38 @@ def test_a_damaged_marian_directory_is_one_line_naming_the_file(tmp_path, corpus
         message = str(err.value)
         assert message.startswith(f"mt-import: {d}") and said in message, message
         assert "\n" not in message
+    assert "are weights that config.json's layers do not use" in _import_error(
+        tmp_path / "fewer", tmp_path / "x.pt")
+
+
+def _import_error(d, out) -> str:
+    with pytest.raises(SystemExit) as err:
+        import_main(["--from", "hf", str(d), "--out", str(out)])
+    return str(err.value)
+
+
+def test_import_reads_the_target_vocabulary_where_the_tokenizer_config_says(tmp_path, corpus_dir):
+    """Separate vocabularies without target_vocab.json were read from vocab.json: every target
+    row got a source piece, and the model wrote source words. A null decoder start is the pad,
+    as where the key is missing (it became a new, zero row)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("google.protobuf")
+    good = _opus_like_dir(tmp_path, corpus_dir, transformers, True)[0]
+    lost = tmp_path / "lost"
+    shutil.copytree(good, lost)
+    (lost / "target_vocab.json").unlink()
+    assert _import_error(lost, tmp_path / "lost.pt") == (
+        f"mt-import: {lost / 'tokenizer_config.json'}: separate_vocabs is true, but "
+        f"{lost / 'target_vocab.json'} is missing")
+    null = tmp_path / "null"
+    shutil.copytree(good, null)
+    c = json.loads((null / "config.json").read_text())
+    c["decoder_start_token_id"] = None
+    (null / "config.json").write_text(json.dumps(c))
+    for d in (good, null):
+        import_main(["--from", "hf", str(d), "--out", str(tmp_path / f"{d.name}.pt")])
+    a, b = (torch.load(tmp_path / f"{n}.pt", weights_only=False)["model"] for n in ("opus", "null"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_import_of_a_file_or_a_hub_name_says_it_reads_a_folder(tmp_path):
