@@ -48,9 +48,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # mt without being installed
 
-from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig  # noqa: E402
+from mt.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig, positive_int  # noqa: E402
 from mt.export import export_ctranslate2, hf_model, placeholder_vocabulary  # noqa: E402
-from mt.inference import keep_freed_memory, prepare_model  # noqa: E402
+from mt.inference import device_mistake, keep_freed_memory, prepare_model  # noqa: E402
 from mt.model import build_model  # noqa: E402
 from mt.search import beam_search, greedy_search  # noqa: E402
 from mt.workers import batch_workers  # noqa: E402
@@ -250,12 +250,13 @@ def free_linear_ceiling(tokens_per_s: float, linear_only: float | None) -> float
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sentences", type=int, default=64)
-    p.add_argument("--tgt-len", type=int, default=30, help="decoder steps per sentence")
-    p.add_argument("--beam", type=int, default=4)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--sentences", type=positive_int, default=64)
+    p.add_argument("--tgt-len", type=positive_int, default=30, help="decoder steps per sentence")
+    p.add_argument("--beam", type=positive_int, default=4)
+    p.add_argument("--batch", type=positive_int, default=32)
+    p.add_argument("--vocab", type=positive_int, default=8000,
+                   help="pieces, at least 5 (4 special ids and one word)")
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="threads per system (torch and CT2 intra-op); on a CPU shared with other "
                         "work, more threads than idle cores make OpenMP spin: keep it low")
     p.add_argument("--parallel", choices=("intra", "batches"), default="intra",
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
                         "this process, which holds every system's model: on rounds of one batch "
                         "per worker that costs more than it gains, where a translate of a file "
                         "gains (docs/benchmarks.md)")
-    p.add_argument("--repeat", type=int, default=2,
+    p.add_argument("--repeat", type=positive_int, default=2,
                    help="rounds; each round times every system once (interleaved, so load "
                         "changes on a shared CPU hit all systems alike); the best round counts")
     p.add_argument("--systems", default=None,
@@ -281,6 +282,10 @@ def main(argv: list[str] | None = None) -> None:
                         "(mt.model.avoid_cudnn_attention); for every system, the flag is global")
     p.add_argument("--out", default=None, help="JSON file (default: stdout)")
     args = p.parse_args(argv)
+    if args.vocab < 5:
+        p.error(f"--vocab must be at least 5 (4 special ids and one word), got {args.vocab}")
+    if mistake := device_mistake(args.device):
+        p.error(mistake)
     set_up_process()
     by_batch = args.parallel == "batches"
     torch.set_num_threads(1 if by_batch else args.threads)

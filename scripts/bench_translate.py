@@ -42,12 +42,14 @@ import sacrebleu
 import torch
 from bench_decode import set_up_process, write_report  # this folder is on sys.path
 
-from mt.checkpoint import load_model
+from mt.checkpoint import load_model, resolve
+from mt.config import positive_int
 from mt.export import export_ctranslate2
 from mt.inference import load_models
 from mt.lines import translate_ids
 from mt.options import SearchOptions
 from mt.shortlist import Shortlist
+from mt.textio import InputError, read_lines
 from mt.workers import balanced_batches
 
 SYSTEMS = ("mt-float32", "mt-bfloat16", "mt-int8", "ct2-float32", "ct2-int8")
@@ -58,12 +60,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-m", "--model", required=True, help="mt checkpoint file or run directory")
     p.add_argument("-i", "--input", required=True, help="source text, one sentence per line")
     p.add_argument("-r", "--reference", help="reference translations (BLEU is reported)")
-    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--beam", type=positive_int, default=5)
     p.add_argument("--lenpen", type=float, default=0.6)
-    p.add_argument("--batch-tokens", type=int, default=4096)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+    p.add_argument("--batch-tokens", type=positive_int, default=4096)
+    p.add_argument("--threads", type=positive_int, default=torch.get_num_threads(),
                    help="batches decoded at once, one core each, in every system")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=positive_int, default=3)
     p.add_argument("--worker-threads", action="store_true",
                    help="mt's workers are threads of this process (translate --worker-threads), "
                         "not forked processes")
@@ -82,12 +84,14 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)} (each also +sl)")
     if any(n.endswith("+sl") for n in systems) and not args.shortlist:
         p.error("the +sl systems need --shortlist FILE")
-    with open(args.input, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    refs = None
-    if args.reference:
-        with open(args.reference, encoding="utf-8") as f:
-            refs = f.read().splitlines()
+    try:  # as translate reads them: a missing file or a bad line is one line, not a traceback
+        lines = list(read_lines(args.input))
+        refs = list(read_lines(args.reference)) if args.reference else None
+        resolve(args.model)
+    except (InputError, OSError, ValueError) as err:
+        p.error(str(err))
+    if refs is not None and len(refs) != len(lines):  # sacreBLEU would score the shorter zip
+        p.error(f"{args.input} has {len(lines)} lines but {args.reference} has {len(refs)}")
 
     opts = SearchOptions(beam=args.beam, lenpen=args.lenpen, batch_tokens=args.batch_tokens,
                          workers=args.threads, processes=not args.worker_threads)
@@ -96,11 +100,19 @@ def main(argv: list[str] | None = None) -> None:
         if name.startswith("mt-"):
             model, tok, _ = load_models([args.model], "cpu", name[3:].removesuffix("+sl"))
             ids = tok.encode_src(lines)
+            # EOS alone (an empty line) gets an empty line, as in translate (mt.lines), which
+            # does not search it: a search would make up a sentence from nothing
+            kept = [i for i, x in enumerate(ids) if len(x) > 1]
+            ids = [ids[i] for i in kept]
             shortlist = Shortlist.load(args.shortlist, tok) if name.endswith("+sl") else None
 
-            def run(model=model, tok=tok, ids=ids, shortlist=shortlist) -> list[str]:
+            def run(model=model, tok=tok, ids=ids, kept=kept, shortlist=shortlist) -> list[str]:
                 hyps = translate_ids(model, ids, opts, shortlist=shortlist)
-                return tok.decode_tgt([h[0].tokens for h in hyps])
+                out = [""] * len(lines)
+                for i, text in zip(kept, tok.decode_tgt([h[0].tokens for h in hyps]),
+                                   strict=True):
+                    out[i] = text
+                return out
 
             runs[name] = run
     tmp = tempfile.TemporaryDirectory()
@@ -127,8 +139,10 @@ def main(argv: list[str] | None = None) -> None:
             batches = balanced_batches(lengths, order, args.batch_tokens, args.threads)
             # at least mt's length budget (1.5 x source + 10, EOS included; one limit for all
             # here), mt's never-emitted PAD/BOS; empty lines give empty outputs in both
+            # (and within the model's positions: CTranslate2 stops at a position past them)
+            budget = int(1.5 * max(map(len, pieces), default=0)) + 10
             search = dict(beam_size=args.beam, length_penalty=args.lenpen,
-                          max_decoding_length=int(1.5 * max(map(len, pieces), default=0)) + 10,
+                          max_decoding_length=min(budget, model.cfg.max_positions - 1),
                           suppress_sequences=[["<pad>"], ["<s>"]], use_vmap=restricted)
 
             def run(translator=translator, sp=sp, pieces=pieces, batches=batches,

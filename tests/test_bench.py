@@ -130,3 +130,42 @@ def test_evaluation_scripts_say_a_mistake_in_one_line(tmp_path, script, args, sa
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].startswith(said), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_bench_translate_gives_empty_lines_empty_outputs_and_refuses_a_short_reference(
+        tmp_path, corpus_dir, tokenizer_dir, monkeypatch, capsys):
+    """Its mt systems searched an empty line's EOS-only source (translate writes an empty line
+    and never searches it), so their outputs, BLEU and agreement with CTranslate2 were not
+    translate's; a reference of fewer lines scored BLEU over the shorter zip (100 for 3 of 40)."""
+    from mt.checkpoint import model_state, save_atomic
+    from mt.tokenizer import Tokenizer
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # its import of bench_decode, as when run
+    bench = _script("bench_translate")
+    tok = Tokenizer.load(tokenizer_dir)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(encoder_layers=1, decoder_layers=1, d_model=16, ffn_dim=32,
+                                    heads=2, dropout=0.0, max_positions=64,
+                                    src_vocab_size=tok.src_vocab_size,
+                                    tgt_vocab_size=tok.tgt_vocab_size)).eval()
+    save_atomic(model_state(model, tok, None), tmp_path / "m.pt")
+    src, ref, short = tmp_path / "in.en", tmp_path / "ref.zz", tmp_path / "short.zz"
+    src.write_text("the dog sees a cat\n\nthe cat\n")
+    ref.write_text("a\nb\nc\n")
+    short.write_text("a\n")
+    common = ["-m", str(tmp_path / "m.pt"), "-i", str(src), "--threads", "1", "--repeat", "1",
+              "--beam", "2", "--systems", "mt-float32", "--out", str(tmp_path / "r.json")]
+    with pytest.raises(SystemExit) as stop:
+        bench.main([*common, "-r", str(short)])
+    assert stop.value.code == 2
+    assert f"{src} has 3 lines but {short} has 1" in capsys.readouterr().err
+    scored = []
+
+    class Score:
+        score = 0.0
+
+    monkeypatch.setattr(bench.sacrebleu, "corpus_bleu",
+                        lambda hyps, refs: scored.append(list(hyps)) or Score())
+    bench.main([*common, "-r", str(ref)])
+    (hyps,) = scored
+    assert len(hyps) == 3 and hyps[1] == "" and hyps[0] and hyps[2]
