@@ -30,9 +30,7 @@ log = logging.getLogger(__name__)
 
 def export_main(argv: list[str] | None = None) -> None:
     """``mt-export -m MODEL --format hf|ctranslate2 --out DIR [--quantization int8]``."""
-    from mt.checkpoint import load_model, umask
-    from mt.export import check_marian, export_ctranslate2, export_hf
-    from mt.textio import first_line
+    from mt.textio import first_line, terminate_as_interrupt
 
     p = argparse.ArgumentParser(prog="mt-export", description=(
         "Export an mt model to a Hugging Face Marian directory or a CTranslate2 model."))
@@ -70,27 +68,11 @@ def export_main(argv: list[str] | None = None) -> None:
         sys.exit(f"mt-export: --out {args.out} holds the shortlist {args.shortlist}; --force "
                  "would delete it")
     try:
-        model, tokenizer, _ = load_model(args.model)
-        if args.format == "hf":
-            check_marian(model.cfg)  # before any work
-        # Written beside --out and moved there whole: a failure (a bad --quantization, a full
-        # disk, Ctrl-C) leaves the previous export as it was and no half directory.
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.", dir=out_dir.parent) as tmp:
-            new = Path(tmp) / "export"
-            if args.format == "hf":
-                export_hf(model, tokenizer, new)
-            else:
-                from mt.shortlist import Shortlist
-
-                shortlist = Shortlist.load(args.shortlist, tokenizer) if args.shortlist else None
-                export_ctranslate2(model, tokenizer, new, args.quantization, shortlist)
-            # transformers writes model.safetensors 0600; an export is for others to read
-            mode = 0o666 & ~umask()
-            for f in new.rglob("*"):
-                if f.is_file():
-                    f.chmod(mode)
-            _swap(new, out_dir, Path(tmp) / "old")
+        with terminate_as_interrupt():
+            _export(args, out_dir)
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the temporary folder is gone
+        print(f"mt-export: interrupted; {args.out} was not changed", file=sys.stderr)
+        raise SystemExit(128 + getattr(err, "signal", signal.SIGINT)) from None
     except ImportError as err:
         sys.exit(f"mt-export: {err}; install the export extra: pip install 'mt[export]'")
     except (ValueError, FileNotFoundError) as err:
@@ -101,6 +83,34 @@ def export_main(argv: list[str] | None = None) -> None:
         why = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
         sys.exit(f"mt-export: cannot write {args.out} ({why}); nothing there was changed")
     log.info("wrote %s (%s)", args.out, args.format)
+
+
+def _export(args: argparse.Namespace, out_dir: Path) -> None:
+    """The export itself. Written beside ``out_dir`` and moved there whole: a failure (a bad
+    --quantization, a full disk, Ctrl-C, SIGTERM) leaves the previous export as it was and no
+    half directory."""
+    from mt.checkpoint import load_model, umask
+    from mt.export import check_marian, export_ctranslate2, export_hf
+
+    model, tokenizer, _ = load_model(args.model)
+    if args.format == "hf":
+        check_marian(model.cfg)  # before any work
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.", dir=out_dir.parent) as tmp:
+        new = Path(tmp) / "export"
+        if args.format == "hf":
+            export_hf(model, tokenizer, new)
+        else:
+            from mt.shortlist import Shortlist
+
+            shortlist = Shortlist.load(args.shortlist, tokenizer) if args.shortlist else None
+            export_ctranslate2(model, tokenizer, new, args.quantization, shortlist)
+        # transformers writes model.safetensors 0600; an export is for others to read
+        mode = 0o666 & ~umask()
+        for f in new.rglob("*"):
+            if f.is_file():
+                f.chmod(mode)
+        _swap(new, out_dir, Path(tmp) / "old")
 
 
 def _holds_model(out_dir: Path, model: str) -> bool:
@@ -149,7 +159,7 @@ def import_main(argv: list[str] | None = None) -> None:
     """``mt-import --from hf DIR --out FILE``: a Marian (OPUS-MT) directory -> an mt checkpoint."""
     from mt.checkpoint import model_state, save_atomic
     from mt.import_hf import import_hf
-    from mt.textio import output_mistake
+    from mt.textio import output_mistake, terminate_as_interrupt
 
     p = argparse.ArgumentParser(prog="mt-import", description=(
         "Import a Hugging Face Marian model directory (e.g. OPUS-MT) as an mt checkpoint."))
@@ -178,16 +188,21 @@ def import_main(argv: list[str] | None = None) -> None:
                                  what="checkpoint file"):
         sys.exit(f"mt-import: {mistake}")
     try:
-        model, tokenizer = import_hf(args.dir)
+        with terminate_as_interrupt():  # save_atomic removes its temporary file on an interrupt
+            model, tokenizer = import_hf(args.dir)
+            try:
+                save_atomic(model_state(model, tokenizer,
+                                        {"imported_from": str(Path(args.dir).resolve())}),
+                            args.out)
+            except OSError as err:  # a folder that cannot be made or written, a full disk
+                sys.exit(f"mt-import: cannot write {args.out}: {err.strerror or err}")
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM
+        print(f"mt-import: interrupted; {args.out} was not written", file=sys.stderr)
+        raise SystemExit(128 + getattr(err, "signal", signal.SIGINT)) from None
     except ImportError as err:
         sys.exit(f"mt-import: {err}; install the export extra: pip install 'mt[export]'")
     except (ValueError, FileNotFoundError, KeyError) as err:
         sys.exit(f"mt-import: {err}")
-    try:
-        save_atomic(model_state(model, tokenizer,
-                                {"imported_from": str(Path(args.dir).resolve())}), args.out)
-    except OSError as err:  # a folder that cannot be made or written, a full disk
-        sys.exit(f"mt-import: cannot write {args.out}: {err.strerror or err}")
     n = sum(p.numel() for p in model.parameters())
     log.info("wrote %s (%.1fM parameters, vocabulary %d/%d)", args.out, n / 1e6,
              model.cfg.src_vocab_size, model.cfg.tgt_vocab_size)

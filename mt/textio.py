@@ -16,8 +16,10 @@ import io
 import itertools
 import os
 import shutil
+import signal
 import stat
 import sys
+import threading
 import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -386,3 +388,29 @@ def first_line(err: BaseException) -> str:
     their own, C++ ones included, below it), or its type's name when it says nothing."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+class TerminatedBySignal(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be (``terminate_as_interrupt``)."""
+
+    signal = signal.SIGTERM
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise TerminatedBySignal
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``timeout``, ``kill``, a job scheduler) ends the work as Ctrl-C does, so that
+    what cleans up after an interrupt runs (a partial output file removed, a temporary folder
+    beside mt-export's --out deleted). Only the main thread can set a signal handler."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):  # the parent's choice stands
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:  # a handler set outside Python reads as None: put back the default then
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)

@@ -22,10 +22,7 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -76,6 +73,7 @@ from mt.textio import (
     parallel_lines,
     read_lines,
     reader_left,
+    terminate_as_interrupt,
     utf8_stdout,
 )
 from mt.workers import WorkerDied, default_workers
@@ -333,7 +331,7 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
     progress = False if bar is None else bar
     done = unfit = missed = unused = 0  # as returned
     try:
-        with _terminate_as_interrupt(), atomic_output(args.output) as out, \
+        with terminate_as_interrupt(), atomic_output(args.output) as out, \
                 torch.inference_mode():
             for chunk in chunks(rows, args.chunk_lines):
                 lines = [row[0] for row in chunk]
@@ -356,7 +354,7 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
     except InputError as err:  # only what could not be checked beforehand comes this late
         written = f" ({done} lines written before it)" if args.output is None and done else ""
         raise SystemExit(f"translate: {err}{written}") from None
-    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (_Terminated)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (TerminatedBySignal)
         print("translate: interrupted" + (f" after {done} lines" if args.output is None
                                           else f"; {args.output} not written"), file=sys.stderr)
         raise _Interrupted(getattr(err, "signal", signal.SIGINT)) from None
@@ -417,10 +415,6 @@ def _formatted(model, tokenizer, results: list[LineResult], args: argparse.Names
     return "".join(line + "\n" for line in lines)
 
 
-class _Terminated(KeyboardInterrupt):
-    signal = signal.SIGTERM
-
-
 class _Interrupted(SystemExit):
     """The run was interrupted by ``signum`` and has cleaned up; exit status 128 + signum."""
 
@@ -443,25 +437,6 @@ def cli() -> None:
         signal.signal(err.signum, signal.SIG_DFL)
         os.kill(os.getpid(), err.signum)
         raise
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated
-
-
-@contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (``timeout``, ``kill``, a job scheduler) ends the run as Ctrl-C does, so that the
-    partial output file is removed. Only the main thread can set a signal handler."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):  # the parent's choice stands
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        yield
-    finally:  # a handler set outside Python reads as None: put back the default then
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 if __name__ == "__main__":

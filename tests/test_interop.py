@@ -16,6 +16,7 @@ import json
 import os
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -347,6 +348,47 @@ def test_a_failed_export_write_is_one_line_and_keeps_the_old_export(tmp_path, to
     assert result.stderr.strip().endswith("); nothing there was changed")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "out"]  # no temporary left
+
+
+def test_export_and_import_stopped_by_sigterm_leave_nothing_behind(tmp_path, tokenizer_dir,
+                                                                   monkeypatch, capsys):
+    """``timeout`` and ``kill`` send SIGTERM, which skipped the cleanup: a hidden temporary
+    folder as large as the export stayed beside --out (mt-import: a temporary .pt beside its)."""
+    import signal
+
+    import mt.checkpoint
+    import mt.export
+
+    pytest.importorskip("transformers")
+    tok = Tokenizer.load(tokenizer_dir)
+    ckpt = _save(_mt_model(tok), tok, tmp_path / "m.pt")
+    export_main(["-m", ckpt, "--format", "hf", "--out", str(tmp_path / "hf")])
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+
+    def killed(*args):  # half written, then SIGTERM
+        Path(args[-1]).mkdir(parents=True, exist_ok=True)
+        (Path(args[-1]) / "config.json").write_text("{")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(mt.export, "export_hf", killed)
+    with pytest.raises(SystemExit) as stop:
+        export_main(["-m", ckpt, "--format", "hf", "--out", str(tmp_path / "hf"), "--force"])
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.endswith(f"mt-export: interrupted; {tmp_path / 'hf'} was not "
+                                            "changed\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.pt"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+
+    def saved_half(obj, path):
+        Path(path).write_bytes(b"half a checkpoint")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(mt.checkpoint.torch, "save", saved_half)
+    with pytest.raises(SystemExit) as stop:
+        import_main(["--from", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "x.pt")])
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.pt"]
 
 
 # ----------------------------------------------------------------------------- HF (OPUS) -> mt
