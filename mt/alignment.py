@@ -113,6 +113,14 @@ def _jobs(results: list[LineResult], lines: set[int] | None = None) -> list[tupl
             for e in _entries(r) for p in range(len(r.hyps))]
 
 
+def blank_pieces(sp) -> torch.Tensor:
+    """(V,) bool: the pieces of SentencePiece model ``sp`` that no word is linked to (control
+    pieces such as EOS and padding, and a piece of whitespace alone)."""
+    return torch.tensor([sp.is_control(i) or (not sp.is_unknown(i)
+                                               and not sp.id_to_piece(i).lstrip("\u2581"))
+                         for i in range(sp.get_piece_size())])
+
+
 def _attended(model, tokenizer, results: list[LineResult], jobs: list[tuple[int, int, int]],
               layer: int | None, batch_tokens: int) -> dict[tuple[int, int, int], list[int]]:
     """Per job, the source token each target token attends to most (EOS not included) in one
@@ -122,10 +130,7 @@ def _attended(model, tokenizer, results: list[LineResult], jobs: list[tuple[int,
     if layer is None:
         layer = -2 if len(model.decoder_layers) > 1 else -1
     device = next(model.parameters()).device
-    sp = tokenizer.src
-    blank = torch.tensor([sp.is_control(i) or (not sp.is_unknown(i)
-                                                and not sp.id_to_piece(i).lstrip("\u2581"))
-                          for i in range(sp.get_piece_size())])
+    blank = blank_pieces(tokenizer.src)
     order = sorted(range(len(jobs)), key=lambda j: -len(results[jobs[j][0]].sources[jobs[j][2]]))
     lengths = [len(results[li].sources[p]) + len(results[li].hyps[p][e].tokens) + 1
                for li, e, p in jobs]

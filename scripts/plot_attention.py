@@ -3,8 +3,9 @@
 The model translates the sentence (beam search, or ``--target`` forces a given translation), then
 one decoder layer's cross-attention, heads averaged, is computed teacher-forced on that translation
 (``mt.scoring.cross_attention``, the weights ``translate --alignment`` links by). Rows are target
-pieces (EOS included), columns source pieces; the arg-max of each row is outlined. Needs the
-``plot`` extra (matplotlib).
+pieces (EOS included), columns source pieces; outlined is what ``--alignment`` links each target
+piece to: the arg-max of its row over the source's word pieces (not EOS, not a piece of
+whitespace alone; none for the target's EOS). Needs the ``plot`` extra (matplotlib).
 
     python scripts/plot_attention.py -m runs/demo "the red dog runs" -o attention.png
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mt.alignment import layer_mistake
+from mt.alignment import blank_pieces, layer_mistake
 from mt.checkpoint import load_model
 from mt.config import EOS_ID, positive_int
 from mt.lines import encode_prefixes
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     image = ax.imshow(weights.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(src_labels)), src_labels, rotation=60, ha="right")
     ax.set_yticks(range(len(tgt_labels)), tgt_labels)
-    for row, col in enumerate(weights.argmax(dim=-1).tolist()):
+    linked = weights.masked_fill(blank_pieces(tok.src)[src_ids], -1.0)[:-1]  # as --alignment
+    for row, col in enumerate(linked.argmax(dim=-1).tolist()):
         ax.add_patch(plt.Rectangle((col - 0.5, row - 0.5), 1, 1, fill=False, edgecolor="red"))
     ax.set_xlabel("source")
     ax.set_ylabel("target")
