@@ -315,7 +315,8 @@ def write_demo_corpus(
     Idempotent and cheap to call on every run: a ``MANIFEST`` records the generator version, the
     seed, the counts and each file's size; when it matches, nothing is generated or rewritten, so
     file modification times (and caches keyed on them) stay valid. Files are replaced atomically
-    and the manifest is written last, so an interrupted write is redone on the next call.
+    and the manifest is written last, so an interrupted write is redone on the next call. A
+    folder that holds a file of the corpus's names but no manifest is someone's data: refused.
 
     Args:
         out_dir: Directory to write into (created if needed).
@@ -340,8 +341,13 @@ def write_demo_corpus(
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # missing, stale or unreadable: regenerate
 
+    if not manifest_path.exists() and (theirs := [f for f in names if (out / f).exists()]):
+        raise ValueError(f"{out / theirs[0]}: not the demo corpus's (no {manifest_path} beside "
+                         "it), so not overwritten: data=demo writes its corpus into data.dir; "
+                         "give an empty or new folder")
     out.mkdir(parents=True, exist_ok=True)
-    manifest_path.unlink(missing_ok=True)
+    # Ours from here on, even if the write is interrupted: no sizes, so the next call redoes it.
+    replace_file(manifest_path, b'{"writing": true}\n')
     pairs = generate_pairs(sum(counts.values()), seed)
     sizes, start = {}, 0
     for split, n in counts.items():

@@ -207,6 +207,9 @@ def _unwritable_run_dir(argv: list[str]) -> str | None:
     key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
     given = [a.partition("=")[2] for a in argv if a.lstrip("+").startswith(f"{key}=")]
     text = given[-1].strip("'\"") if given else "multirun" if key == "hydra.sweep.dir" else "runs"
+    if given and not text.strip():  # `hydra.run.dir=$RUN`, RUN unset: Hydra would run in cwd
+        return (f"mt-train: {key}= is empty (an unset shell variable?): the run would write "
+                f"into {Path.cwd()} itself; give a folder for it")
     prefix = text.split("${")[0]
     if not prefix:  # ${oc.env:HOME}/runs: where it goes is Hydra's to resolve
         return None

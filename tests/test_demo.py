@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 import mt.demo
 from mt.demo import (
     LEXICON,
@@ -46,6 +48,36 @@ def test_splits_disjoint_sizes_and_idempotent(tmp_path):
     assert write_demo_corpus(tmp_path, n_train=1500, n_valid=100, n_test=120, seed=3) == counts
     after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in tmp_path.iterdir()}
     assert after == before  # nothing rewritten
+
+
+def test_a_folder_of_someone_elses_data_is_not_overwritten(tmp_path):
+    """data=demo writes into data.dir; a user's own train.en there (the run in cwd by an empty
+    hydra.run.dir, or data.dir given) was replaced by the generated corpus without a word."""
+    (tmp_path / "train.en").write_text("mine\n")
+    with pytest.raises(ValueError, match=r"train\.en: not the demo corpus's .* not overwritten"):
+        write_demo_corpus(tmp_path, n_train=50, n_valid=5, n_test=5)
+    assert (tmp_path / "train.en").read_text() == "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.en"]
+
+
+def test_an_interrupted_write_is_redone(tmp_path, monkeypatch):
+    """The folder is the demo's from its first write on: files half written, then a rerun."""
+    from mt import demo
+
+    real, calls = demo.replace_file, []
+
+    def dies_on_the_third(path, data):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(path, data)
+
+    monkeypatch.setattr(demo, "replace_file", dies_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        write_demo_corpus(tmp_path, n_train=50, n_valid=5, n_test=5)
+    monkeypatch.setattr(demo, "replace_file", real)
+    assert write_demo_corpus(tmp_path, n_train=50, n_valid=5, n_test=5)["train"] == 50
+    assert len((tmp_path / "test.zz").read_text().splitlines()) == 5
 
 
 def test_word_order_is_not_copied():

@@ -121,6 +121,11 @@ def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, monkeypatch):
     assert train._unwritable_run_dir(["hydra.run.dir=${oc.env:HOME}/runs"]) is None
     assert train._unwritable_run_dir(["--help"]) is None  # prints only: works from any folder
     assert train._unwritable_run_dir(["--cfg", "job"]) is None
+    # `hydra.run.dir=$RUN` with RUN unset: Hydra ran in cwd, where the demo overwrote data/.
+    assert train._unwritable_run_dir(["hydra.run.dir="]) == (
+        f"mt-train: hydra.run.dir= is empty (an unset shell variable?): the run would write into "
+        f"{tmp_path} itself; give a folder for it")
+    assert "hydra.sweep.dir= is empty" in train._unwritable_run_dir(["-m", "hydra.sweep.dir=''"])
 
 
 @pytest.mark.parametrize("override", ["experiment=null", "model=", "+data=~"])
