@@ -8,11 +8,11 @@ pairs, their filtering and the batching are ``mt.batching``'s, with the drawn le
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
+import signal
 from array import array
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
-from itertools import repeat
 
 import numpy as np
 from torch import Tensor
@@ -92,10 +92,13 @@ class Segmentations:
         size = min(4096, max(256, math.ceil(len(texts) / (4 * processes))))
         chunks = [texts[i : i + size] for i in range(0, len(texts), size)]
         if processes > 1 and len(chunks) > 1:
-            with ProcessPoolExecutor(min(processes, len(chunks)), initializer=_load,
-                                     initargs=(sp.serialized_model_proto(),)) as pool:
-                parts = list(pool.map(_candidates, repeat(None), chunks, repeat(nbest),
-                                      repeat(max_tokens), repeat(add_eos)))
+            # multiprocessing's Pool, not concurrent.futures': Ctrl-C left the executor waiting
+            # on the chunks already queued (or on workers Ctrl-C had killed) for ever; leaving
+            # this block terminates the workers, which ignore Ctrl-C themselves.
+            with multiprocessing.Pool(min(processes, len(chunks)), initializer=_start_worker,
+                                      initargs=(sp.serialized_model_proto(),)) as pool:
+                parts = pool.starmap(_candidates, [(None, chunk, nbest, max_tokens, add_eos)
+                                                   for chunk in chunks])
         else:
             parts = [_candidates(sp, chunk, nbest, max_tokens, add_eos) for chunk in chunks]
         empty = (np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
@@ -143,6 +146,14 @@ class Segmentations:
 
 
 _SP = None  # a worker process's SentencePiece model (_load)
+
+
+def _start_worker(proto: bytes) -> None:
+    """A worker leaves Ctrl-C to its parent, which ends it, and ends on SIGTERM, which the
+    pool's end sends (the trainer's own SIGTERM handler, inherited by fork, would ignore it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _load(proto)
 
 
 def _load(proto: bytes) -> None:

@@ -462,6 +462,42 @@ def test_subword_candidates_found_by_several_processes_are_the_same(encoded):
     assert len(texts) > 512 and (np.diff(one.first) < 8).any()  # max_tokens did drop some
 
 
+def test_ctrl_c_while_workers_find_candidates_ends_them(monkeypatch):
+    """Ctrl-C while worker processes found the candidates hung mt-train: the pool waited on
+    the chunks it had queued. Now the workers are ended at once, and they ignore Ctrl-C
+    themselves (a terminal sends it to them too), so none prints a traceback of its own."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
+    import time
+
+    from mt import subwords
+
+    class Stalls:  # a worker's model: an n-best list that takes a minute
+        def nbest_encode(self, *args, **kwargs):
+            time.sleep(60)
+
+    class Parents:
+        def nbest_encode(self, *args, **kwargs):
+            return [[[4]]]
+
+        def serialized_model_proto(self):
+            return b""
+
+    def load(proto):
+        subwords._SP = Stalls()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+    monkeypatch.setattr(subwords, "_load", load)  # forked workers see it
+    threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        Segmentations(Parents(), ["w"] * 2048, nbest=4, max_tokens=9, add_eos=True, processes=2)
+    assert time.perf_counter() - start < 20
+    assert not multiprocessing.active_children()
+
+
 def test_subword_sampling_needs_a_unigram_model(encoded):
     pairs = encoded[0]
     bpe = train_tokenizer([s for s, _ in pairs], [t for _, t in pairs],
