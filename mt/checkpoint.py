@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import math
 import os
 import random
@@ -281,9 +282,15 @@ def step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def step_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """step_N.pt files of a checkpoints folder, oldest (smallest N) first."""
+def step_checkpoints(directory: str | os.PathLike,
+                     history: list[dict] | None = None) -> list[Path]:
+    """step_N.pt files of a checkpoints folder, oldest (smallest N) first; with ``history`` (a
+    run's validations), only those of steps it validated: a run started afresh where an earlier
+    one left step files (its last.pt deleted) neither averages nor prunes that one's."""
     found = [(n, p) for p in Path(directory).glob("step_*.pt") if (n := step_of(p)) is not None]
+    if history is not None:
+        validated = {r["step"] for r in history}
+        found = [(n, p) for n, p in found if n in validated]
     return [p for _, p in sorted(found)]
 
 
@@ -308,8 +315,9 @@ def best_step_checkpoints(paths: list[Path], history: list[dict], best_metric: s
 def prune_step_checkpoints(directory: Path, history: list[dict], keep_last: int, keep_best: int,
                            best_metric: str) -> None:
     """Keeps the last ``keep_last`` and the ``keep_best`` best step checkpoints (by the run's
-    validation ``history``); deletes the others."""
-    steps = step_checkpoints(directory)
+    validation ``history``); deletes the others. Step files of steps it did not validate are
+    not the run's: left alone."""
+    steps = step_checkpoints(directory, history)
     keep = set(steps[-keep_last:]) if keep_last else set()
     if keep_best:
         keep.update(best_step_checkpoints(steps, history, best_metric)[:keep_best])
@@ -331,6 +339,26 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
     if state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fingerprint(weights: dict[str, torch.Tensor]) -> bytes:
+    """A digest of every weight's bytes: two files with the same weights (best.pt and the step
+    checkpoint it copies) are one checkpoint, which averaging would weigh twice."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(weights):
+        digest.update(name.encode())
+        digest.update(weights[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.digest()
+
+
+def _not_averaged_twice(path: str | os.PathLike, ckpt: dict, files: dict[Path, object]) -> None:
+    """Refuses an average (averaged.pt) averaged again beside checkpoints it is made of."""
+    inside = [files[f] for x in ckpt.get("averaged_from") or ()
+              if (f := Path(x).resolve()) in files]
+    if inside:
+        raise ValueError(f"{path}: an average of {', '.join(map(str, inside))} among others, "
+                         "which are averaged too: they would weigh twice; name the step "
+                         "checkpoints alone")
 
 
 # Model config keys that may differ between checkpoints that are averaged: the dropouts (training
@@ -361,10 +389,17 @@ def average(paths: list[str | os.PathLike]) -> dict:
         seen[info.st_dev, info.st_ino] = p
     base = load(paths[0])
     require(base)
+    files = {resolve(p).resolve(): p for p in paths}
+    weighed = {_fingerprint(base["model"]): paths[0]}
+    _not_averaged_twice(paths[0], base, files)
     total = {k: v.double() for k, v in base["model"].items()}
     for p in paths[1:]:
         ckpt = load(p)
         require(ckpt)
+        _not_averaged_twice(p, ckpt, files)
+        if (same := weighed.setdefault(_fingerprint(ckpt["model"]), p)) is not p:
+            raise ValueError(f"{p}: the same weights as {same} (best.pt is a copy of a step "
+                             "checkpoint); each is averaged once")
         a, b = base["model_config"], ckpt["model_config"]
         differ = [f"{k}={b.get(k)!r}, not {a.get(k)!r}" for k in sorted(a.keys() | b.keys())
                   if k not in _NOT_SHAPE and a.get(k) != b.get(k)]

@@ -176,3 +176,15 @@ def resume_override(run_dir: Path) -> str:
     if not re.search(r'["$`\\!]', override):  # the shell's double quotes read more easily
         return f'"{override}"' if override != shlex.quote(override) else override
     return shlex.quote(override)
+
+
+def say_leftovers(ckpt_dir: Path) -> None:
+    """A run started afresh in a folder with checkpoints but no last.pt (deleted, or a kill
+    between the first step_N.pt and last.pt): what becomes of them, said once. None is mixed
+    into this run: averaging and pruning take the steps it validated only."""
+    found = sorted(p.name for p in ckpt_dir.glob("*.pt")) if ckpt_dir.is_dir() else []
+    if found:
+        log.warning("%s holds %s but no last.pt: this run starts afresh; it replaces best.pt "
+                    "at its first validation and averages or prunes only step files of its "
+                    "own; metrics.jsonl starts over", ckpt_dir, ", ".join(found[:4])
+                    + (f" and {len(found) - 4} more" if len(found) > 4 else ""))

@@ -107,6 +107,26 @@ def test_average_is_the_mean_of_the_weights(tmp_path, tokenizer):
         torch.testing.assert_close(value, sum(s[name] for s in states) / 3)
 
 
+def test_average_refuses_the_same_weights_twice_and_an_average_beside_its_sources(tmp_path,
+                                                                                   tokenizer):
+    """best.pt is a copy of a step file, and averaged.pt an average of step files: given among
+    them (``mt-average checkpoints/*.pt``), a checkpoint weighed twice, without a word."""
+    paths = []
+    for seed in range(2):
+        paths.append(tmp_path / f"step_{seed + 1}.pt")
+        checkpoint.save_atomic(checkpoint.model_state(tiny_model(seed), tokenizer, None), paths[-1])
+    (tmp_path / "best.pt").write_bytes(paths[1].read_bytes())
+    with pytest.raises(ValueError, match=r"best\.pt: the same weights as .*step_2\.pt"):
+        checkpoint.average([*paths, tmp_path / "best.pt"])
+    checkpoint.save_atomic(checkpoint.average(paths), tmp_path / "averaged.pt")
+    with pytest.raises(ValueError, match=r"averaged\.pt: an average of .*step_1\.pt, .*step_2"):
+        checkpoint.average([*paths, tmp_path / "averaged.pt"])
+    checkpoint.save_atomic(checkpoint.model_state(tiny_model(5), tokenizer, None),
+                           tmp_path / "other.pt")
+    mixed = checkpoint.average([tmp_path / "averaged.pt", tmp_path / "other.pt"])  # allowed
+    assert mixed["averaged_from"][0].endswith("averaged.pt")
+
+
 def test_average_refuses_other_shapes_and_tokenizers_but_not_other_dropouts(
         tmp_path, tokenizer, corpus_dir):
     from mt.config import TokenizerConfig
@@ -269,6 +289,14 @@ def test_average_script_best_ranks_by_the_runs_best_metric(tmp_path, tokenizer):
     assert result.returncode == 0, result.stderr
     assert "ranked by valid chrf (trainer.best_metric): step_2.pt 45.00, step_3.pt 44.00" \
         in result.stderr
+    assert [Path(p).name for p in checkpoint.load(out)["averaged_from"]] == ["step_2.pt",
+                                                                            "step_3.pt"]
+    # An earlier run's step_7.pt (this run's last.pt never validated step 7): not its 'last'.
+    (tmp_path / "step_7.pt").write_bytes((tmp_path / "step_1.pt").read_bytes())
+    result = subprocess.run([PYTHON, "-m", "mt.average", str(tmp_path), "--last", "2", "-o",
+                             str(out), "--force"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "left out step_7.pt: steps the run of last.pt did not validate" in result.stderr
     assert [Path(p).name for p in checkpoint.load(out)["averaged_from"]] == ["step_2.pt",
                                                                             "step_3.pt"]
 
