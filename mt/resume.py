@@ -161,21 +161,39 @@ def restore(trainer: Run, path: Path) -> None:
 
 
 def resume_override(run_dir: Path) -> str:
-    """``hydra.run.dir=RUN`` as a shell command line must spell it for Hydra to read back RUN.
+    """``hydra.run.dir=RUN`` as a shell command line must spell it for Hydra to read back RUN;
+    for a job of a ``-m`` sweep, ``hydra.sweep.dir=`` the sweep's folder, which the same ``-m``
+    command resumes job by job (``hydra.run.dir`` with ``-m`` is not read at all).
 
     Hydra's own grammar refuses a bare value with a space, a comma, parentheses or ``=`` in it
     (``shlex.quote`` alone gave ``'hydra.run.dir=/runs/a b'``, which Hydra cannot parse), so such
     a directory is quoted for Hydra inside the shell's quotes. Plain paths stay as they are."""
+    key, sweep = "hydra.run.dir", _sweep_dir(run_dir)
+    if sweep is not None:
+        key, run_dir = "hydra.sweep.dir", sweep
     text = str(run_dir)
     if not re.fullmatch(r"[\w./:+@%-]+", text):
         # Inside Hydra's quotes a backslash is literal, except in a run of them before a quote
         # or at the end, which is doubled (and the quote escaped).
         text = "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""),
                             text) + "'"
-    override = f"hydra.run.dir={text}"
+    override = f"{key}={text}"
     if not re.search(r'["$`\\!]', override):  # the shell's double quotes read more easily
         return f'"{override}"' if override != shlex.quote(override) else override
     return shlex.quote(override)
+
+
+def _sweep_dir(run_dir: Path) -> Path | None:
+    """The sweep folder that holds ``run_dir``, a ``-m`` job's (``hydra.sweep.subdir`` under it,
+    the job's number by default); None outside a sweep. Read off the job's own folder:
+    ``hydra.sweep.dir`` read again would resolve its ``${now:...}`` to another time."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    sub = Path(HydraConfig.get().sweep.subdir).parts
+    return Path(*run_dir.parts[: -len(sub)]) if run_dir.parts[-len(sub):] == sub else None
 
 
 def say_leftovers(ckpt_dir: Path) -> None:

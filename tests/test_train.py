@@ -723,6 +723,26 @@ def test_the_resume_hint_reads_back_as_the_run_directory(tmp_path, name):
         assert text == f"hydra.run.dir={run_dir}"
 
 
+def test_a_sweep_jobs_resume_hint_names_the_sweep_folder(tmp_path, monkeypatch):
+    """Under -m, Hydra reads hydra.sweep.dir, not hydra.run.dir: the hint named the job's folder
+    as hydra.run.dir, and the same -m command with it started a new sweep from scratch."""
+    from types import SimpleNamespace
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from mt.resume import resume_override
+
+    job = SimpleNamespace(mode=RunMode.MULTIRUN, sweep=SimpleNamespace(subdir="3"))
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: job))
+    assert resume_override(tmp_path / "sweep" / "3") == f"hydra.sweep.dir={tmp_path}/sweep"
+    job.sweep.subdir = "lr=3e-4/3"  # a subdir of several parts
+    assert resume_override(tmp_path / "sw" / "lr=3e-4" / "3") == f"hydra.sweep.dir={tmp_path}/sw"
+    job.mode = RunMode.RUN
+    assert resume_override(tmp_path / "sweep" / "3") == f"hydra.run.dir={tmp_path}/sweep/3"
+
+
 def test_a_library_warning_is_printed_once_and_kept_in_the_log(tmp_path, corpus_dir,
                                                                tokenizer_dir):
     """datasets and huggingface_hub print through handlers of their own and pass each record
