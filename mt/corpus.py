@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mt.batching import EncodedPairs, encode_split, token_batches
-from mt.config import TokenizerConfig, TrainConfig
+from mt.config import DataConfig, TokenizerConfig, TrainConfig
 from mt.data import (
     count_tagged,
     load_split,
@@ -120,7 +120,7 @@ class Corpus:
         return load_or_train(
             directory,
             lambda: sample_texts(train, tok_cfg.input_sentence_size, seed, tok_cfg.joint),
-            tok_cfg, seed)
+            tok_cfg, seed, data_identity(cfg.data))
 
     @property
     def src_lens(self) -> array:
@@ -148,6 +148,15 @@ class Corpus:
 
     def collate(self, batch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.pairs.collate(batch if self.mix is None else self._index[batch])
+
+
+def data_identity(data: DataConfig) -> dict:
+    """What names a run's training data: a tokenizer made from it keeps this, to tell a reuse
+    on other data (``tokenizer.load_or_train``). The demo corpus is one, wherever it lies."""
+    where = ({"hub": f"{data.hub_name}/{data.hub_config}"} if data.source == "hub"
+             else {"dir": str(Path(data.dir).resolve())} if data.source == "files" else {})
+    return {"source": data.source, **where, "train": data.train,
+            "pair": f"{data.src_lang}-{data.tgt_lang}"}
 
 
 class Mix:

@@ -85,6 +85,12 @@ def trainer_state(trainer: Run, rng: list[dict]) -> dict:
     }
 
 
+# What names the data a run trains on: a resume that changes one (the pair above all) goes on
+# training the same weights on another corpus, which a mistaken data=... does unnoticed.
+_DATA_KEYS = tuple(f"data.{k}=" for k in ("source", "dir", "hub_name", "hub_config", "train",
+                                           "src_lang", "tgt_lang"))
+
+
 def restore(trainer: Run, path: Path) -> None:
     """Puts the run that ``path`` (a last.pt) holds back into ``trainer``, built from this run's
     config: what changed since is said, what cannot change (the parameters trained) refused."""
@@ -95,6 +101,10 @@ def restore(trainer: Run, path: Path) -> None:
         changed = config_changes(saved_config, trainer.config_dict, defaults=schema)
         if changed:
             log.info("resuming with settings changed since %s: %s", path, ", ".join(changed))
+        if data := [c for c in changed if c.startswith(_DATA_KEYS)]:  # louder than the rest
+            log.warning("resuming %s on other data than it trained on: %s; a model carried on "
+                        "to new data is init_from=%s in a new run directory", path,
+                        ", ".join(data), path)
     if "trainer" not in ckpt:
         raise ValueError(f"{path} holds weights only, no training state (an average or an "
                          "imported model?), so the run cannot resume from it; move it away "

@@ -384,6 +384,7 @@ def load_or_train(
     texts: Callable[[], tuple[Iterable[str], Iterable[str]]],
     cfg: TokenizerConfig,
     seed: int = 0,
+    trained_on: dict | None = None,
 ) -> Tokenizer:
     """The tokenizer in ``directory`` if it is complete, else one trained and saved there.
 
@@ -394,11 +395,23 @@ def load_or_train(
             A reused tokenizer without one of ``cfg.user_symbols`` as a piece, or trained with
             another ``byte_fallback`` or ``normalization`` (``check_spelling``), is an error.
         seed: for the sentence sample and SentencePiece.
+        trained_on: what names the training data (``corpus.data_identity``), kept beside the
+            tokenizer; a reused one made from other data gets a warning saying how: a run
+            directory's tokenizer left by an attempt interrupted before its first checkpoint
+            was reused by the next attempt, with other data, without a word.
     """
     directory = Path(directory)
-    wanted = {"config": dataclasses.asdict(cfg), "seed": seed}
+    wanted = {"config": dataclasses.asdict(cfg), "seed": seed,
+              **({"trained_on": trained_on} if trained_on else {})}
     if (directory / META_FILE).exists():
-        made = json_object(directory / META_FILE).get("config")
+        meta = json_object(directory / META_FILE)
+        was = meta.get("trained_on")
+        if trained_on and isinstance(was, dict) and was != trained_on:
+            log.warning("reusing the tokenizer in %s, trained on other data: %s; a new "
+                        "data.tokenizer.path (or run directory) trains one on this data",
+                        directory, ", ".join(f"{k}={was.get(k)!r} (now {v!r})"
+                                             for k, v in trained_on.items() if was.get(k) != v))
+        made = meta.get("config")
         check_spelling(made, cfg, directory)
         made = made or {}
         # path says where the tokenizer lives, not how it was made: pointing at it is no change;

@@ -133,6 +133,30 @@ def test_load_or_train_reuses_a_complete_directory(tmp_path, caplog):
     assert calls == [1, 1]
 
 
+def test_a_tokenizer_reused_on_other_data_is_said(tmp_path, caplog):
+    """A run's tokenizer, left by an attempt interrupted before its first checkpoint, was reused
+    without a word by the next attempt in that folder on other data (another pair, another
+    corpus): its pieces fit the first data only."""
+    from mt.config import DataConfig
+    from mt.corpus import data_identity
+
+    cfg = TokenizerConfig(vocab_size=100)
+    first = DataConfig(source="files", dir=str(tmp_path / "corpus"), src_lang="en", tgt_lang="de")
+    load_or_train(tmp_path / "tok", lambda: (SRC, TGT), cfg, 1, data_identity(first))
+    with caplog.at_level(logging.WARNING, logger="mt.tokenizer"):
+        load_or_train(tmp_path / "tok", lambda: pytest.fail("trained again"), cfg, 1,
+                      data_identity(first))
+        assert "other data" not in caplog.text
+        other = DataConfig(source="files", dir=str(tmp_path / "corpus"), src_lang="en",
+                           tgt_lang="fr", train="train+bt")
+        load_or_train(tmp_path / "tok", lambda: pytest.fail("trained again"), cfg, 1,
+                      data_identity(other))
+    assert (f"reusing the tokenizer in {tmp_path / 'tok'}, trained on other data: "
+            "train='train' (now 'train+bt'), pair='en-de' (now 'en-fr')") in caplog.text
+    demo = data_identity(DataConfig(dir=str(tmp_path / "run1")))
+    assert demo == data_identity(DataConfig(dir=str(tmp_path / "run2")))  # one corpus
+
+
 @pytest.mark.parametrize("damage", ["spm.model", "empty spm.model", "json text", "json list"])
 def test_a_damaged_reused_tokenizer_is_one_line_naming_its_file(tmp_path, damage):
     """A reused tokenizer folder (data.tokenizer.path) with a damaged file: SentencePiece's

@@ -1042,7 +1042,7 @@ def test_a_resumed_run_logs_each_step_once_with_the_losses_of_a_run_never_stoppe
 
 
 def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr(
-        tmp_path, fit_here):
+        tmp_path, fit_here, corpus_dir):
     """Step 1 ran at the rate of step 0 (so steps 1 and 2 shared one, and the peak came a step
     late); and a resumed run kept the saved optim.lr, whatever the command line said, although
     the advice after a divergence is to lower it and run again."""
@@ -1071,6 +1071,15 @@ def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr
         peak = 1e-3 if step <= 6 else 5e-4
         assert rate == pytest.approx(peak * min(step / 5, math.sqrt(5 / step)), rel=1e-12), step
     assert lr[5] == pytest.approx(1e-3)  # the peak, at the last warmup step
+    assert "on other data" not in resumed
+    # Another corpus (a mistaken data=... or data.dir): said in a warning, not among the info.
+    import shutil
+
+    other = shutil.copytree(corpus_dir, tmp_path / "other")
+    moved = fit_here("run", *common, "trainer.max_steps=10", corpus=other)
+    assert re.search(r"WARNING .*resuming \S+last.pt on other data than it trained on: "
+                     rf"data.dir={other} \(was \S+\); a model carried on to new data is "
+                     r"init_from=\S+last.pt in a new run directory", moved), moved
 
 
 def test_plateau_cuts_the_rate_and_a_killed_run_resumes_with_the_same_rates(
