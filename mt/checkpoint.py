@@ -175,6 +175,9 @@ def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     ``mmap``: tensors stay in the file until read, for a caller that wants only the configs.
     """
     file = resolve(path)
+    if file.stat().st_size == 0:  # torch's words for it were about mmap and zip files
+        raise ValueError(f"{file}: an empty file, not an mt checkpoint (a copy or a disk that "
+                         "failed?); mt writes checkpoints whole or not at all")
     try:
         ckpt = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # torch raises many kinds for a corrupt or foreign file

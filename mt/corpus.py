@@ -105,6 +105,12 @@ class Corpus:
             valid = load_split(data, split)
             n = data.max_valid_sentences or len(valid)
             self.valid[split] = list(valid["src"][:n]), list(valid["tgt"][:n])
+            if not any(s.strip() and t.strip() for s, t in zip(*self.valid[split], strict=True)):
+                # else a BLEU of 0 at every validation, and trainer.patience ends the run
+                key = "data.valid" if split == data.valid else "data.extra_valid"
+                raise ValueError(f"{key}: split {split!r} has no pair with text on both sides "
+                                 f"(of {n}{' taken' if data.max_valid_sentences else ''}), so "
+                                 "nothing to validate on")
 
     @staticmethod
     def _tokenizer(cfg: TrainConfig, tok_cfg: TokenizerConfig, run_dir: Path, train,

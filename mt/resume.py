@@ -133,7 +133,7 @@ def restore(trainer: Run, path: Path) -> None:
     # and the seconds trained: a time-budgeted schedule's rate depends on them
     trainer.seconds_before = trainer.elapsed = state.get("seconds", 0.0)
     changed = take_optim_config(trainer.optimizer, trainer.scheduler, trainer.cfg)
-    if changed:
+    if changed and trainer.rank == 0:  # every rank takes them; one says so
         log.warning("resuming with %s", ", ".join(changed))
     trainer.scaler.load_state_dict(state["scaler"])
     trainer.step, trainer.epoch = state["step"], state["epoch"]
@@ -147,10 +147,11 @@ def restore(trainer: Run, path: Path) -> None:
         seen = trainer.step_in_epoch * saved_per_step
         trainer.step_in_epoch = seen // per_step
         again = seen - trainer.step_in_epoch * per_step
-        log.warning("resuming with %d batches per step (trainer.accumulation x processes) "
-                    "where the run took %d: each update changes size, and the epoch goes on "
-                    "from its batch %d%s", per_step, saved_per_step, seen - again,
-                    f" ({again} of its batches trained again)" if again else "")
+        if trainer.rank == 0:
+            log.warning("resuming with %d batches per step (trainer.accumulation x processes) "
+                        "where the run took %d: each update changes size, and the epoch goes "
+                        "on from its batch %d%s", per_step, saved_per_step, seen - again,
+                        f" ({again} of its batches trained again)" if again else "")
     t = trainer.cfg.trainer  # replayed: the metric or threshold may differ from the saver's
     trainer.best, trainer.bad_validations = best_so_far(trainer.history, t.best_metric,
                                                         t.min_improvement)

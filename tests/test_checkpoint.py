@@ -90,6 +90,10 @@ def test_corrupt_or_foreign_file_gives_a_one_line_error(tmp_path):
     with pytest.raises(ValueError, match="bad.pt: not a readable mt checkpoint") as err:
         checkpoint.load(bad)
     assert "\n" not in str(err.value)
+    (tmp_path / "empty.pt").write_bytes(b"")  # torch's words were about mmap and zip files
+    for mmap in (False, True):
+        with pytest.raises(ValueError, match=r"empty\.pt: an empty file, not an mt checkpoint"):
+            checkpoint.load(tmp_path / "empty.pt", mmap=mmap)
     foreign = tmp_path / "foreign.pt"
     torch.save({"state_dict": {}}, foreign)
     with pytest.raises(ValueError, match="not an mt checkpoint"):

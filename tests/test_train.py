@@ -437,6 +437,13 @@ def test_empty_valid_or_test_files_are_refused_at_start_naming_them(trainer_fact
             trainer_factory(f"empty_{split}", f"data.dir={data}", "trainer.test_at_end=true")
         shutil.copy(corpus_dir / f"{split}.en", data / f"{split}.en")
         shutil.copy(corpus_dir / f"{split}.zz", data / f"{split}.zz")
+    # lines, but blank on one side or the other: a BLEU of 0 at every validation
+    (data / "valid.zz").write_text("\n" * len((data / "valid.en").read_text().splitlines()))
+    with pytest.raises(ValueError, match=r"^data.valid: split 'valid' has no pair with text "
+                                         r"on both sides \(of \d+ taken\), so nothing to "
+                                         r"validate on$"):
+        trainer_factory("blank_valid", f"data.dir={data}")
+    shutil.copy(corpus_dir / "valid.zz", data / "valid.zz")
     # an empty data.test means no test at the end (it was a path '.en' beside the data)
     trainer_factory("no_test", "trainer.test_at_end=true", "data.test=")
     # and a bad line in the test set is found now, not after the training
