@@ -121,6 +121,7 @@ def blank_pieces(sp) -> torch.Tensor:
                          for i in range(sp.get_piece_size())])
 
 
+@torch.inference_mode()  # a library caller's align_lines kept every batch's graph
 def _attended(model, tokenizer, results: list[LineResult], jobs: list[tuple[int, int, int]],
               layer: int | None, batch_tokens: int) -> dict[tuple[int, int, int], list[int]]:
     """Per job, the source token each target token attends to most (EOS not included) in one
