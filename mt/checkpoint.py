@@ -104,7 +104,10 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
     if path.exists() and not path.is_file():  # a rename would replace /dev/null itself (as root)
         raise FileExistsError(f"{path} is not a regular file; name the checkpoint file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:  # named the hidden temporary file, not the one asked for
+        raise type(err)(err.errno, err.strerror, str(path)) from None
     try:
         os.fchmod(fd, 0o666 & ~umask())
         os.close(fd)

@@ -406,6 +406,10 @@ def test_save_atomic_refuses_a_device_and_names_the_file_of_a_failed_write(tmp_p
                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert out.stdout.startswith("x.pt write failed, is the disk full?"), out.stderr[-500:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]  # no part-file left
+    # a folder where no file can be made (/proc): named as the file asked for, not the temporary
+    with pytest.raises(OSError) as err:
+        checkpoint.save_atomic({"a": 1}, "/proc/x.pt")
+    assert err.value.filename == "/proc/x.pt"
 
 
 def test_running_out_of_memory_while_loading_is_not_called_a_bad_checkpoint(tmp_path,
