@@ -1209,6 +1209,18 @@ def test_a_resume_with_another_accumulation_goes_on_from_the_same_batch(tmp_path
     assert (state["epoch"], state["step_in_epoch"], state["step"]) == (0, 8, 5)
 
 
+def test_a_resume_mid_epoch_with_another_max_tokens_says_the_epoch_is_cut_anew(fit_here):
+    """The position in the epoch is a count of steps over the epoch's batches, which
+    trainer.max_tokens cuts: with another value the rest of the epoch is not the saved one's."""
+    common = ["trainer.validate_every=100", "trainer.test_at_end=false"]
+    fit_here("run", *common, "trainer.max_steps=2", "trainer.max_tokens=400")
+    resumed = fit_here("run", *common, "trainer.max_steps=3", "trainer.max_tokens=300")
+    assert ("resuming in the middle of epoch 0 with trainer.max_tokens=300 (was 400): its "
+            "batches are cut anew") in resumed
+    again = fit_here("run", *common, "trainer.max_steps=4", "trainer.max_tokens=300")
+    assert "cut anew" not in again
+
+
 def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, corpus_dir,
                                                                      tokenizer_dir):
     common = ["trainer.max_steps=4", "trainer.validate_every=4", "trainer.test_at_end=false",
