@@ -32,7 +32,12 @@ from mt.divergence import Diverged
 from mt.inference import cap_kernel_caches
 from mt.resume import resume_override
 from mt.runlog import finish
-from mt.textio import fill_closed_descriptors, nearest_existing, reader_left
+from mt.textio import (
+    fill_closed_descriptors,
+    nearest_existing,
+    reader_left,
+    terminate_as_interrupt,
+)
 from mt.trainer import Terminated, Trainer
 
 log = logging.getLogger("mt.train")
@@ -46,10 +51,13 @@ def hydra_main(dcfg: DictConfig) -> float | None:
     divergence, a batch too large for the device) said in one line on stderr; the traceback
     goes to train.log only, or to stderr too with HYDRA_FULL_ERROR=1, as Hydra's own errors."""
     try:
-        return _run(dcfg)
+        # SIGTERM while the data is prepared or the final test runs ends as Ctrl-C does, in
+        # words (it killed the process without one); the training loop has a handler of its own
+        with terminate_as_interrupt():
+            return _run(dcfg)
     except (KeyboardInterrupt, Exception) as err:
-        if _ctrl_c_within(err):  # Ctrl-C: how to go on, not a traceback from inside torch
-            raise SystemExit(_interrupted()) from None
+        if signum := _ctrl_c_within(err):  # how to go on, not a traceback from inside torch
+            raise SystemExit(_interrupted(signum)) from None
         if isinstance(err, Terminated):
             if int(os.environ.get("RANK", "0")) == 0:
                 run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -101,33 +109,35 @@ def _in_sweep() -> bool:
     return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _ctrl_c_within(err: BaseException) -> bool:
-    """Whether a Ctrl-C set off this error: one that lands inside torch.save makes the zip
-    writer's cleanup raise a RuntimeError of its own, with the KeyboardInterrupt only as its
-    context (the atomic write has kept the last checkpoint whole all the same)."""
+def _ctrl_c_within(err: BaseException) -> int:
+    """The signal (SIGINT, or SIGTERM outside the training loop) that set off this error, 0 if
+    none: one that lands inside torch.save makes the zip writer's cleanup raise a RuntimeError
+    of its own, with the KeyboardInterrupt only as its context (the atomic write has kept the
+    last checkpoint whole all the same)."""
     seen: BaseException | None = err
     walked: set[int] = set()  # a chain can loop: an error re-raised from its own handler
     while seen is not None and id(seen) not in walked:
         if isinstance(seen, KeyboardInterrupt):
-            return True
+            return getattr(seen, "signal", signal.SIGINT)
         walked.add(id(seen))
         seen = seen.__cause__ or seen.__context__
-    return False
+    return 0
 
 
-def _interrupted() -> int:
+def _interrupted(signum: int) -> int:
     """Says (on rank 0) what an interrupted run keeps and the override that resumes it, and
-    gives the exit status of a Ctrl-C (130), so that a shell loop or a sweep stops too."""
+    gives the exit status of the signal (130 for Ctrl-C), so that a shell loop or a sweep
+    stops too."""
     if int(os.environ.get("RANK", "0")) == 0:
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         last = run_dir / "checkpoints" / "last.pt"
+        how = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
         if last.exists():
-            log.warning("interrupted; %s holds the run as of its last validation or save: the "
-                        "same command with %s resumes it", last,
-                        resume_override(run_dir))
+            log.warning("%s; %s holds the run as of its last validation or save: the "
+                        "same command with %s resumes it", how, last, resume_override(run_dir))
         else:
-            log.warning("interrupted before the first checkpoint; nothing to resume")
-    return 130
+            log.warning("%s before the first checkpoint; nothing to resume", how)
+    return 128 + signum
 
 
 def _one_line_per_record() -> None:

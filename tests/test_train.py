@@ -773,6 +773,25 @@ def test_a_library_warning_is_printed_once_and_kept_in_the_log(tmp_path, corpus_
         assert said in (run_dir / "train.log").read_text()
 
 
+def test_a_sigterm_while_the_data_is_prepared_is_said(tmp_path, corpus_dir, tokenizer_dir):
+    """Before the training loop (a tokenizer trained, a corpus encoded: minutes on WMT) a
+    SIGTERM killed mt-train without a word; now it ends as Ctrl-C does, with SIGTERM's status."""
+    script = ("import os, signal, sys, time, mt.train as t\n"
+              "def corpus(self, *args):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(30)\n"
+              "t.Trainer._corpus = corpus\n"
+              "sys.argv[0] = 'mt-train'\n"
+              "t.main()\n")
+    cmd = [PYTHON, "-c", script, *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 143, result.stderr[-2000:]
+    assert "terminated (SIGTERM) before the first checkpoint; nothing to resume" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_a_run_with_stderr_closed_trains_and_logs_to_its_file(tmp_path, corpus_dir,
                                                              tokenizer_dir):
     """`mt-train ... 2>&-` (a service, a cron line) died silently inside Hydra, exit status 1:
