@@ -8,11 +8,13 @@ pairs, their filtering and the batching are ``mt.batching``'s, with the drawn le
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 import signal
 from array import array
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from itertools import repeat
 
 import numpy as np
 from torch import Tensor
@@ -92,13 +94,8 @@ class Segmentations:
         size = min(4096, max(256, math.ceil(len(texts) / (4 * processes))))
         chunks = [texts[i : i + size] for i in range(0, len(texts), size)]
         if processes > 1 and len(chunks) > 1:
-            # multiprocessing's Pool, not concurrent.futures': Ctrl-C left the executor waiting
-            # on the chunks already queued (or on workers Ctrl-C had killed) for ever; leaving
-            # this block terminates the workers, which ignore Ctrl-C themselves.
-            with multiprocessing.Pool(min(processes, len(chunks)), initializer=_start_worker,
-                                      initargs=(sp.serialized_model_proto(),)) as pool:
-                parts = pool.starmap(_candidates, [(None, chunk, nbest, max_tokens, add_eos)
-                                                   for chunk in chunks])
+            parts = _in_workers(min(processes, len(chunks)), sp.serialized_model_proto(),
+                                chunks, nbest, max_tokens, add_eos)
         else:
             parts = [_candidates(sp, chunk, nbest, max_tokens, add_eos) for chunk in chunks]
         empty = (np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
@@ -146,6 +143,36 @@ class Segmentations:
 
 
 _SP = None  # a worker process's SentencePiece model (_load)
+
+
+def _in_workers(processes: int, proto: bytes, chunks: list[list[str]], nbest: int,
+                max_tokens: int, add_eos: bool) -> list:
+    """``_candidates`` of each chunk, found by worker processes.
+
+    Ctrl-C (or any error) ends the workers at once: the executor's own shutdown waited on the
+    chunks already queued, for ever where Ctrl-C had killed a worker, and mt-train hung. A
+    worker killed (by the kernel, out of memory) is a one-line error; multiprocessing's Pool,
+    which starts a new worker in its place, waited on the lost chunk for ever instead.
+    """
+    pool = ProcessPoolExecutor(processes, initializer=_start_worker, initargs=(proto,))
+    try:
+        parts = list(pool.map(_candidates, repeat(None), chunks, repeat(nbest),
+                              repeat(max_tokens), repeat(add_eos)))
+    except BrokenProcessPool:
+        raise ValueError(f"data.subword_alpha: a process finding the subword candidates died "
+                         f"(killed, out of memory?); lower data.num_proc (now {processes} "
+                         "processes) or data.subword_nbest") from None
+    except BaseException:
+        end = getattr(pool, "terminate_workers", None)  # Python 3.14; before, by hand
+        if end is not None:
+            end()
+        else:  # (before shutdown, which forgets them)
+            for worker in list((getattr(pool, "_processes", None) or {}).values()):
+                worker.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return parts
 
 
 def _start_worker(proto: bytes) -> None:

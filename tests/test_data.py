@@ -462,40 +462,79 @@ def test_subword_candidates_found_by_several_processes_are_the_same(encoded):
     assert len(texts) > 512 and (np.diff(one.first) < 8).any()  # max_tokens did drop some
 
 
-def test_ctrl_c_while_workers_find_candidates_ends_them(monkeypatch):
-    """Ctrl-C while worker processes found the candidates hung mt-train: the pool waited on
-    the chunks it had queued. Now the workers are ended at once, and they ignore Ctrl-C
-    themselves (a terminal sends it to them too), so none prints a traceback of its own."""
+class _Parents:
+    """The parent's side of a SentencePiece model, for Segmentations' checks."""
+
+    def nbest_encode(self, *args, **kwargs):
+        return [[[4]]]
+
+    def serialized_model_proto(self):
+        return b""
+
+
+def _workers_that(monkeypatch, tmp_path, act):
+    """Workers whose n-best lists ``act`` (stall, die), each leaving its signal dispositions
+    in tmp_path: forked, they see the patched loader."""
+    import os
+    import signal
+
+    from mt import subwords
+
+    class Acts:
+        def nbest_encode(self, *args, **kwargs):
+            act()
+
+    def load(proto):
+        said = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+        (tmp_path / f"worker{os.getpid()}").write_text(repr(said))
+        subwords._SP = Acts()
+
+    monkeypatch.setattr(subwords, "_load", load)
+
+
+def test_ctrl_c_while_workers_find_candidates_ends_them(monkeypatch, tmp_path, capfd):
+    """Ctrl-C while worker processes found the candidates hung mt-train: the executor waited
+    on the chunks it had queued. A terminal sends Ctrl-C to the workers too: they ignore it
+    (no traceback of their own) and are ended at once; SIGTERM, which ends them, is the
+    default again (the trainer's handler, inherited by fork, would ignore it)."""
     import multiprocessing
     import os
     import signal
     import threading
     import time
 
-    from mt import subwords
+    _workers_that(monkeypatch, tmp_path, lambda: time.sleep(60))
 
-    class Stalls:  # a worker's model: an n-best list that takes a minute
-        def nbest_encode(self, *args, **kwargs):
-            time.sleep(60)
+    def ctrl_c():
+        for worker in multiprocessing.active_children():
+            os.kill(worker.pid, signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
 
-    class Parents:
-        def nbest_encode(self, *args, **kwargs):
-            return [[[4]]]
-
-        def serialized_model_proto(self):
-            return b""
-
-    def load(proto):
-        subwords._SP = Stalls()
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-
-    monkeypatch.setattr(subwords, "_load", load)  # forked workers see it
-    threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    threading.Timer(2, ctrl_c).start()
     start = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
-        Segmentations(Parents(), ["w"] * 2048, nbest=4, max_tokens=9, add_eos=True, processes=2)
+        Segmentations(_Parents(), ["w"] * 2048, nbest=4, max_tokens=9, add_eos=True, processes=2)
     assert time.perf_counter() - start < 20
+    deadline = time.time() + 10
+    while multiprocessing.active_children() and time.time() < deadline:
+        time.sleep(0.1)
     assert not multiprocessing.active_children()
+    said = [p.read_text() for p in tmp_path.glob("worker*")]
+    assert len(said) == 2
+    assert all(x == repr((signal.SIG_IGN, signal.SIG_DFL)) for x in said), said
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_worker_killed_while_finding_candidates_is_one_line(monkeypatch, tmp_path):
+    """The kernel's OOM killer ends a worker: one line, not a wait for ever on its chunk."""
+    import os
+    import signal
+
+    _workers_that(monkeypatch, tmp_path, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    with pytest.raises(ValueError, match=r"^data.subword_alpha: a process finding the subword "
+                                         r"candidates died \(killed, out of memory\?\); lower "
+                                         r"data.num_proc \(now 2 processes\)"):
+        Segmentations(_Parents(), ["w"] * 2048, nbest=4, max_tokens=9, add_eos=True, processes=2)
 
 
 def test_subword_sampling_needs_a_unigram_model(encoded):
