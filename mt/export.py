@@ -177,7 +177,7 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLi
     Files: config.json, generation_config.json, model.safetensors, source.spm / target.spm (the
     same model twice for a joint vocabulary), vocab.json (piece -> id, in SentencePiece order, so
     the ids are mt's; a target-language code under its Marian name), target_vocab.json for
-    separate vocabularies, tokenizer_config.json.
+    separate vocabularies (where the target names an id otherwise), tokenizer_config.json.
 
     Raises:
         ValueError: naming every model option Marian cannot express.
@@ -195,14 +195,17 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLi
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(out)
-    separate = not tokenizer.joint
     (out / "source.spm").write_bytes(tokenizer.src_proto)
-    (out / "target.spm").write_bytes(tokenizer.tgt_proto if separate else tokenizer.src_proto)
-    (out / "vocab.json").write_text(
-        json.dumps(_source_vocab(tokenizer.src_proto), ensure_ascii=False))
+    (out / "target.spm").write_bytes(tokenizer.tgt_proto or tokenizer.src_proto)
+    # Separate vocabularies are separate names for the ids, not two SentencePiece models: an
+    # imported multilingual model (one vocab.json) has two models that differ only in how a code
+    # is held (▁>>fra<< or an UNUSED >>fra<<), and came back with two vocabulary files.
+    vocab = _source_vocab(tokenizer.src_proto)
+    tgt_vocab = vocab if tokenizer.joint else _vocab(tokenizer.tgt_proto)
+    separate = tgt_vocab != vocab
+    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     if separate:
-        (out / "target_vocab.json").write_text(
-            json.dumps(_vocab(tokenizer.tgt_proto), ensure_ascii=False))
+        (out / "target_vocab.json").write_text(json.dumps(tgt_vocab, ensure_ascii=False))
     tok_config = {"tokenizer_class": "MarianTokenizer", "separate_vocabs": separate,
                   "model_max_length": cfg.max_positions, "unk_token": "<unk>",
                   "eos_token": "</s>", "pad_token": "<pad>"}

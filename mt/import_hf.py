@@ -103,6 +103,11 @@ def remap_spm(proto: bytes, pieces: list[str], language_codes: bool = False) -> 
             and puts ``▁`` before every word, so ``>>fra<< Hello`` (normalized ``▁>>fra<<▁Hello``)
             encodes as the code, then what ``Hello`` alone encodes as: what ``MarianTokenizer``
             gives. Defined without the ``▁`` it would come out as ``▁``, ``>>fra<<``.
+
+    On either side, a code whose ``proto`` has ``▁>>fra<<`` and not ``>>fra<<`` is that piece:
+    mt's export lists ``▁>>fra<<`` in vocab.json as ``>>fra<<`` (``mt.export._source_vocab``).
+    Read as a piece of its own, a joint model's target side got an UNUSED ``>>fra<<`` and the
+    tokenizer came back as two models.
     """
     from sentencepiece import sentencepiece_model_pb2 as pb
 
@@ -118,16 +123,18 @@ def remap_spm(proto: bytes, pieces: list[str], language_codes: bool = False) -> 
     for i, piece in enumerate(pieces):
         p = new.pieces.add()
         p.piece = piece
+        code = "\u2581" + piece  # a code's piece; not if taken by another row: pieces are unique
+        is_code = LANGUAGE_CODE.fullmatch(piece) and code not in names
         if i in SPECIAL_PIECES:
             p.type, p.score = (Piece.UNKNOWN if i == UNK_ID else Piece.CONTROL), 0.0
-        elif (language_codes and LANGUAGE_CODE.fullmatch(piece)
-              and "\u2581" + piece not in names):  # not if taken: pieces are unique
-            p.piece, p.type, p.score = "\u2581" + piece, Piece.USER_DEFINED, 0.0
+        elif is_code and (language_codes or (code in known and piece not in known)):
+            p.piece, p.type, p.score = code, Piece.USER_DEFINED, 0.0
         elif piece in known:
             p.type, p.score = known[piece].type, known[piece].score
         else:
             p.type, p.score = Piece.UNUSED, 0.0
-    dropped = len(set(known) - set(pieces))
+    # a piece kept under a code's name (vocab.json's >>fra<< for the model's ▁>>fra<<) is not lost
+    dropped = len(set(known) - {p.piece for p in new.pieces} - names)
     if dropped:
         log.warning("%d SentencePiece pieces have no row in the model's vocabulary; they are left "
                     "out (Marian maps them to <unk>)", dropped)

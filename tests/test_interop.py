@@ -597,6 +597,72 @@ def test_import_multilingual_opus_takes_language_codes_as_hf(tmp_path, corpus_di
     assert again(texts)["input_ids"] == ids
 
 
+def _spm_pieces(proto: bytes) -> list[tuple[str, int, float]]:
+    """(piece, type, score) of each id of a serialized SentencePiece model."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    m = pb.ModelProto()
+    m.ParseFromString(proto)
+    return [(p.piece, p.type, p.score) for p in m.pieces]
+
+
+@pytest.mark.parametrize("origin", ["mt", "marian"])
+def test_a_language_code_round_trip_keeps_the_tokenizer_and_warns_of_nothing(
+        tmp_path, corpus_dir, origin, caplog):
+    """Exported and imported again, a tokenizer with target-language codes is the one it was.
+    The code's piece ``▁>>fra<<`` is listed in vocab.json as ``>>fra<<``: the import took the name
+    for a piece of its own, warned that ``▁>>fra<<`` was "left out" (nothing was), and made the
+    target side an UNUSED ``>>fra<<``, so a joint tokenizer came back as two models. An imported
+    multilingual Marian model (one vocabulary) came back with two vocabulary files."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("google.protobuf")
+    from mt.config import TokenizerConfig
+    from mt.tokenizer import train_tokenizer
+
+    codes = (">>fra<<", ">>deu<<")
+    texts = [f"{code} {text}" for text in _texts(corpus_dir, 3)[:3] for code in codes]
+    if origin == "mt":  # mt's own multilingual model: the codes are user symbols, vocabulary joint
+        tok = train_tokenizer(read_lines(corpus_dir / "train.en"),
+                              read_lines(corpus_dir / "train.zz"),
+                              TokenizerConfig(vocab_size=200, user_symbols=list(codes)), seed=1)
+        assert tok.joint
+        first = _save(_mt_model(tok, _pad(tok.encode_src(texts), PAD_ID)[0]), tok,
+                      tmp_path / "first.pt")
+    else:  # an OPUS-MT-like multilingual model, one vocab.json for both sides
+        d = _opus_like_dir(tmp_path, corpus_dir, transformers, False, codes)[0]
+        first = str(tmp_path / "first.pt")
+        import_main(["--from", "hf", str(d), "--out", first])
+    model, tok, _ = load_model(first)
+    export_main(["-m", first, "--format", "hf", "--out", str(tmp_path / "hf")])
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        import_main(["--from", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back.pt")])
+    assert "left out" not in caplog.text
+    back, back_tok, _ = load_model(tmp_path / "back.pt")
+    assert back_tok.joint == tok.joint
+    assert _spm_pieces(back_tok.src_proto) == _spm_pieces(tok.src_proto)
+    assert _spm_pieces(back_tok.tgt.serialized_model_proto()) == _spm_pieces(
+        tok.tgt.serialized_model_proto())
+    # one vocabulary stays one (the target's names are the source's), and Hugging Face reads it
+    assert not (tmp_path / "hf" / "target_vocab.json").exists()
+    hf_tok = transformers.MarianTokenizer.from_pretrained(tmp_path / "hf")
+
+    ids = tok.encode_src(texts)
+    assert back_tok.encode_src(texts) == ids and ids[0][0] != ids[1][0]  # a code, one token
+    assert hf_tok(texts)["input_ids"] == ids
+    src, _ = _pad(ids, PAD_ID)
+    tgt_in = torch.cat([torch.full((len(ids), 1), BOS_ID), src[:, :-1].clamp(min=4)], dim=1)
+    tgt_in = tgt_in.clamp(max=tok.tgt_vocab_size - 1)
+    with torch.no_grad():
+        torch.testing.assert_close(back(src, tgt_in), model(src, tgt_in), atol=1e-5, rtol=1e-5)
+    greedy = _mt_outputs(model, src)[0]
+    assert _mt_outputs(back, src)[0] == greedy
+    assert back_tok.decode_tgt(greedy) == tok.decode_tgt(greedy)
+    if origin == "marian":  # (mt's own ▁>>fra<< decodes with a space before it, Marian's without)
+        assert hf_tok.batch_decode([t + [EOS_ID] for t in greedy],
+                                   skip_special_tokens=True) == tok.decode_tgt(greedy)
+
+
 def test_a_damaged_marian_directory_is_one_line_naming_the_file(tmp_path, corpus_dir):
     """Each damage was a traceback (weights, a SentencePiece model, sizes that do not match) or
     a line naming no file ("mt-import: 'encoder_ffn_dim'")."""
