@@ -33,22 +33,14 @@ def pick(folder: Path, last: int | None, best: int | None) -> list[Path]:
     steps = checkpoint.step_checkpoints(folder)
     if not steps:
         raise SystemExit(f"mt-average: {folder}: no step_N.pt checkpoints")
-    last_pt = folder / "last.pt"
-    state = checkpoint.load(last_pt, mmap=True) if last_pt.is_file() else {}
-    history = state.get("trainer", {}).get("history")
-    if history is not None:  # step files of an earlier run, in a folder run again afresh: out
-        runs = checkpoint.step_checkpoints(folder, history)
-        if theirs := [p.name for p in steps if p not in runs]:
-            print(f"mt-average: left out {', '.join(theirs)}: steps the run of last.pt did not "
-                  "validate (an earlier run's)", file=sys.stderr)
-        steps = runs
     if last:
         picked, asked, option = steps[-last:], last, "--last"
     else:
-        if not state:
+        if not (folder / "last.pt").is_file():
             raise SystemExit(f"mt-average: {folder}: no last.pt, which holds the "
                              "validation scores --best ranks by; use --last N or name the files")
-        history = history or []
+        state = checkpoint.load(folder / "last.pt")
+        history = state.get("trainer", {}).get("history", [])
         metric = (state.get("config") or {}).get("trainer", {}).get("best_metric", "bleu")
         picked = checkpoint.best_step_checkpoints(steps, history, metric)[:best]
         asked, option = best, "--best"

@@ -288,15 +288,9 @@ def step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def step_checkpoints(directory: str | os.PathLike,
-                     history: list[dict] | None = None) -> list[Path]:
-    """step_N.pt files of a checkpoints folder, oldest (smallest N) first; with ``history`` (a
-    run's validations), only those of steps it validated: a run started afresh where an earlier
-    one left step files (its last.pt deleted) neither averages nor prunes that one's."""
+def step_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """step_N.pt files of a checkpoints folder, oldest (smallest N) first."""
     found = [(n, p) for p in Path(directory).glob("step_*.pt") if (n := step_of(p)) is not None]
-    if history is not None:
-        validated = {r["step"] for r in history}
-        found = [(n, p) for n, p in found if n in validated]
     return [p for _, p in sorted(found)]
 
 
@@ -321,9 +315,8 @@ def best_step_checkpoints(paths: list[Path], history: list[dict], best_metric: s
 def prune_step_checkpoints(directory: Path, history: list[dict], keep_last: int, keep_best: int,
                            best_metric: str) -> None:
     """Keeps the last ``keep_last`` and the ``keep_best`` best step checkpoints (by the run's
-    validation ``history``); deletes the others. Step files of steps it did not validate are
-    not the run's: left alone."""
-    steps = step_checkpoints(directory, history)
+    validation ``history``); deletes the others."""
+    steps = step_checkpoints(directory)
     keep = set(steps[-keep_last:]) if keep_last else set()
     if keep_best:
         keep.update(best_step_checkpoints(steps, history, best_metric)[:keep_best])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import shlex
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -214,13 +215,22 @@ def _sweep_dir(run_dir: Path) -> Path | None:
     return Path(*run_dir.parts[: -len(sub)]) if run_dir.parts[-len(sub):] == sub else None
 
 
-def say_leftovers(ckpt_dir: Path) -> None:
-    """A run started afresh in a folder with checkpoints but no last.pt (deleted, or a kill
-    between the first step_N.pt and last.pt): what becomes of them, said once. None is mixed
-    into this run: averaging and pruning take the steps it validated only."""
-    found = sorted(p.name for p in ckpt_dir.glob("*.pt")) if ckpt_dir.is_dir() else []
-    if found:
-        log.warning("%s holds %s but no last.pt: this run starts afresh; it replaces best.pt "
-                    "at its first validation and averages or prunes only step files of its "
-                    "own; metrics.jsonl starts over", ckpt_dir, ", ".join(found[:4])
-                    + (f" and {len(found) - 4} more" if len(found) > 4 else ""))
+def set_aside(run_dir: Path) -> None:
+    """Moves what an earlier run left in ``run_dir`` without a last.pt (deleted to start over,
+    or a kill between the first validation's step_N.pt and last.pt) into
+    ``run_dir/earlier/TIME/``, before this run starts afresh. Left in place, an earlier run's
+    step_N.pt counted among this run's: pruning kept it and deleted this run's, averaging took
+    it in; and metrics.jsonl was cut to nothing. Nothing is deleted."""
+    ckpt_dir = run_dir / "checkpoints"
+    found = sorted(ckpt_dir.glob("*.pt")) if ckpt_dir.is_dir() else []
+    if not found:  # a run stopped before its first checkpoint: its log lines go, as before
+        return
+    found += [p for p in (run_dir / "metrics.jsonl", run_dir / "curves.png") if p.exists()]
+    earlier = run_dir / "earlier" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    while earlier.exists():  # two fresh starts within a second
+        earlier = earlier.with_name(earlier.name + "+")
+    earlier.mkdir(parents=True)
+    for path in found:
+        path.rename(earlier / path.name)
+    log.warning("%s held %s but no last.pt: moved to %s, and this run starts afresh",
+                ckpt_dir, ", ".join(p.name for p in found), earlier)

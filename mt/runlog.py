@@ -239,8 +239,7 @@ class Window:
 
 
 def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
-           valid: tuple[list[str], list[str]] | None, trg_lang: str,
-           history: list[dict]) -> None:
+           valid: tuple[list[str], list[str]] | None, trg_lang: str) -> None:
     """Averaging, the valid and test scores of best.pt and averaged.pt, and what to run next (rank
     0 only).
 
@@ -249,8 +248,7 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
     ``data.max_valid_sentences`` of them), decoded alike (float32, the validation's search;
     best.pt's score in the history may come from bf16), printed on one line and kept in
     test.json. Both test scores are printed too, so that nothing is chosen on the test set here.
-    ``trg_lang``: BLEU's target language (``bleu_language``). ``history``: the run's
-    validations; only the step checkpoints of their steps are averaged.
+    ``trg_lang``: BLEU's target language (``bleu_language``).
     """
     from mt.evaluate import score
     from mt.lines import best_translations
@@ -259,7 +257,7 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
     ckpt_dir = run_dir / "checkpoints"
     averaged = False
     if cfg.trainer.average_last > 1:
-        paths = checkpoint.step_checkpoints(ckpt_dir, history)[-cfg.trainer.average_last :]
+        paths = checkpoint.step_checkpoints(ckpt_dir)[-cfg.trainer.average_last :]
         if len(paths) > 1:
             checkpoint.save_atomic(checkpoint.average(paths), ckpt_dir / "averaged.pt")
             log.info("averaged %d checkpoints -> %s", len(paths), ckpt_dir / "averaged.pt")

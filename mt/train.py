@@ -170,8 +170,7 @@ def _run(dcfg: DictConfig) -> float | None:
         if trainer.rank == 0:
             try:
                 finish(trainer.cfg, trainer.run_dir, trainer.device,
-                       trainer.corpus.valid[cfg.data.valid], trainer.bleu_lang,
-                       trainer.history)
+                       trainer.corpus.valid[cfg.data.valid], trainer.bleu_lang)
                 sys.stdout.flush()  # a file or pipe buffers: its failure shows here, not at exit
             except BrokenPipeError:  # `mt-train | head`: the reader left; the run is whole
                 raise reader_left() from None

@@ -103,9 +103,9 @@ class Trainer:
                      removed, self.ckpt_dir)
         last = self.ckpt_dir / "last.pt"
         resuming = last.exists()
-        if not resuming and self.rank == 0:
-            resume.say_leftovers(self.ckpt_dir)
         start, origin = self._start(last if resuming else None)
+        if not resuming and self.rank == 0:  # (after init_from is read: it may lie there)
+            resume.set_aside(run_dir)
         self.corpus = self._corpus(start, origin)
         self.bleu_lang = bleu_language(cfg.data.tgt_lang)  # zh, ja, ko: their BLEU tokenizer
         self.model = self._model(None if resuming else start)

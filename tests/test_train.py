@@ -588,33 +588,38 @@ def test_best_metric_chrf_picks_best_pt_and_keep_best_by_chrf(trainer_factory):
     assert sorted(p.name for p in bleu.ckpt_dir.glob("step_*.pt")) == ["step_2.pt", "step_3.pt"]
 
 
-def test_a_fresh_start_beside_an_earlier_runs_step_files_neither_prunes_nor_averages_them(
-        trainer_factory, tmp_path, caplog):
+def test_a_fresh_start_beside_an_earlier_runs_files_sets_them_aside(trainer_factory, tmp_path,
+                                                                     caplog):
     """last.pt deleted, the run started again in its folder: the earlier run's step_9.pt was
-    the 'last' step file, so pruning kept it and deleted this run's, and averaging took it in."""
+    the 'last' step file, so pruning kept it and deleted this run's, and averaging took it in;
+    its metrics.jsonl was cut to nothing. They are moved aside now, and nothing is lost."""
     from mt import checkpoint
     from mt.runlog import finish
 
     old = trainer_factory("old", "trainer.keep_last=0", "trainer.keep_best=0")
     validate_with(old, SCORES[:1])  # writes best.pt and last.pt, with no step files
-    ckpts = tmp_path / "again" / "checkpoints"
+    run = tmp_path / "again"
+    ckpts = run / "checkpoints"
     ckpts.mkdir(parents=True)
     for name in ("step_9.pt", "best.pt"):  # another run's: step 9 is past every step below
         (ckpts / name).write_bytes((old.ckpt_dir / "best.pt").read_bytes())
+    (run / "metrics.jsonl").write_text('{"step": 9, "loss": 1.0}\n')
     with caplog.at_level("WARNING", logger="mt.train"):
         trainer = trainer_factory("again", "trainer.keep_last=2", "trainer.average_last=2")
-    assert f"{ckpts} holds best.pt, step_9.pt but no last.pt: this run starts afresh" in caplog.text
+    [earlier] = (run / "earlier").iterdir()
+    assert (f"{ckpts} held best.pt, step_9.pt, metrics.jsonl but no last.pt: moved to "
+            f"{earlier}, and this run starts afresh") in caplog.text
+    assert sorted(p.name for p in earlier.iterdir()) == ["best.pt", "metrics.jsonl", "step_9.pt"]
     validate_with(trainer, SCORES[:3])
-    assert sorted(p.name for p in ckpts.glob("step_*.pt")) == ["step_2.pt", "step_3.pt",
-                                                              "step_9.pt"]
-    assert stamp_of(ckpts / "best.pt") == 3  # replaced at this run's first validation
-    finish(trainer.cfg, trainer.run_dir, trainer.device, None, "en", trainer.history)
+    assert sorted(p.name for p in ckpts.glob("step_*.pt")) == ["step_2.pt", "step_3.pt"]
+    assert stamp_of(ckpts / "best.pt") == 3
+    finish(trainer.cfg, trainer.run_dir, trainer.device, None, "en")
     averaged = checkpoint.load(ckpts / "averaged.pt")
     assert [Path(p).name for p in averaged["averaged_from"]] == ["step_2.pt", "step_3.pt"]
     assert stamp_of(ckpts / "averaged.pt") == 2.5
     (ckpts / "best.pt").unlink()  # a run resumed from a copied last.pt: its test, skipped unsaid
     with caplog.at_level("WARNING", logger="mt.train"):
-        finish(trainer.cfg, trainer.run_dir, trainer.device, None, "en", trainer.history)
+        finish(trainer.cfg, trainer.run_dir, trainer.device, None, "en")
     assert f"{ckpts / 'best.pt'} is missing (a run resumed from a copied last.pt?)" in caplog.text
 
 
