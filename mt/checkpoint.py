@@ -340,24 +340,14 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fingerprint(weights: dict[str, torch.Tensor]) -> bytes:
+def _fingerprint(weights: dict[str, torch.Tensor]) -> str:
     """A digest of every weight's bytes: two files with the same weights (best.pt and the step
     checkpoint it copies) are one checkpoint, which averaging would weigh twice."""
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(weights):
         digest.update(name.encode())
         digest.update(weights[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-    return digest.digest()
-
-
-def _not_averaged_twice(path: str | os.PathLike, ckpt: dict, files: dict[Path, object]) -> None:
-    """Refuses an average (averaged.pt) averaged again beside checkpoints it is made of."""
-    inside = [files[f] for x in ckpt.get("averaged_from") or ()
-              if (f := Path(x).resolve()) in files]
-    if inside:
-        raise ValueError(f"{path}: an average of {', '.join(map(str, inside))} among others, "
-                         "which are averaged too: they would weigh twice; name the step "
-                         "checkpoints alone")
+    return digest.hexdigest()
 
 
 # Model config keys that may differ between checkpoints that are averaged: the dropouts (training
@@ -365,7 +355,7 @@ def _not_averaged_twice(path: str | os.PathLike, ckpt: dict, files: dict[Path, o
 _NOT_SHAPE = (*REGULARIZATION_KEYS, "name")
 
 
-def average(paths: list[str | os.PathLike]) -> dict:
+def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
     """Averages the weights of several checkpoints of one model (Vaswani et al. average the last 5).
 
     The checkpoints must have the same shape and the same tokenizer: an embedding row means a
@@ -373,9 +363,15 @@ def average(paths: list[str | os.PathLike]) -> dict:
     fine and translates nonsense. Dropouts (and the informational ``name``) may differ: a
     fine-tuning run may change them, and they do not change what a weight means.
 
+    One checkpoint must not weigh twice, unsaid: the same file twice, an average beside one it
+    was made of (by the weights' digests it keeps), or, with ``refuse_copies``, two files with
+    the same weights (``best.pt`` is a copy of a step file: ``mt-average checkpoints/*.pt``).
+    A run's own average at its end passes False: its step files may hold the same weights
+    (``optim.lr=0``) and are its own all the same.
+
     Returns:
         an inference checkpoint (the first one's config, dropouts included, and tokenizer;
-        averaged weights).
+        averaged weights; where they came from, and their digests).
     """
     if not paths:
         raise ValueError("no checkpoints to average")
@@ -388,17 +384,18 @@ def average(paths: list[str | os.PathLike]) -> dict:
         seen[info.st_dev, info.st_ino] = p
     base = load(paths[0])
     require(base)
-    files = {resolve(p).resolve(): p for p in paths}
-    weighed = {_fingerprint(base["model"]): paths[0]}
-    _not_averaged_twice(paths[0], base, files)
+    digests = [_fingerprint(base["model"])]
+    made_of = {paths[0]: base.get("averaged_digests") or []}
     total = {k: v.double() for k, v in base["model"].items()}
     for p in paths[1:]:
         ckpt = load(p)
         require(ckpt)
-        _not_averaged_twice(p, ckpt, files)
-        if (same := weighed.setdefault(_fingerprint(ckpt["model"]), p)) is not p:
-            raise ValueError(f"{p}: the same weights as {same} (best.pt is a copy of a step "
-                             "checkpoint); each is averaged once")
+        digest = _fingerprint(ckpt["model"])
+        if refuse_copies and digest in digests:
+            raise ValueError(f"{p}: the same weights as {paths[digests.index(digest)]}; each "
+                             "checkpoint is averaged once")
+        digests.append(digest)
+        made_of[p] = ckpt.get("averaged_digests") or []
         a, b = base["model_config"], ckpt["model_config"]
         differ = [f"{k}={b.get(k)!r}, not {a.get(k)!r}" for k in sorted(a.keys() | b.keys())
                   if k not in _NOT_SHAPE and a.get(k) != b.get(k)]
@@ -416,8 +413,14 @@ def average(paths: list[str | os.PathLike]) -> dict:
                              "in one only, or of another shape); cannot average")
         for k, v in weights.items():
             total[k] += v.double()
+    for p, sources in made_of.items():
+        if inside := [str(q) for q, d in zip(paths, digests, strict=True) if d in sources]:
+            raise ValueError(f"{p}: an average of {', '.join(inside)} among others, which are "
+                             "averaged too: they would weigh twice; name the step checkpoints "
+                             "alone")
     avg = {k: (v / len(paths)).to(base["model"][k].dtype) for k, v in total.items()}
     out = {k: base.get(k) for k in ("format", "model_config", "tokenizer", "config")}
     out["model"] = avg
-    out["averaged_from"] = [str(p) for p in paths]
+    out["averaged_from"] = [str(resolve(p).absolute()) for p in paths]
+    out["averaged_digests"] = digests
     return out

@@ -259,7 +259,8 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
     if cfg.trainer.average_last > 1:
         paths = checkpoint.step_checkpoints(ckpt_dir)[-cfg.trainer.average_last :]
         if len(paths) > 1:
-            checkpoint.save_atomic(checkpoint.average(paths), ckpt_dir / "averaged.pt")
+            checkpoint.save_atomic(checkpoint.average(paths, refuse_copies=False),
+                                   ckpt_dir / "averaged.pt")
             log.info("averaged %d checkpoints -> %s", len(paths), ckpt_dir / "averaged.pt")
             averaged = True
         else:

@@ -122,13 +122,22 @@ def test_average_refuses_the_same_weights_twice_and_an_average_beside_its_source
     (tmp_path / "best.pt").write_bytes(paths[1].read_bytes())
     with pytest.raises(ValueError, match=r"best\.pt: the same weights as .*step_2\.pt"):
         checkpoint.average([*paths, tmp_path / "best.pt"])
+    # a run's own step files with the same weights (optim.lr=0): its average at the end stands
+    assert checkpoint.average([paths[1], tmp_path / "best.pt"], refuse_copies=False)
     checkpoint.save_atomic(checkpoint.average(paths), tmp_path / "averaged.pt")
-    with pytest.raises(ValueError, match=r"averaged\.pt: an average of .*step_1\.pt, .*step_2"):
-        checkpoint.average([*paths, tmp_path / "averaged.pt"])
+    # by the weights, not by the names it was given: moved, copied, or named from elsewhere
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (tmp_path / "averaged.pt").rename(moved / "avg.pt")
+    (moved / "one.pt").write_bytes(paths[0].read_bytes())
+    with pytest.raises(ValueError, match=r"avg\.pt: an average of .*one\.pt among others"):
+        checkpoint.average([moved / "avg.pt", moved / "one.pt"])
+    with pytest.raises(ValueError, match=r"avg\.pt: an average of .*step_1\.pt, .*step_2"):
+        checkpoint.average([*paths, moved / "avg.pt"])
     checkpoint.save_atomic(checkpoint.model_state(tiny_model(5), tokenizer, None),
                            tmp_path / "other.pt")
-    mixed = checkpoint.average([tmp_path / "averaged.pt", tmp_path / "other.pt"])  # allowed
-    assert mixed["averaged_from"][0].endswith("averaged.pt")
+    mixed = checkpoint.average([moved / "avg.pt", tmp_path / "other.pt"])  # allowed
+    assert mixed["averaged_from"] == [str(moved / "avg.pt"), str(tmp_path / "other.pt")]
 
 
 def test_average_refuses_other_shapes_and_tokenizers_but_not_other_dropouts(
