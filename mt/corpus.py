@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from mt.batching import EncodedPairs, encode_split, token_batches
-from mt.config import DataConfig, TokenizerConfig, TrainConfig
+from mt.config import TokenizerConfig, TrainConfig
 from mt.data import (
     count_tagged,
+    data_identity,
     load_split,
     load_train,
     sample_texts,
@@ -60,7 +61,7 @@ class Corpus:
             log.info("data.tagged: %s of %s training pairs have sources tagged %s (splits %s)",
                      f"{count_tagged(train, data.tag):,}", f"{len(train):,}", data.tag,
                      ", ".join(data.tagged))
-        self.tokenizer = self._tokenizer(cfg, tok_cfg, run_dir, train, tokenizer, origin)
+        self.tokenizer = self._tokenizer(cfg, tok_cfg, run_dir, train, tokenizer, origin, rank)
         rules = data.filter
         if rules.max_tokens >= cfg.model.max_positions:  # longer pairs would not fit the model
             rules = replace(rules, max_tokens=cfg.model.max_positions - 1)
@@ -109,12 +110,12 @@ class Corpus:
                 # else a BLEU of 0 at every validation, and trainer.patience ends the run
                 key = "data.valid" if split == data.valid else "data.extra_valid"
                 raise ValueError(f"{key}: split {split!r} has no pair with text on both sides "
-                                 f"(of {n}{' taken' if data.max_valid_sentences else ''}), so "
+                                 f"(of {len(self.valid[split][0])}), so "
                                  "nothing to validate on")
 
     @staticmethod
     def _tokenizer(cfg: TrainConfig, tok_cfg: TokenizerConfig, run_dir: Path, train,
-                   given: Tokenizer | None, origin: str) -> Tokenizer:
+                   given: Tokenizer | None, origin: str, rank: int = 0) -> Tokenizer:
         """data.tokenizer.path (trained there if empty) or run_dir/tokenizer, reused if complete;
         ``given`` is written there instead (or checked against the one there)."""
         seed = cfg.trainer.seed
@@ -126,7 +127,7 @@ class Corpus:
         return load_or_train(
             directory,
             lambda: sample_texts(train, tok_cfg.input_sentence_size, seed, tok_cfg.joint),
-            tok_cfg, seed, data_identity(cfg.data))
+            tok_cfg, seed, data_identity(cfg.data), loud=rank == 0)
 
     @property
     def src_lens(self) -> array:
@@ -154,15 +155,6 @@ class Corpus:
 
     def collate(self, batch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.pairs.collate(batch if self.mix is None else self._index[batch])
-
-
-def data_identity(data: DataConfig) -> dict:
-    """What names a run's training data: a tokenizer made from it keeps this, to tell a reuse
-    on other data (``tokenizer.load_or_train``). The demo corpus is one, wherever it lies."""
-    where = ({"hub": f"{data.hub_name}/{data.hub_config}"} if data.source == "hub"
-             else {"dir": str(Path(data.dir).resolve())} if data.source == "files" else {})
-    return {"source": data.source, **where, "train": data.train,
-            "pair": f"{data.src_lang}-{data.tgt_lang}"}
 
 
 class Mix:

@@ -212,6 +212,18 @@ def check_tagging(cfg: DataConfig) -> None:
                              f"({', '.join(parts)})")
 
 
+def data_identity(data: DataConfig) -> dict:
+    """What names a run's training data, kept with what was made from it (a tokenizer, a run's
+    last.pt) to tell a reuse on other data. Folders by their real path (a relative data.dir
+    from another folder, a run directory moved); the demo corpus is one, wherever it lies."""
+    hub = data.hub_name or ""
+    where = ({"hub": f"{Path(hub).resolve() if Path(hub).is_dir() else hub}/{data.hub_config}"}
+             if data.source == "hub" else
+             {"dir": str(Path(data.dir).resolve())} if data.source == "files" else {})
+    return {"source": data.source, **where, "train": data.train,
+            "pair": f"{data.src_lang}-{data.tgt_lang}"}
+
+
 def tokenizer_config(cfg: DataConfig) -> TokenizerConfig:
     """``data.tokenizer``, with ``data.tag`` among its user symbols when ``data.tagged`` is set:
     the tag must be one piece that no ordinary text segments into."""

@@ -341,10 +341,11 @@ def write_demo_corpus(
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # missing, stale or unreadable: regenerate
 
-    if not manifest_path.exists() and (theirs := [f for f in names if (out / f).exists()]):
-        raise ValueError(f"{out / theirs[0]}: not the demo corpus's (no {manifest_path} beside "
+    if not _ours(manifest_path) and (theirs := [f for f in names if (out / f).exists()]):
+        raise ValueError(f"{out / theirs[0]}: not the demo corpus's (no demo MANIFEST beside "
                          "it), so not overwritten: data=demo writes its corpus into data.dir; "
-                         "give an empty or new folder")
+                         "give an empty or new folder (or delete the folder if it is a demo "
+                         "corpus an older mt left half-written)")
     out.mkdir(parents=True, exist_ok=True)
     # Ours from here on, even if the write is interrupted: no sizes, so the next call redoes it.
     replace_file(manifest_path, b'{"writing": true}\n')
@@ -357,6 +358,16 @@ def write_demo_corpus(
             sizes[name] = _write_if_changed(out / name, "".join(p[side] + "\n" for p in chunk))
     _write_if_changed(manifest_path, json.dumps({**wanted, "sizes": sizes}, indent=1) + "\n")
     return dict(counts)
+
+
+def _ours(manifest: Path) -> bool:
+    """Whether ``manifest`` is a demo corpus's: JSON with its keys, not any file of that name
+    (a common one in data folders)."""
+    try:
+        said = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(said, dict) and ("writing" in said or {"version", "seed"} <= said.keys())
 
 
 def _write_if_changed(path: Path, text: str) -> int:

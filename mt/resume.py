@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 from mt import checkpoint
 from mt.config import TrainConfig, best_so_far, config_changes
+from mt.data import data_identity
 from mt.divergence import BadSteps
 from mt.optim import EMA, take_optim_config
 from mt.runlog import Window
@@ -72,6 +73,7 @@ def trainer_state(trainer: Run, rng: list[dict]) -> dict:
     return {
         **ema,
         "trained": trained(trainer.model),
+        "data": data_identity(trainer.cfg.data),
         "optimizer": trainer.optimizer.state_dict(),
         "scheduler": trainer.scheduler.state_dict(),
         "scaler": trainer.scaler.state_dict(),
@@ -86,12 +88,6 @@ def trainer_state(trainer: Run, rng: list[dict]) -> dict:
     }
 
 
-# What names the data a run trains on: a resume that changes one (the pair above all) goes on
-# training the same weights on another corpus, which a mistaken data=... does unnoticed.
-_DATA_KEYS = tuple(f"data.{k}=" for k in ("source", "dir", "hub_name", "hub_config", "train",
-                                           "src_lang", "tgt_lang"))
-
-
 def restore(trainer: Run, path: Path) -> None:
     """Puts the run that ``path`` (a last.pt) holds back into ``trainer``, built from this run's
     config: what changed since is said, what cannot change (the parameters trained) refused."""
@@ -102,15 +98,19 @@ def restore(trainer: Run, path: Path) -> None:
         changed = config_changes(saved_config, trainer.config_dict, defaults=schema)
         if changed:
             log.info("resuming with settings changed since %s: %s", path, ", ".join(changed))
-        if data := [c for c in changed if c.startswith(_DATA_KEYS)]:  # louder than the rest
-            log.warning("resuming %s on other data than it trained on: %s; a model carried on "
-                        "to new data is init_from=%s in a new run directory", path,
-                        ", ".join(data), path)
     if "trainer" not in ckpt:
         raise ValueError(f"{path} holds weights only, no training state (an average or an "
                          "imported model?), so the run cannot resume from it; move it away "
                          "and give it as init_from=... to start from its weights")
     state = ckpt["trainer"]
+    was, now = state.get("data"), data_identity(trainer.cfg.data)
+    if trainer.rank == 0 and was is not None and was != now:  # louder than the settings above
+        # a mistaken data=... went on training the same weights on another corpus unnoticed
+        log.warning("resuming %s on other data than it trained on: %s; a model carried on to "
+                    "new data is init_from=%s in a new run directory", path,
+                    ", ".join(f"{k}={now.get(k)!r} (was {was.get(k)!r})"
+                              for k in sorted(was.keys() | now.keys()) if was.get(k) != now.get(k)),
+                    path)
     # "model" is what translates: with an EMA, the average; the trained weights are beside it
     trainer.model.load_state_dict(state.get("weights") or ckpt["model"])
     if trainer.ema is not None and "weights" in state:

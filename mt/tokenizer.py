@@ -385,6 +385,7 @@ def load_or_train(
     cfg: TokenizerConfig,
     seed: int = 0,
     trained_on: dict | None = None,
+    loud: bool = True,
 ) -> Tokenizer:
     """The tokenizer in ``directory`` if it is complete, else one trained and saved there.
 
@@ -395,11 +396,14 @@ def load_or_train(
             A reused tokenizer without one of ``cfg.user_symbols`` as a piece, or trained with
             another ``byte_fallback`` or ``normalization`` (``check_spelling``), is an error.
         seed: for the sentence sample and SentencePiece.
-        trained_on: what names the training data (``corpus.data_identity``), kept beside the
+        trained_on: what names the training data (``data.data_identity``), kept beside the
             tokenizer; a reused one made from other data gets a warning saying how: a run
             directory's tokenizer left by an attempt interrupted before its first checkpoint
             was reused by the next attempt, with other data, without a word.
+        loud: False on the processes of a run but its first, which read the tokenizer the
+            first made: its warnings, once, are the first's.
     """
+    warn = log.warning if loud else log.debug
     directory = Path(directory)
     wanted = {"config": dataclasses.asdict(cfg), "seed": seed,
               **({"trained_on": trained_on} if trained_on else {})}
@@ -407,10 +411,10 @@ def load_or_train(
         meta = json_object(directory / META_FILE)
         was = meta.get("trained_on")
         if trained_on and isinstance(was, dict) and was != trained_on:
-            log.warning("reusing the tokenizer in %s, trained on other data: %s; a new "
-                        "data.tokenizer.path (or run directory) trains one on this data",
-                        directory, ", ".join(f"{k}={was.get(k)!r} (now {v!r})"
-                                             for k, v in trained_on.items() if was.get(k) != v))
+            warn("reusing the tokenizer in %s, trained on other data: %s; a new "
+                 "data.tokenizer.path (or run directory) trains one on this data",
+                 directory, ", ".join(f"{k}={was.get(k)!r} (now {v!r})"
+                                      for k, v in trained_on.items() if was.get(k) != v))
         made = meta.get("config")
         check_spelling(made, cfg, directory)
         made = made or {}
@@ -421,8 +425,8 @@ def load_or_train(
                         and not (k == "user_symbols" and set(v) <= set(made[k])))
         if differ:
             changes = ", ".join(f"{k}={made[k]!r} (now {wanted['config'][k]!r})" for k in differ)
-            log.warning("reusing the tokenizer in %s, trained with different settings: %s",
-                        directory, changes)
+            warn("reusing the tokenizer in %s, trained with different settings: %s",
+                 directory, changes)
         tok = Tokenizer.load(directory)
         require_symbols(tok, cfg.user_symbols,
                         f"the tokenizer in {directory} (data.tokenizer.path, or the run's own)",

@@ -58,6 +58,10 @@ def test_a_folder_of_someone_elses_data_is_not_overwritten(tmp_path):
         write_demo_corpus(tmp_path, n_train=50, n_valid=5, n_test=5)
     assert (tmp_path / "train.en").read_text() == "mine\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.en"]
+    (tmp_path / "MANIFEST").write_text("a list of the corpus's files\n")  # not the demo's
+    with pytest.raises(ValueError, match="not overwritten"):
+        write_demo_corpus(tmp_path, n_train=50, n_valid=5, n_test=5)
+    assert (tmp_path / "train.en").read_text() == "mine\n"
 
 
 def test_an_interrupted_write_is_redone(tmp_path, monkeypatch):

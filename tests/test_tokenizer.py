@@ -133,12 +133,12 @@ def test_load_or_train_reuses_a_complete_directory(tmp_path, caplog):
     assert calls == [1, 1]
 
 
-def test_a_tokenizer_reused_on_other_data_is_said(tmp_path, caplog):
+def test_a_tokenizer_reused_on_other_data_is_said(tmp_path, caplog, monkeypatch):
     """A run's tokenizer, left by an attempt interrupted before its first checkpoint, was reused
     without a word by the next attempt in that folder on other data (another pair, another
     corpus): its pieces fit the first data only."""
     from mt.config import DataConfig
-    from mt.corpus import data_identity
+    from mt.data import data_identity
 
     cfg = TokenizerConfig(vocab_size=100)
     first = DataConfig(source="files", dir=str(tmp_path / "corpus"), src_lang="en", tgt_lang="de")
@@ -155,6 +155,10 @@ def test_a_tokenizer_reused_on_other_data_is_said(tmp_path, caplog):
             "train='train' (now 'train+bt'), pair='en-de' (now 'en-fr')") in caplog.text
     demo = data_identity(DataConfig(dir=str(tmp_path / "run1")))
     assert demo == data_identity(DataConfig(dir=str(tmp_path / "run2")))  # one corpus
+    (tmp_path / "corpus").mkdir()
+    monkeypatch.chdir(tmp_path / "corpus")  # the same folder named from another: no change
+    assert data_identity(DataConfig(source="files", dir="../corpus", src_lang="en",
+                                    tgt_lang="de")) == data_identity(first)
 
 
 @pytest.mark.parametrize("damage", ["spm.model", "empty spm.model", "json text", "json list"])

@@ -440,7 +440,7 @@ def test_empty_valid_or_test_files_are_refused_at_start_naming_them(trainer_fact
     # lines, but blank on one side or the other: a BLEU of 0 at every validation
     (data / "valid.zz").write_text("\n" * len((data / "valid.en").read_text().splitlines()))
     with pytest.raises(ValueError, match=r"^data.valid: split 'valid' has no pair with text "
-                                         r"on both sides \(of \d+ taken\), so nothing to "
+                                         r"on both sides \(of \d+\), so nothing to "
                                          r"validate on$"):
         trainer_factory("blank_valid", f"data.dir={data}")
     shutil.copy(corpus_dir / "valid.zz", data / "valid.zz")
@@ -1109,7 +1109,7 @@ def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr
     other = shutil.copytree(corpus_dir, tmp_path / "other")
     moved = fit_here("run", *common, "trainer.max_steps=10", corpus=other)
     assert re.search(r"WARNING .*resuming \S+last.pt on other data than it trained on: "
-                     rf"data.dir={other} \(was \S+\); a model carried on to new data is "
+                     rf"dir='{other}' \(was '\S+'\); a model carried on to new data is "
                      r"init_from=\S+last.pt in a new run directory", moved), moved
 
 
