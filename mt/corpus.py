@@ -123,7 +123,7 @@ class Corpus:
         if given is not None:  # checked before it is placed, so that a mistake leaves nothing
             require_symbols(given, tok_cfg.user_symbols, f"the tokenizer of {origin}",
                             "the model was trained without it")
-            return place(directory, given, origin)
+            return place(directory, given, origin, shared=bool(tok_cfg.path))
         return load_or_train(
             directory,
             lambda: sample_texts(train, tok_cfg.input_sentence_size, seed, tok_cfg.joint),

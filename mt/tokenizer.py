@@ -323,7 +323,8 @@ def require_symbols(tok: Tokenizer, symbols: Sequence[str], which: str, fix: str
                              f"piece for {symbol!r}; {fix}")
 
 
-def place(directory: str | os.PathLike, tokenizer: Tokenizer, origin: str) -> Tokenizer:
+def place(directory: str | os.PathLike, tokenizer: Tokenizer, origin: str,
+          shared: bool = False) -> Tokenizer:
     """Puts a model's own tokenizer in a run's tokenizer directory, or checks the one there.
 
     A model fine-tuned with another segmentation would see ids that mean other pieces: its
@@ -334,14 +335,17 @@ def place(directory: str | os.PathLike, tokenizer: Tokenizer, origin: str) -> To
         directory: the run's tokenizer directory.
         tokenizer: the model's tokenizer.
         origin: where it came from, for the error and ``tokenizer.json`` (``init_from=...``).
+        shared: the directory is data.tokenizer.path, not the run's own: the error's advice.
     """
     directory = Path(directory)
     if (directory / META_FILE).exists():
         there = Tokenizer.load(directory)
         if there.fingerprint != tokenizer.fingerprint:
             raise ValueError(f"{origin}: the model's tokenizer is not the one in {directory}; "
-                             "a model keeps its own: unset data.tokenizer.path, or start in "
-                             "another run directory")
+                             "a model keeps its own: " + (
+                                 "unset data.tokenizer.path" if shared else
+                                 "start in another run directory (that one is an earlier "
+                                 "attempt's, made from other data or settings)"))
         return there
     tokenizer.save(directory, {"from": origin})
     log.info("tokenizer of %s -> %s", origin, directory)

@@ -47,8 +47,11 @@ def test_place_writes_a_models_tokenizer_and_refuses_another(tmp_path, corpus_di
     assert place(tmp_path / "tok", mine, "init_from=x").fingerprint == mine.fingerprint  # again
     other = train_tokenizer(read_lines(corpus_dir / "train.en"),
                             read_lines(corpus_dir / "train.zz"), TokenizerConfig(vocab_size=150))
-    with pytest.raises(ValueError, match=r"init_from=x: the model's tokenizer is not the one in"):
+    with pytest.raises(ValueError, match=r"init_from=x: the model's tokenizer is not the one in"
+                                         r" .*: start in another run directory \(that one"):
         place(tmp_path / "tok", other, "init_from=x")
+    with pytest.raises(ValueError, match=r"keeps its own: unset data.tokenizer.path$"):
+        place(tmp_path / "tok", other, "init_from=x", shared=True)
 
 
 def test_init_from_trains_on_from_the_saved_model(tmp_path, corpus_dir, tokenizer_dir, fit_here):
