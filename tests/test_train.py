@@ -755,23 +755,31 @@ def test_a_sweep_jobs_resume_hint_names_the_sweep_folder(tmp_path, monkeypatch):
     assert resume_override(tmp_path / "sweep" / "3") == f"hydra.run.dir={tmp_path}/sweep/3"
 
 
+def patched_train(tmp_path: Path, corpus_dir, tokenizer_dir, patch: str, *overrides: str,
+                  run_dir: Path | None = None) -> subprocess.CompletedProcess:
+    """mt-train in a process of its own, ``patch`` (Python source) run first: a failure or a
+    signal planted where a test needs it, and the command line's handling of it seen whole."""
+    script = f"import sys\n{patch}sys.argv[0] = 'mt-train'\nfrom mt.train import main\nmain()\n"
+    cmd = [PYTHON, "-c", script, *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={run_dir or tmp_path / 'run'}", *overrides]
+    return subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+
+
 def test_a_library_warning_is_printed_once_and_kept_in_the_log(tmp_path, corpus_dir,
                                                                tokenizer_dir):
     """datasets and huggingface_hub print through handlers of their own and pass each record
     on to Hydra's as well: every hub retry line came out twice on stderr."""
-    script = ("import logging, sys, mt.train as t\n"
-              "def fit(self):\n"
-              "    logging.getLogger('huggingface_hub').warning('retrying in 1s (probe)')\n"
-              "    logging.getLogger('datasets').warning('a datasets warning (probe)')\n"
-              "    raise SystemExit(0)\n"
-              "t.Trainer.fit = fit\n"
-              "sys.argv[0] = 'mt-train'\n"
-              "t.main()\n")
+    result = patched_train(tmp_path, corpus_dir, tokenizer_dir,
+                           "import logging, mt.train as t\n"
+                           "def fit(self):\n"
+                           "    logging.getLogger('huggingface_hub').warning('retrying in 1s "
+                           "(probe)')\n"
+                           "    logging.getLogger('datasets').warning('a datasets warning "
+                           "(probe)')\n"
+                           "    raise SystemExit(0)\n"
+                           "t.Trainer.fit = fit\n")
     run_dir = tmp_path / "run"
-    cmd = [PYTHON, "-c", script, *tiny_train_args(corpus_dir, tokenizer_dir),
-           f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
-                            timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     for said in ("retrying in 1s (probe)", "a datasets warning (probe)"):
         assert result.stderr.count(said) == 1, result.stderr
@@ -781,17 +789,12 @@ def test_a_library_warning_is_printed_once_and_kept_in_the_log(tmp_path, corpus_
 def test_a_sigterm_while_the_data_is_prepared_is_said(tmp_path, corpus_dir, tokenizer_dir):
     """Before the training loop (a tokenizer trained, a corpus encoded: minutes on WMT) a
     SIGTERM killed mt-train without a word; now it ends as Ctrl-C does, with SIGTERM's status."""
-    script = ("import os, signal, sys, time, mt.train as t\n"
-              "def corpus(self, *args):\n"
-              "    os.kill(os.getpid(), signal.SIGTERM)\n"
-              "    time.sleep(30)\n"
-              "t.Trainer._corpus = corpus\n"
-              "sys.argv[0] = 'mt-train'\n"
-              "t.main()\n")
-    cmd = [PYTHON, "-c", script, *tiny_train_args(corpus_dir, tokenizer_dir),
-           f"hydra.run.dir={tmp_path / 'run'}"]
-    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
-                            timeout=300)
+    result = patched_train(tmp_path, corpus_dir, tokenizer_dir,
+                           "import os, signal, time, mt.train as t\n"
+                           "def corpus(self, *args):\n"
+                           "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                           "    time.sleep(30)\n"
+                           "t.Trainer._corpus = corpus\n")
     assert result.returncode == 143, result.stderr[-2000:]
     assert "terminated (SIGTERM) before the first checkpoint; nothing to resume" in result.stderr
     assert "Traceback" not in result.stderr
@@ -1020,7 +1023,7 @@ def test_a_ctrl_c_inside_a_checkpoint_write_still_says_how_to_resume(tmp_path, c
     a Ctrl-C all the same, and the last whole checkpoint is kept."""
     run_dir = tmp_path / "run"
     patch = (  # the third save is interrupted as CI saw it: KeyboardInterrupt, then cleanup fails
-        "import sys, torch\n"
+        "import torch\n"
         "saves, real = [], torch.save\n"
         "def save(obj, f):\n"
         "    saves.append(1)\n"
@@ -1030,15 +1033,10 @@ def test_a_ctrl_c_inside_a_checkpoint_write_still_says_how_to_resume(tmp_path, c
         "        raise KeyboardInterrupt\n"
         "    finally:\n"
         "        raise RuntimeError('[enforce fail at inline_container.cc:672] unexpected pos')\n"
-        "torch.save = save\n"
-        "sys.argv[0] = 'mt-train'\n"
-        "from mt.train import main\n"
-        "main()\n")
-    cmd = [PYTHON, "-c", patch, *tiny_train_args(corpus_dir, tokenizer_dir),
-           f"hydra.run.dir={run_dir}", "trainer.max_steps=8", "trainer.save_every=2",
-           "trainer.validate_every=100", "trainer.test_at_end=false"]
-    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
-                            timeout=300)
+        "torch.save = save\n")
+    result = patched_train(tmp_path, corpus_dir, tokenizer_dir, patch, "trainer.max_steps=8",
+                           "trainer.save_every=2", "trainer.validate_every=100",
+                           "trainer.test_at_end=false", run_dir=run_dir)
     assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"the same command with hydra.run.dir={run_dir} resumes it" in result.stderr
     kept = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
@@ -1451,16 +1449,11 @@ def test_out_of_memory_is_one_line_that_says_what_to_lower(tmp_path, corpus_dir,
                                                            error, said):
     """A batch too large for the GPU (or for the CPU's memory) was a traceback of some 40 lines
     from inside torch (and ended a sweep); it is one line now, with the key to lower."""
-    script = ("import sys, torch, mt.train as t\n"
-              "def fit(self):\n"
-              f"    raise {error}\n"
-              "t.Trainer.fit = fit\n"
-              "sys.argv[0] = 'mt-train'\n"
-              "t.main()\n")
-    cmd = [PYTHON, "-c", script, *tiny_train_args(corpus_dir, tokenizer_dir),
-           f"hydra.run.dir={tmp_path / 'run'}"]
-    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
-                            timeout=300)
+    result = patched_train(tmp_path, corpus_dir, tokenizer_dir,
+                           "import torch, mt.train as t\n"
+                           "def fit(self):\n"
+                           f"    raise {error}\n"
+                           "t.Trainer.fit = fit\n")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith(
         f"mt-train: {said}: lower trainer.max_tokens (a larger trainer.accumulation keeps the "
