@@ -5,8 +5,8 @@ The package follows the path from raw text to BLEU, one module per stage:
 ``corpus`` (the training corpus, tokenized and cached) -> ``model`` -> ``search`` -> ``train``
 (the command line; ``trainer`` the loop, with ``loss``; ``resume`` what last.pt keeps of it) ->
 ``lines`` (text to n-best lists, each line's a ``results.LineResult``) -> ``translate`` (its
-command line; ``translate_checks`` what it refuses first) -> ``evaluate`` (with ``testsets`` and
-``report``).
+command line; ``translate_checks`` what it refuses first) -> ``evaluate`` (its command line in
+``evaluate_args``; with ``testsets`` and ``report``).
 ``config`` holds every stage's typed config and ``config_checks`` the ranges of its values;
 ``distributed`` starts ``torchrun``'s process group and ``runlog`` writes a run's logs, curves and
 final test; ``checkpoint`` saves and loads self-contained models and ``average`` (``mt-average``)
