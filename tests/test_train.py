@@ -755,6 +755,13 @@ def test_a_sweep_jobs_resume_hint_names_the_sweep_folder(tmp_path, monkeypatch):
     assert resume_override(tmp_path / "sweep" / "3") == f"hydra.run.dir={tmp_path}/sweep/3"
 
 
+def ctrl_c_as_in_a_terminal() -> None:
+    """A child's SIGINT at its default, which Python turns into KeyboardInterrupt: a background
+    job of a script (CI's, maybe) ignores SIGINT, and its children inherit that, so a test's
+    Ctrl-C did nothing there and the test passed without looking."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def patched_train(tmp_path: Path, corpus_dir, tokenizer_dir, patch: str, *overrides: str,
                   run_dir: Path | None = None) -> subprocess.CompletedProcess:
     """mt-train in a process of its own, ``patch`` (Python source) run first: a failure or a
@@ -879,7 +886,8 @@ def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path, corpus_di
     ctrl_c = "upsample" in " ".join(data)
     sigterm = "ema" in " ".join(data)
     err = open(tmp_path / "killed.err", "w+")  # noqa: SIM115 (read after the process ends)
-    proc = subprocess.Popen(cmd, env=cli_env(tmp_path), stdout=subprocess.DEVNULL, stderr=err)
+    proc = subprocess.Popen(cmd, env=cli_env(tmp_path), stdout=subprocess.DEVNULL, stderr=err,
+                            preexec_fn=ctrl_c_as_in_a_terminal)
     metrics = killed / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
