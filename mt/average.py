@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         paths = pick(folder, args.last, args.best) if folder else [Path(x) for x in args.inputs]
         _refuse_output(args.output, paths, args.force)  # before the work, not after it
-        averaged = checkpoint.average(paths)
+        # --last/--best pick one run's own step files, which may hold equal weights (lr 0)
+        averaged = checkpoint.average(paths, refuse_copies=folder is None)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"mt-average: {err}") from None
     try:

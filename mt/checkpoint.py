@@ -345,7 +345,8 @@ def _fingerprint(weights: dict[str, torch.Tensor]) -> str:
     checkpoint it copies) are one checkpoint, which averaging would weigh twice."""
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(weights):
-        digest.update(name.encode())
+        w = weights[name]
+        digest.update(f"{name}:{w.dtype}:{tuple(w.shape)};".encode())
         digest.update(weights[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
@@ -414,7 +415,8 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
         for k, v in weights.items():
             total[k] += v.double()
     for p, sources in made_of.items():
-        if inside := [str(q) for q, d in zip(paths, digests, strict=True) if d in sources]:
+        if inside := [str(q) for q, d in zip(paths, digests, strict=True)
+                      if d in sources and q is not p]:
             raise ValueError(f"{p}: an average of {', '.join(inside)} among others, which are "
                              "averaged too: they would weigh twice; name the step checkpoints "
                              "alone")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import shlex
+import shutil
 import time
 from pathlib import Path
 from typing import Protocol
@@ -218,19 +219,21 @@ def _sweep_dir(run_dir: Path) -> Path | None:
 def set_aside(run_dir: Path) -> None:
     """Moves what an earlier run left in ``run_dir`` without a last.pt (deleted to start over,
     or a kill between the first validation's step_N.pt and last.pt) into
-    ``run_dir/earlier/TIME/``, before this run starts afresh. Left in place, an earlier run's
+    ``run_dir/earlier/TIME/`` (with its metrics, test scores and translations), before this run
+    starts afresh. Left in place, an earlier run's
     step_N.pt counted among this run's: pruning kept it and deleted this run's, averaging took
     it in; and metrics.jsonl was cut to nothing. Nothing is deleted."""
     ckpt_dir = run_dir / "checkpoints"
     found = sorted(ckpt_dir.glob("*.pt")) if ckpt_dir.is_dir() else []
     if not found:  # a run stopped before its first checkpoint: its log lines go, as before
         return
-    found += [p for p in (run_dir / "metrics.jsonl", run_dir / "curves.png") if p.exists()]
+    found += [p for p in (run_dir / "metrics.jsonl", run_dir / "curves.png", run_dir / "test.json",
+                          run_dir / "valid", *sorted(run_dir.glob("*.hyp"))) if p.exists()]
     earlier = run_dir / "earlier" / time.strftime("%Y-%m-%d_%H-%M-%S")
     while earlier.exists():  # two fresh starts within a second
         earlier = earlier.with_name(earlier.name + "+")
     earlier.mkdir(parents=True)
-    for path in found:
-        path.rename(earlier / path.name)
+    for path in found:  # shutil: a checkpoints/ linked to scratch space is another file system
+        shutil.move(path, earlier / path.name)
     log.warning("%s held %s but no last.pt: moved to %s, and this run starts afresh",
                 ckpt_dir, ", ".join(p.name for p in found), earlier)

@@ -103,8 +103,13 @@ class Trainer:
                      removed, self.ckpt_dir)
         last = self.ckpt_dir / "last.pt"
         resuming = last.exists()
+        if not resuming and cfg.init_from and self.ckpt_dir.resolve() in (
+                checkpoint.resolve(cfg.init_from).resolve().parents):
+            raise ValueError(f"init_from={cfg.init_from}: in this run's own checkpoints/, which "
+                             "a fresh run sets aside and fills anew; copy it elsewhere, or "
+                             "start in another run directory")
         start, origin = self._start(last if resuming else None)
-        if not resuming and self.rank == 0:  # (after init_from is read: it may lie there)
+        if not resuming and self.rank == 0:
             resume.set_aside(run_dir)
         self.corpus = self._corpus(start, origin)
         self.bleu_lang = bleu_language(cfg.data.tgt_lang)  # zh, ja, ko: their BLEU tokenizer

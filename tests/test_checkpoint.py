@@ -137,6 +137,10 @@ def test_average_refuses_the_same_weights_twice_and_an_average_beside_its_source
     checkpoint.save_atomic(checkpoint.model_state(tiny_model(5), tokenizer, None),
                            tmp_path / "other.pt")
     mixed = checkpoint.average([moved / "avg.pt", tmp_path / "other.pt"])  # allowed
+    # an average of step files with equal weights (lr 0) is not "made of" itself
+    checkpoint.save_atomic(checkpoint.average([paths[1], tmp_path / "best.pt"],
+                                              refuse_copies=False), tmp_path / "flat.pt")
+    assert checkpoint.average([tmp_path / "flat.pt", tmp_path / "other.pt"])
     assert mixed["averaged_from"] == [str(moved / "avg.pt"), str(tmp_path / "other.pt")]
 
 
