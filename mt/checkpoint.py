@@ -347,7 +347,7 @@ def _fingerprint(weights: dict[str, torch.Tensor]) -> str:
     for name in sorted(weights):
         w = weights[name]
         digest.update(f"{name}:{w.dtype}:{tuple(w.shape)};".encode())
-        digest.update(weights[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        digest.update(w.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
