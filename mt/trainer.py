@@ -383,6 +383,8 @@ class Trainer:
                 signal.signal(signal.SIGTERM, previous)
             if bar is not None:
                 bar.close()
+        if self._terminated(agree_now=True):  # one that came after the loop's last look
+            self._stop_for_sigterm()
         if self.rank == 0:
             log.info("training stopped at step %d: %s", self.step, stopped)
         self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
@@ -396,16 +398,26 @@ class Trainer:
         training, where the default action lost every step since the last save."""
         self.sigterm = True
 
-    def _terminated(self) -> bool:
+    def _terminated(self, agree_now: bool = False) -> bool:
         """Whether a SIGTERM came; under DDP every rank must stop at the same step, so they
-        agree at each log step (where the loss is read anyway)."""
+        agree at each log step (where the loss is read anyway) and once more when the loop ends
+        (``agree_now``): a signal in the last steps must not wait out the final validation and
+        test, which a scheduler's grace period does not cover."""
         if self.world == 1:
             return self.sigterm
-        if self.step % self.cfg.trainer.log_every:
+        if self.step % self.cfg.trainer.log_every and not agree_now:
             return False
         flag = torch.tensor([float(self.sigterm)], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def _stop_for_sigterm(self) -> None:
+        """last.pt at this step (as trainer.save_every writes it), then Terminated: a resume
+        loses nothing."""
+        self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
+        self.save(improved=False, step_checkpoint=False)
+        barrier(self.world)
+        raise Terminated(self.step)
 
     def _epochs(self, bar, per_step: int) -> str:
         """The training loop, until a budget ends it (its reason) or a SIGTERM (Terminated)."""
@@ -450,10 +462,7 @@ class Trainer:
                 elif t.save_every and self.step % t.save_every == 0:
                     self.save(improved=False, step_checkpoint=False)
                 if self._terminated():
-                    self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
-                    self.save(improved=False, step_checkpoint=False)  # as trainer.save_every
-                    barrier(self.world)
-                    raise Terminated(self.step)
+                    self._stop_for_sigterm()
                 stopped = self.stop_reason()
                 if stopped:
                     break

@@ -813,6 +813,33 @@ def test_a_sigterm_while_the_data_is_prepared_is_said(tmp_path, corpus_dir, toke
     assert "Traceback" not in result.stderr
 
 
+def test_a_sigterm_after_the_loops_last_look_stops_before_the_final_test(tmp_path, corpus_dir,
+                                                                         tokenizer_dir):
+    """A SIGTERM in the last steps (under DDP the ranks agree only every trainer.log_every
+    steps) was dropped once the loop ended: the final validation, average and test ran into the
+    scheduler's SIGKILL, and the steps since the last save were lost. Now last.pt is saved at
+    the last step and the run stops; the same command finishes it."""
+    stop_at_end = ("import os, signal, mt.trainer as t\n"
+                   "reason = t.Trainer.stop_reason\n"
+                   "def stop_reason(self):\n"
+                   "    said = reason(self)\n"
+                   "    if said:\n"
+                   "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                   "    return said\n"
+                   "t.Trainer.stop_reason = stop_reason\n")
+    run_dir = tmp_path / "run"
+    budget = ("trainer.max_steps=3", "trainer.validate_every=100")
+    result = patched_train(tmp_path, corpus_dir, tokenizer_dir, stop_at_end, *budget)
+    assert result.returncode == 143, result.stderr[-2000:]
+    assert "terminated (SIGTERM) after step 3" in result.stderr
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
+    assert last["trainer"]["step"] == 3
+    assert not (run_dir / "test.json").exists()
+    result = patched_train(tmp_path, corpus_dir, tokenizer_dir, "", *budget)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "bleu" in json.loads((run_dir / "test.json").read_text())
+
+
 def test_a_run_with_stderr_closed_trains_and_logs_to_its_file(tmp_path, corpus_dir,
                                                              tokenizer_dir):
     """`mt-train ... 2>&-` (a service, a cron line) died silently inside Hydra, exit status 1:
@@ -1326,6 +1353,36 @@ def test_two_process_ddp_with_dropout_resumes_exactly(tmp_path, corpus_dir, toke
     a, b = weights(full), weights(split)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_a_sigterm_to_one_rank_in_the_last_steps_stops_every_rank(tmp_path, corpus_dir,
+                                                                 tokenizer_dir):
+    """Under DDP the ranks agree on a SIGTERM at log steps only; one that reached rank 1 after
+    the last of them was dropped, and the run went on into its final validation and test. The
+    ranks agree once more when the loop ends: both stop, last.pt holds the last step."""
+    script = tmp_path / "train_script.py"
+    script.write_text("import os, signal, sys, mt.trainer as t\n"
+                      "reason = t.Trainer.stop_reason\n"
+                      "def stop_reason(self):\n"
+                      "    said = reason(self)\n"
+                      "    if said and os.environ['RANK'] == '1':\n"
+                      "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                      "    return said\n"
+                      "t.Trainer.stop_reason = stop_reason\n"
+                      "sys.argv[0] = 'mt-train'\n"
+                      "from mt.train import main\n"
+                      "main()\n")
+    run_dir = tmp_path / "run"
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(script), *tiny_train_args(corpus_dir, tokenizer_dir), f"hydra.run.dir={run_dir}",
+           "trainer.max_steps=4", "trainer.log_every=3", "trainer.validate_every=100"]
+    result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert "terminated (SIGTERM) after step 4" in result.stderr, result.stderr[-3000:]
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
+    assert last["trainer"]["step"] == 4
+    assert not (run_dir / "test.json").exists()
 
 
 def test_a_data_error_under_torchrun_is_one_line_on_every_rank(tmp_path, corpus_dir,
