@@ -340,7 +340,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fingerprint(weights: dict[str, torch.Tensor]) -> str:
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     """A digest of every weight's bytes: two files with the same weights (best.pt and the step
     checkpoint it copies) are one checkpoint, which averaging would weigh twice."""
     digest = hashlib.blake2b(digest_size=16)
@@ -385,13 +385,13 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
         seen[info.st_dev, info.st_ino] = p
     base = load(paths[0])
     require(base)
-    digests = [_fingerprint(base["model"])]
+    digests = [weights_digest(base["model"])]
     made_of = {paths[0]: base.get("averaged_digests") or []}
     total = {k: v.double() for k, v in base["model"].items()}
     for p in paths[1:]:
         ckpt = load(p)
         require(ckpt)
-        digest = _fingerprint(ckpt["model"])
+        digest = weights_digest(ckpt["model"])
         if refuse_copies and digest in digests:
             raise ValueError(f"{p}: the same weights as {paths[digests.index(digest)]}; each "
                              "checkpoint is averaged once")

@@ -5,6 +5,7 @@ of ``best.pt`` and ``averaged.pt`` (``test.json``) with the command to run next.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -238,6 +239,34 @@ class Window:
         return out
 
 
+def _earlier_tests(path: Path) -> dict:
+    """The reports of an earlier finish of this run (test.json) by checkpoint name: {} when
+    there is none, or none that reads."""
+    try:
+        tests = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(tests, dict):
+        return {}
+    best = {k: v for k, v in tests.items() if k != "averaged"}
+    return {"best": best, "averaged": tests.get("averaged") or {}}
+
+
+def _texts_digest(*sides: list[str]) -> str:
+    """A digest of a test set's sources and references: an edited file is another test."""
+    digest = hashlib.blake2b(digest_size=16)
+    for side in sides:
+        for line in side:
+            digest.update(line.encode("utf-8", "surrogatepass") + b"\n")
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _test_line(label: str, result: dict) -> str:
+    return (f"{label} = {result['bleu']:.2f}  chrF = {result['chrf']:.2f}  "
+            f"({result['sentences']} sentences, {result['bleu_signature']})")
+
+
 def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
            valid: tuple[list[str], list[str]] | None, trg_lang: str) -> None:
     """Averaging, the valid and test scores of best.pt and averaged.pt, and what to run next (rank
@@ -274,6 +303,7 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
         test = load_split(cfg.data, cfg.data.test)
         src, ref = list(test["src"]), list(test["tgt"])
     report, valid_scores, said = {}, {}, []
+    earlier = _earlier_tests(run_dir / "test.json") if on_test else {}
     # an averaged.pt this run did not write (an earlier run's, in a directory run again) is not
     # its own: not scored as if it were
     for name in ("best", "averaged")[: 1 + averaged] if on_valid or on_test else ():
@@ -284,6 +314,24 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
                         ckpt_dir / "last.pt")
             continue
         model, tok, _ = checkpoint.load_model(path, device)
+        suffix = "" if name == "best" else ".averaged"
+        label = "test BLEU" if name == "best" else "test BLEU of averaged.pt"
+        tested_with = {"weights": checkpoint.weights_digest(model.state_dict()),
+                       "test": _texts_digest(src, ref), "beam": opts.beam, "lenpen": opts.lenpen,
+                       "device": device.type, "target_language": trg_lang,
+                       "valid": _texts_digest(*valid) if on_valid else None}
+        kept = earlier.get(name)
+        if (on_test and kept and kept.get("tested_with") == tested_with
+                and (run_dir / f"{cfg.data.test}{suffix}.hyp").is_file()):
+            # a finished run started again (a sweep resumed after an interrupt): the same
+            # weights, texts and search give the same scores, so the decoding is not redone
+            log.info("%s: the scores in %s are of these weights, texts and search: kept",
+                     path.name, run_dir / "test.json")
+            report[name] = kept
+            if "valid" in kept:
+                valid_scores[name] = kept["valid"]
+            said.append(_test_line(label, kept))
+            continue
         if on_valid:
             hyps = best_translations(model, tok, valid[0], opts)
             valid_scores[name] = {k: v for k, v in score(hyps, valid[1], trg_lang=trg_lang).items()
@@ -294,14 +342,12 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
         hyps = best_translations(model, tok, src, opts)
         seconds = time.perf_counter() - start
         result = score(hyps, ref, trg_lang=trg_lang)
-        suffix = "" if name == "best" else ".averaged"
         write_lines(run_dir / f"{cfg.data.test}{suffix}.hyp", hyps)
         report[name] = {**result, "checkpoint": str(path), "seconds": seconds}
         if name in valid_scores:
             report[name]["valid"] = valid_scores[name]
-        label = "test BLEU" if name == "best" else "test BLEU of averaged.pt"
-        said.append(f"{label} = {result['bleu']:.2f}  chrF = {result['chrf']:.2f}  "
-                    f"({result['sentences']} sentences, {result['bleu_signature']})")
+        report[name]["tested_with"] = json.loads(json.dumps(tested_with))  # as read back
+        said.append(_test_line(label, result))
     if on_test:  # on disk before a word is printed: a stdout that fails loses nothing
         replace_file(run_dir / "test.json", json.dumps(  # best.pt's scores at the top level
             {**report.get("best", {}), "averaged": report.get("averaged")}, indent=2))

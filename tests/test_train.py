@@ -872,6 +872,33 @@ def test_a_full_stdout_after_the_run_is_one_line_and_keeps_the_test_scores(tmp_p
     assert "bleu" in json.loads((run_dir / "test.json").read_text())
 
 
+def test_a_finished_run_started_again_keeps_its_test_scores(tmp_path, corpus_dir, tokenizer_dir):
+    """The same command again on a finished run (a sweep resumed after a Ctrl-C runs every
+    job's) decoded the test set anew each time. The scores of the same weights, texts and
+    search are kept; another beam, or an edited reference, is decoded again."""
+    data = tmp_path / "data"
+    shutil.copytree(corpus_dir, data)
+    run_dir = tmp_path / "run"
+    args = (f"data.dir={data}", "trainer.max_steps=2", "trainer.test_at_end=true")
+    run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *args)
+    first = json.loads((run_dir / "test.json").read_text())
+    hyp = run_dir / "test.hyp"
+    written = hyp.stat().st_mtime_ns
+    again = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *args)
+    kept = "are of these weights, texts and search: kept"
+    assert kept in again.stderr
+    assert json.loads((run_dir / "test.json").read_text()) == first
+    assert hyp.stat().st_mtime_ns == written
+    assert f"test BLEU = {first['bleu']:.2f}" in again.stdout
+    beam = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *args, "trainer.beam_size=2")
+    assert kept not in beam.stderr
+    assert json.loads((run_dir / "test.json").read_text())["tested_with"]["beam"] == 2
+    refs = (data / "test.zz").read_text().splitlines()
+    (data / "test.zz").write_text("\n".join(["x", *refs[1:]]) + "\n")
+    edited = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *args, "trainer.beam_size=2")
+    assert kept not in edited.stderr
+
+
 def test_a_second_run_on_a_busy_run_directory_is_refused_in_one_line(tmp_path, corpus_dir,
                                                                      tokenizer_dir):
     """Two mt-train on one directory would interleave their checkpoints and metrics: while one
