@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -149,3 +153,51 @@ def leave_run_dir(own: Path, shared: Path, remove: bool, meta: str | None = ".hy
     except OSError as err:
         log.warning("could not remove %s, the run directory this process named before it took "
                     "rank 0's (%s): %s", own, shared, err)
+
+
+class Terminated(Exception):  # noqa: N818 - named for the signal, as KeyboardInterrupt is
+    """A SIGTERM (a scheduler's preemption notice, ``kill``, ``timeout``) stopped the run at
+    ``step``, which ``last.pt`` holds."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+class SigtermWatch:
+    """Notes a SIGTERM while training runs, so that the run ends after the step in progress
+    with last.pt saved there: a scheduler's preemption notice (SLURM waits 30 s by default
+    before SIGKILL) costs no training, where the default action lost every step since the last
+    save. Every rank must stop at the same step, so under DDP they agree (``agreed``)."""
+
+    def __init__(self, world: int, device: torch.device, every: int) -> None:
+        self.world, self.device, self.every = world, device, every
+        self.seen = False
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """The handler for the block (only the main thread may set one), the earlier one after."""
+        self.seen = False
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, self._note) if main else None
+        try:
+            yield
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _note(self, signum, frame) -> None:
+        self.seen = True
+
+    def agreed(self, step: int, now: bool = False) -> bool:
+        """Whether a SIGTERM reached any rank. They agree at every ``every``-th step (the log
+        step, where the loss is read anyway) and, with ``now``, when the loop ends: a signal in
+        the last steps must not wait out the final validation and test, which a scheduler's
+        grace period does not cover. Every rank must call it at the same steps."""
+        if self.world == 1:
+            return self.seen
+        if step % self.every and not now:
+            return False
+        flag = torch.tensor([float(self.seen)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

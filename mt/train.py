@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from mt import checkpoint, version_line
 from mt.config import TrainConfig, conf_dir, register_configs
 from mt.config_checks import check_keys, check_values
-from mt.distributed import PeerFailed, setup_distributed, share_run
+from mt.distributed import PeerFailed, Terminated, setup_distributed, share_run
 from mt.divergence import Diverged
 from mt.inference import cap_kernel_caches
 from mt.resume import resume_override
@@ -38,7 +38,7 @@ from mt.textio import (
     reader_left,
     terminate_as_interrupt,
 )
-from mt.trainer import Terminated, Trainer
+from mt.trainer import Trainer
 
 log = logging.getLogger("mt.train")
 

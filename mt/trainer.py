@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
-import signal
 import sys
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import replace
@@ -39,7 +37,7 @@ from mt.config import (
 )
 from mt.corpus import Corpus
 from mt.data import check_splits, tokenizer_config, tokenizer_dir
-from mt.distributed import barrier, rank_seed, setup_distributed
+from mt.distributed import SigtermWatch, Terminated, barrier, rank_seed, setup_distributed
 from mt.divergence import BadSteps, check_weights
 from mt.loss import label_smoothed_nll
 from mt.model import avoid_cudnn_attention, build_model, count_parameters
@@ -72,15 +70,6 @@ def check_setup(cfg: TrainConfig) -> None:
         freeze(model, cfg.trainer.freeze)
     build_optimizer(model, cfg)
     lr_lambda(cfg)
-
-
-class Terminated(Exception):  # noqa: N818 - named for the signal, as KeyboardInterrupt is
-    """A SIGTERM (a scheduler's preemption notice, ``kill``, ``timeout``) stopped the run at
-    ``step``, which ``last.pt`` holds."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(step)
-        self.step = step
 
 
 class Trainer:
@@ -119,6 +108,7 @@ class Trainer:
         self.step, self.epoch, self.step_in_epoch = 0, 0, 0
         self.best, self.bad_validations = None, 0
         self.bad_steps = BadSteps(self.device, cfg.trainer.max_bad_steps)
+        self.sigterm = SigtermWatch(self.world, self.device, cfg.trainer.log_every)
         self.validated_step = -1
         self.window = Window(self.device)  # the loss and speed since the last log line
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
@@ -373,17 +363,13 @@ class Trainer:
                        dynamic_ncols=True, mininterval=1.0)
         window = self.window
         window.restart_clock()
-        self.sigterm = False
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
-            stopped = self._epochs(bar, per_step)
+            with self.sigterm.watching():
+                stopped = self._epochs(bar, per_step)
         finally:
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, previous)
             if bar is not None:
                 bar.close()
-        if self._terminated(agree_now=True):  # one that came after the loop's last look
+        if self.sigterm.agreed(self.step, now=True):  # one after the loop's last look
             self._stop_for_sigterm()
         if self.rank == 0:
             log.info("training stopped at step %d: %s", self.step, stopped)
@@ -391,25 +377,6 @@ class Trainer:
         if self.validated_step != self.step:
             self._validate_and_save()
         return self.best
-
-    def _on_sigterm(self, signum, frame) -> None:
-        """A SIGTERM ends the run after the step in progress, with last.pt saved there: a
-        scheduler's preemption notice (SLURM waits 30 s by default before SIGKILL) costs no
-        training, where the default action lost every step since the last save."""
-        self.sigterm = True
-
-    def _terminated(self, agree_now: bool = False) -> bool:
-        """Whether a SIGTERM came; under DDP every rank must stop at the same step, so they
-        agree at each log step (where the loss is read anyway) and once more when the loop ends
-        (``agree_now``): a signal in the last steps must not wait out the final validation and
-        test, which a scheduler's grace period does not cover."""
-        if self.world == 1:
-            return self.sigterm
-        if self.step % self.cfg.trainer.log_every and not agree_now:
-            return False
-        flag = torch.tensor([float(self.sigterm)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def _stop_for_sigterm(self) -> None:
         """last.pt at this step (as trainer.save_every writes it), then Terminated: a resume
@@ -461,7 +428,7 @@ class Trainer:
                     window.restart_clock()  # tokens/s measures training only
                 elif t.save_every and self.step % t.save_every == 0:
                     self.save(improved=False, step_checkpoint=False)
-                if self._terminated():
+                if self.sigterm.agreed(self.step):
                     self._stop_for_sigterm()
                 stopped = self.stop_reason()
                 if stopped:
