@@ -119,8 +119,13 @@ def model_and_pair(parser, model: str, src: str, ref: str) -> tuple:
 
 
 def read_references(test: TestSet) -> list[list[str]]:
-    """Every reference file's lines (one list per reference), checked to have equal lengths."""
+    """Every reference file's lines (one list per reference), checked to have equal lengths and
+    some: an empty test set has no score (sacrebleu's corpus_score fails on no sentences, after a
+    model has translated nothing)."""
     refs = [read_text(r) for r in test.refs]
+    if not refs[0]:
+        raise EvalError(f"{test.refs[0]}: no lines; a test set needs one reference line per "
+                        "sentence")
     for r, name in zip(refs[1:], test.refs[1:], strict=True):
         if len(r) != len(refs[0]):
             raise EvalError(f"{name} has {len(r)} lines but {test.refs[0]} has "

@@ -609,6 +609,19 @@ def test_a_model_trained_for_the_other_direction_is_said(tmp_path, capsys, caplo
     assert "m.pt was trained for en-de, test set" in caplog.text and "is de-en" in caplog.text
 
 
+def test_an_empty_test_set_is_one_line_with_a_model_or_a_file(tmp_path):
+    """A model translated the 0 lines of an empty test set, then sacrebleu's corpus_score failed
+    on no sentences: an IndexError traceback."""
+    _tiny_model_and_test_set(tmp_path)
+    empty = _write(tmp_path / "empty.de", [])
+    src = _write(tmp_path / "empty.en", [])
+    for system in (["-m", str(tmp_path / "m.pt")], ["--hyp", empty]):
+        with pytest.raises(SystemExit) as err:
+            main([*system, "--src", src, "--ref", empty, "--beam", "1"])
+        assert str(err.value) == (f"mt-eval: {empty}: no lines; a test set needs one reference "
+                                  "line per sentence")
+
+
 def test_out_of_memory_while_translating_is_one_line(tmp_path, monkeypatch):
     """The CPU allocator's RuntimeError under a memory limit was a traceback from the KV cache."""
     src_file, ref_file = _tiny_model_and_test_set(tmp_path)
