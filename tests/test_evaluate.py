@@ -288,6 +288,44 @@ def test_several_named_test_sets_in_one_call(files, tmp_path, monkeypatch, capsy
         main(["--hyp", str(tmp_path / "one.hyp"), "--test", "typo"])
 
 
+@pytest.mark.parametrize("body,said", [
+    ("src: x.en\nref: []\n", "ref: [] is not a path or a list of paths"),
+    ("src: x.en\nref: 12\n", "ref: 12 is not a path or a list of paths"),
+    ("src: null\nref: x.de\n", "src: None is not a path"),
+    ("src: x.en\nref: [x.de, null]\n", "ref: ['x.de', None] is not a path"),
+    ("5\n", "not a mapping of keys"),
+    ("src: x.en\nref: x.de\nlanguages: en\n", "languages: 'en' is not a list of language codes"),
+    ("src: x.en\nref: x.de\nlangpair: en-no\nlanguages: [en, no]\n",  # YAML: no is false
+     "languages: ['en', False] is not a list of language codes"),
+])
+def test_a_named_test_set_of_the_wrong_shape_is_one_line(files, tmp_path, monkeypatch, body,
+                                                         said):
+    """Values that are not paths (null, a number, an empty list) went on as paths: tracebacks;
+    a languages string was read as its letters."""
+    conf = tmp_path / "testsets"
+    conf.mkdir()
+    prefix = "langpair: en-de\n" if "src" in body and "langpair" not in body else ""
+    (conf / "odd.yaml").write_text(prefix + body)
+    monkeypatch.setattr(testsets, "TESTSETS_DIR", conf)
+    with pytest.raises(SystemExit) as err:
+        main(["--hyp", files["good"], "--test", "odd"])
+    assert str(err.value).startswith(f"mt-eval: {conf / 'odd.yaml'}: ") and said in str(err.value)
+
+
+def test_a_named_test_set_with_a_missing_file_names_its_yaml(files, tmp_path, monkeypatch):
+    """The path alone did not say which conf/testsets/ file gave it, nor that its relative paths
+    start at the repository root (not the working directory)."""
+    conf = tmp_path / "testsets"
+    conf.mkdir()
+    (conf / "gone.yaml").write_text(f"langpair: en-de\nsrc: data/x.{{src}}\nref: {files['ref']}\n")
+    monkeypatch.setattr(testsets, "TESTSETS_DIR", conf)
+    monkeypatch.setattr(testsets, "REPO_ROOT", tmp_path / "root")
+    with pytest.raises(SystemExit) as err:
+        main(["--hyp", files["good"], "--test", "gone"])
+    assert str(err.value) == (f"mt-eval: conf/testsets/gone.yaml: src {tmp_path}/root/data/x.en: "
+                              f"no such file (relative paths there start at {tmp_path}/root)")
+
+
 def test_sacrebleu_test_set_offline_fails_fast_with_one_line(tmp_path):
     env = {**os.environ, "SACREBLEU": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
