@@ -368,6 +368,29 @@ def test_a_bleu_tokenizer_that_cannot_load_is_a_one_line_error(files, monkeypatc
     assert "\n" not in str(err.value)
 
 
+def test_chrf_alone_needs_no_bleu_tokenizer_for_the_target_language(files, capsys, caplog,
+                                                                   monkeypatch):
+    """`sacrebleu -m chrf -l en-ja` scores without MeCab; mt-eval refused, for the len ratio
+    alone (BLEU's tokens), chrF and TER for Japanese targets without sacrebleu[ja]."""
+    from sacrebleu.tokenizers import tokenizer_ja_mecab
+
+    monkeypatch.setattr(tokenizer_ja_mecab, "MeCab", None)  # as without sacrebleu[ja]
+    argv = ["--hyp", files["good"], files["bad"], "--ref", files["ref"], "-M", "chrf", "ter",
+            "--paired-bs", "--paired-bs-n", "50"]
+    with caplog.at_level("WARNING", logger="mt.evaluate"):
+        ja = _run([*argv, "--langpair", "en-ja"], capsys)
+    assert "sacrebleu[ja]" in caplog.text and "the len ratio (in BLEU's tokens) is left out" in \
+        caplog.text
+    plain = _run(argv, capsys)["tests"][0]["systems"]
+    for system, same in zip(ja["tests"][0]["systems"], plain, strict=True):
+        assert system["len_ratio"] is None
+        assert {m: system[m] for m in ("chrf", "ter")} == {m: same[m] for m in ("chrf", "ter")}
+    main([*argv, "--langpair", "en-ja", "-q"])
+    assert capsys.readouterr().out.splitlines()[3].endswith("  -")  # the table's len ratio
+    with pytest.raises(SystemExit, match=r"for ja targets \(ja-mecab\)"):  # BLEU asked for
+        main([*argv, "-M", "chrf", "bleu", "--langpair", "en-ja"])
+
+
 def test_sacrebleu_test_set_from_the_cache_equals_the_cli(files):
     cache = files["tmp"] / "cache"
     (cache / "wmt14").mkdir(parents=True)
