@@ -221,6 +221,20 @@ def _check_config(config: _Entries, path: Path) -> None:
             raise ValueError(f"{path}: {key}={value!r} is not an integer of at least {least}")
 
 
+def _setting(config: _Entries, key: str, default: float | int) -> float | int:
+    """An optional setting of config.json: ``default`` where it is missing or null (a null went
+    on into the model config: ``max_position_embeddings`` and the dropouts were a TypeError
+    traceback in build_model); a dropout must be a number of [0, 1) (a string was imported and
+    failed later)."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if key.endswith("dropout") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                    or not 0 <= value < 1):
+        raise ValueError(f"{config.source}: {key}={value!r} is not a number of [0, 1)")
+    return value
+
+
 def _target_vocab(d: Path, share: bool, src_vocab: _Entries) -> _Entries:
     """The target side's vocabulary: target_vocab.json where tokenizer_config.json says the
     vocabularies are separate (as MarianTokenizer reads it), or where the embeddings are not
@@ -299,10 +313,11 @@ def import_hf(directory: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
         name=f"marian:{d.name}", encoder_layers=config["encoder_layers"],
         decoder_layers=config["decoder_layers"], d_model=config["d_model"],
         ffn_dim=config["encoder_ffn_dim"], heads=config["encoder_attention_heads"],
-        dropout=config.get("dropout", 0.1), attention_dropout=config.get("attention_dropout", 0.0),
-        activation_dropout=config.get("activation_dropout", 0.0),
+        dropout=_setting(config, "dropout", 0.1),
+        attention_dropout=_setting(config, "attention_dropout", 0.0),
+        activation_dropout=_setting(config, "activation_dropout", 0.0),
         activation=HF_ACTIVATIONS[activation], norm="post", positions="sinusoidal",
-        max_positions=config.get("max_position_embeddings", 1024), tie_embeddings=tie,
+        max_positions=_setting(config, "max_position_embeddings", 1024), tie_embeddings=tie,
         scale_embeddings=config.get("scale_embedding", False), final_logits_bias=True,
         src_vocab_size=len(src_order), tgt_vocab_size=len(tgt_order),
     )

@@ -98,7 +98,7 @@ def score_system(hyps: list[str], refs: list[list[str]], metrics: list[str], *,
         ``{"bleu": 27.3, "bleu_signature": "nrefs:1|...", ...}`` per metric (the flat keys of
         ``mt.evaluate.score`` and of mt-train's test.json, for scripts), ``"scores"``: per metric
         the details (BLEU's precisions and lengths, confidence interval, later the p-values),
-        ``"len_ratio"``.
+        ``"len_ratio"`` (None without BLEU among ``metrics`` and its tokenizer not loading).
     """
     scores = {}
     for name in metrics:
@@ -108,9 +108,12 @@ def score_system(hyps: list[str], refs: list[list[str]], metrics: list[str], *,
         scores[name] = _score_dict(s, str(metric.get_signature()))
     if "bleu" in scores:
         ratio = scores["bleu"]["ratio"]
-    else:
-        ratio = make_metric("bleu", tokenize=tokenize, lowercase=lowercase,
-                            trg_lang=trg_lang).corpus_score(hyps, refs).ratio
+    else:  # BLEU's, where its tokenizer loads: -M chrf needs no MeCab for ja (nor sacrebleu)
+        try:
+            ratio = make_metric("bleu", tokenize=tokenize, lowercase=lowercase,
+                                trg_lang=trg_lang).corpus_score(hyps, refs).ratio
+        except EvalError:
+            ratio = None
     flat = {}
     for name, details in scores.items():
         flat.update({name: details["score"], f"{name}_signature": details["signature"]})
@@ -234,7 +237,7 @@ def table_rows(entry: dict, width: int) -> tuple[list[str], list[list[str]]]:
     for i, s in enumerate(systems):
         name = f"baseline: {s['name']}" if i == 0 and entry.get("paired") else s["name"]
         row = [name] + [_cell(v, width) for v in s["scores"].values()]
-        row.append(f"{s['len_ratio']:.3f}")
+        row.append("-" if s["len_ratio"] is None else f"{s['len_ratio']:.3f}")
         if speed:
             row += ([f"{s['decode_seconds']:.1f}", f"{s['tokens_per_second']:.0f}"]
                     if "decode_seconds" in s else ["", ""])

@@ -119,8 +119,13 @@ def model_and_pair(parser, model: str, src: str, ref: str) -> tuple:
 
 
 def read_references(test: TestSet) -> list[list[str]]:
-    """Every reference file's lines (one list per reference), checked to have equal lengths."""
+    """Every reference file's lines (one list per reference), checked to have equal lengths and
+    some: an empty test set has no score (sacrebleu's corpus_score fails on no sentences, after a
+    model has translated nothing)."""
     refs = [read_text(r) for r in test.refs]
+    if not refs[0]:
+        raise EvalError(f"{test.refs[0]}: no lines; a test set needs one reference line per "
+                        "sentence")
     for r, name in zip(refs[1:], test.refs[1:], strict=True):
         if len(r) != len(refs[0]):
             raise EvalError(f"{name} has {len(r)} lines but {test.refs[0]} has "
@@ -157,14 +162,30 @@ def load_named_test(name: str, langpair: str | None = None) -> TestSet:
     except yaml.YAMLError as err:  # e.g. a value starting with { that is not quoted
         raise EvalError(f"{file}: not valid YAML ({first_line(err)}; quote values "
                         "that start with {)") from None
+    if not isinstance(spec, dict):
+        raise EvalError(f"{file}: not a mapping of keys (src, ref, langpair, languages)")
     for key in ("src", "ref"):
         if key not in spec:
             raise EvalError(f"{file}: missing key {key!r}")
+    # Checked here: a null, a number or an empty list went on as a path and was a traceback.
+    refs = spec["ref"] if isinstance(spec["ref"], list) else [spec["ref"]]
+    for key, values in (("src", [spec["src"]]), ("ref", refs)):
+        if not values or not all(isinstance(v, str) and v for v in values):
+            raise EvalError(f"{file}: {key}: {spec[key]!r} is not a path"
+                            + (" or a list of paths" if key == "ref" else ""))
     pair = langpair or spec.get("langpair")
     if not pair:
         raise EvalError(f"{file}: no 'langpair' in it; pass --langpair")
+    if not isinstance(pair, str):
+        raise EvalError(f"{file}: langpair: {pair!r} is not of the form en-de")
     src_lang, tgt_lang = _split_pair(pair, str(file))
     languages = spec.get("languages")
+    if languages is not None and not (isinstance(languages, list)
+                                      and all(isinstance(x, str) for x in languages)):
+        # a string was read as its letters ("no language 'de' (it has e, n)"), and YAML reads
+        # Norwegian's no as false
+        raise EvalError(f"{file}: languages: {languages!r} is not a list of language codes "
+                        "(write [en, de], and quote one that YAML reads otherwise: 'no')")
     for lang in (src_lang, tgt_lang):
         if languages and lang not in languages:
             raise EvalError(f"{file}: no language {lang!r} (it has {', '.join(languages)})")
@@ -177,7 +198,6 @@ def load_named_test(name: str, langpair: str | None = None) -> TestSet:
                             f"({type(err).__name__}: {err})") from None
         return str(p if p.is_absolute() else (REPO_ROOT / p).resolve())
 
-    refs = spec["ref"] if isinstance(spec["ref"], list) else [spec["ref"]]
     return TestSet(name, [path(r) for r in refs], path(spec["src"]), pair,
                    f"conf/testsets/{file.name}")
 
@@ -270,6 +290,17 @@ def _documents(test: TestSet, origlang: str | None, subset: str | None) -> list[
     return kept
 
 
+def _files_there(test: TestSet) -> TestSet:
+    """``test`` (a ``--test`` set), once its files are found; a missing one names the YAML file
+    that gave the path, and where its relative paths start (the repository root, not the working
+    directory as for ``mt-train``'s ``data.dir``): the path alone left the user to guess both."""
+    for key, path in [("src", test.src)] + [("ref", r) for r in test.refs]:
+        if path and not Path(path).is_file():
+            raise EvalError(f"{test.origin}: {key} {path}: no such file (relative paths there "
+                            f"start at {REPO_ROOT})")
+    return test
+
+
 def collect_tests(args: argparse.Namespace) -> list[TestSet]:
     """Every test set the options name: --src/--ref, then each --test, then each --test-set."""
     tests = []
@@ -281,7 +312,7 @@ def collect_tests(args: argparse.Namespace) -> list[TestSet]:
     elif args.src:
         raise EvalError("--src needs --ref (the reference translations)")
     for name in args.test or []:
-        tests.append(load_named_test(name, args.langpair))
+        tests.append(_files_there(load_named_test(name, args.langpair)))
     if (args.origlang or args.subset) and (tests or not args.test_set):
         raise EvalError("--origlang and --subset pick documents of sacrebleu test sets "
                         "(--test-set) by their metadata; --ref and --test sets have none")

@@ -288,6 +288,44 @@ def test_several_named_test_sets_in_one_call(files, tmp_path, monkeypatch, capsy
         main(["--hyp", str(tmp_path / "one.hyp"), "--test", "typo"])
 
 
+@pytest.mark.parametrize("body,said", [
+    ("src: x.en\nref: []\n", "ref: [] is not a path or a list of paths"),
+    ("src: x.en\nref: 12\n", "ref: 12 is not a path or a list of paths"),
+    ("src: null\nref: x.de\n", "src: None is not a path"),
+    ("src: x.en\nref: [x.de, null]\n", "ref: ['x.de', None] is not a path"),
+    ("5\n", "not a mapping of keys"),
+    ("src: x.en\nref: x.de\nlanguages: en\n", "languages: 'en' is not a list of language codes"),
+    ("src: x.en\nref: x.de\nlangpair: en-no\nlanguages: [en, no]\n",  # YAML: no is false
+     "languages: ['en', False] is not a list of language codes"),
+])
+def test_a_named_test_set_of_the_wrong_shape_is_one_line(files, tmp_path, monkeypatch, body,
+                                                         said):
+    """Values that are not paths (null, a number, an empty list) went on as paths: tracebacks;
+    a languages string was read as its letters."""
+    conf = tmp_path / "testsets"
+    conf.mkdir()
+    prefix = "langpair: en-de\n" if "src" in body and "langpair" not in body else ""
+    (conf / "odd.yaml").write_text(prefix + body)
+    monkeypatch.setattr(testsets, "TESTSETS_DIR", conf)
+    with pytest.raises(SystemExit) as err:
+        main(["--hyp", files["good"], "--test", "odd"])
+    assert str(err.value).startswith(f"mt-eval: {conf / 'odd.yaml'}: ") and said in str(err.value)
+
+
+def test_a_named_test_set_with_a_missing_file_names_its_yaml(files, tmp_path, monkeypatch):
+    """The path alone did not say which conf/testsets/ file gave it, nor that its relative paths
+    start at the repository root (not the working directory)."""
+    conf = tmp_path / "testsets"
+    conf.mkdir()
+    (conf / "gone.yaml").write_text(f"langpair: en-de\nsrc: data/x.{{src}}\nref: {files['ref']}\n")
+    monkeypatch.setattr(testsets, "TESTSETS_DIR", conf)
+    monkeypatch.setattr(testsets, "REPO_ROOT", tmp_path / "root")
+    with pytest.raises(SystemExit) as err:
+        main(["--hyp", files["good"], "--test", "gone"])
+    assert str(err.value) == (f"mt-eval: conf/testsets/gone.yaml: src {tmp_path}/root/data/x.en: "
+                              f"no such file (relative paths there start at {tmp_path}/root)")
+
+
 def test_sacrebleu_test_set_offline_fails_fast_with_one_line(tmp_path):
     env = {**os.environ, "SACREBLEU": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
@@ -328,6 +366,29 @@ def test_a_bleu_tokenizer_that_cannot_load_is_a_one_line_error(files, monkeypatc
     with pytest.raises(SystemExit, match=r"for ja targets \(ja-mecab\): .*sacrebleu\[ja\]") as err:
         main([*hyp_ref, "--langpair", "en-ja"])
     assert "\n" not in str(err.value)
+
+
+def test_chrf_alone_needs_no_bleu_tokenizer_for_the_target_language(files, capsys, caplog,
+                                                                   monkeypatch):
+    """`sacrebleu -m chrf -l en-ja` scores without MeCab; mt-eval refused, for the len ratio
+    alone (BLEU's tokens), chrF and TER for Japanese targets without sacrebleu[ja]."""
+    from sacrebleu.tokenizers import tokenizer_ja_mecab
+
+    monkeypatch.setattr(tokenizer_ja_mecab, "MeCab", None)  # as without sacrebleu[ja]
+    argv = ["--hyp", files["good"], files["bad"], "--ref", files["ref"], "-M", "chrf", "ter",
+            "--paired-bs", "--paired-bs-n", "50"]
+    with caplog.at_level("WARNING", logger="mt.evaluate"):
+        ja = _run([*argv, "--langpair", "en-ja"], capsys)
+    assert "sacrebleu[ja]" in caplog.text and "the len ratio (in BLEU's tokens) is left out" in \
+        caplog.text
+    plain = _run(argv, capsys)["tests"][0]["systems"]
+    for system, same in zip(ja["tests"][0]["systems"], plain, strict=True):
+        assert system["len_ratio"] is None
+        assert {m: system[m] for m in ("chrf", "ter")} == {m: same[m] for m in ("chrf", "ter")}
+    main([*argv, "--langpair", "en-ja", "-q"])
+    assert capsys.readouterr().out.splitlines()[3].endswith("  -")  # the table's len ratio
+    with pytest.raises(SystemExit, match=r"for ja targets \(ja-mecab\)"):  # BLEU asked for
+        main([*argv, "-M", "chrf", "bleu", "--langpair", "en-ja"])
 
 
 def test_sacrebleu_test_set_from_the_cache_equals_the_cli(files):
@@ -607,6 +668,19 @@ def test_a_model_trained_for_the_other_direction_is_said(tmp_path, capsys, caplo
     with caplog.at_level("WARNING", logger="mt.evaluate"):
         _run([*argv, "--langpair", "de-en"], capsys)
     assert "m.pt was trained for en-de, test set" in caplog.text and "is de-en" in caplog.text
+
+
+def test_an_empty_test_set_is_one_line_with_a_model_or_a_file(tmp_path):
+    """A model translated the 0 lines of an empty test set, then sacrebleu's corpus_score failed
+    on no sentences: an IndexError traceback."""
+    _tiny_model_and_test_set(tmp_path)
+    empty = _write(tmp_path / "empty.de", [])
+    src = _write(tmp_path / "empty.en", [])
+    for system in (["-m", str(tmp_path / "m.pt")], ["--hyp", empty]):
+        with pytest.raises(SystemExit) as err:
+            main([*system, "--src", src, "--ref", empty, "--beam", "1"])
+        assert str(err.value) == (f"mt-eval: {empty}: no lines; a test set needs one reference "
+                                  "line per sentence")
 
 
 def test_out_of_memory_while_translating_is_one_line(tmp_path, monkeypatch):

@@ -714,6 +714,27 @@ def test_a_damaged_marian_directory_is_one_line_naming_the_file(tmp_path, corpus
         tmp_path / "fewer", tmp_path / "x.pt")
 
 
+def test_null_settings_in_a_marian_config_are_their_defaults(tmp_path, corpus_dir):
+    """A null max_position_embeddings (let through by the check, as a null decoder start is) or
+    dropout went on into the model config: a TypeError traceback; a dropout that is no number
+    was imported, to fail later."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("google.protobuf")
+    good = _opus_like_dir(tmp_path, corpus_dir, transformers, False)[0]
+    config = json.loads((good / "config.json").read_text())
+    config.update(max_position_embeddings=None, dropout=None, attention_dropout=None)
+    (good / "config.json").write_text(json.dumps(config))
+    import_main(["--from", "hf", str(good), "--out", str(tmp_path / "m.pt")])
+    from mt.checkpoint import load_model
+
+    cfg = load_model(str(tmp_path / "m.pt"))[0].cfg
+    assert (cfg.max_positions, cfg.dropout, cfg.attention_dropout) == (1024, 0.1, 0.0)
+    config.update(activation_dropout="0.1")
+    (good / "config.json").write_text(json.dumps(config))
+    assert _import_error(good, tmp_path / "x.pt") == (
+        f"mt-import: {good / 'config.json'}: activation_dropout='0.1' is not a number of [0, 1)")
+
+
 def _import_error(d, out) -> str:
     with pytest.raises(SystemExit) as err:
         import_main(["--from", "hf", str(d), "--out", str(out)])
