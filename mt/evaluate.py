@@ -200,7 +200,8 @@ def _run_test(args: argparse.Namespace, test: TestSet, systems: list[System],
         # them under --origlang)
         whole = system.kind == "hyp" and len(hyps) != len(refs[0])
         check_lines(hyps, hyp_file, all_refs if whole else refs, test.refs,
-                    warn_tokenized=args.tokenize != "none", from_model=system.kind == "model")
+                    warn_tokenized=args.tokenize != "none", from_model=system.kind == "model",
+                    refs_said=n > 1)
         hyps = kept(hyps) if whole else hyps
         record.update(score_system(hyps, refs, args.metrics, trg_lang=trg_lang,
                                    confidence_n=args.confidence_n if args.confidence else 0,

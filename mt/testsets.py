@@ -332,11 +332,14 @@ def looks_tokenized(lines: list[str]) -> tuple[int, int | None]:
 
 
 def check_lines(hyps: list[str], hyp_name: str, refs: list[list[str]], ref_names: list[str],
-                warn_tokenized: bool = True, from_model: bool = False) -> None:
+                warn_tokenized: bool = True, from_model: bool = False,
+                refs_said: bool = False) -> None:
     """Stops the silent mistakes: misaligned or empty files; warns on tokenized text.
 
     A model that translates everything to empty lines is worth a score (0) and a warning; an
     empty hypothesis file is a mistake (a wrong path, a crashed run) and an error.
+    ``refs_said``: the references were looked at for an earlier system of the same test set
+    (their warning came once per system).
     """
     if not any(h.strip() for h in hyps) and from_model:
         log.warning("%s: every translation is empty", hyp_name)
@@ -349,7 +352,8 @@ def check_lines(hyps: list[str], hyp_name: str, refs: list[list[str]], ref_names
                             "lines; hypotheses and references must be aligned line by line")
     if not warn_tokenized:
         return
-    for lines, name in [(hyps, hyp_name), *zip(refs, ref_names, strict=True)]:
+    refs_to_check = [] if refs_said else list(zip(refs, ref_names, strict=True))
+    for lines, name in [(hyps, hyp_name), *refs_to_check]:
         count, first = looks_tokenized(lines)
         if count >= max(2, 0.1 * len(lines)):
             log.warning("%s looks tokenized: %d of %d lines have ' ,', ' .', \" 's\", '@@ ' "
