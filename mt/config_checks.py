@@ -124,6 +124,15 @@ def check_values(cfg: TrainConfig) -> None:
         raise ValueError("data.subword_alpha samples among a unigram model's segmentations: "
                          "set data.tokenizer.model_type=unigram, or data.subword_alpha=0 for "
                          f"{d.tokenizer.model_type}")
+    if d.source == "hub" and not d.hub_name:  # else a TypeError traceback at the split check
+        raise ValueError("data.source=hub needs data.hub_name: a dataset on the hub "
+                         "(wmt/wmt14) or a folder (written by save_to_disk, or of data files)")
+    if d.src_lang == d.tgt_lang and not (d.source == "files" and d.format == "tsv"):
+        # One file, JSON key or translation field for both sides: a model trained to copy, said
+        # nowhere; a hub dataset with a column per language failed with a KeyError traceback.
+        raise ValueError(f"data.src_lang and data.tgt_lang are both {d.src_lang!r}: the source "
+                         "and the target would be the same text; for a task within one language "
+                         "give data.source=files data.format=tsv (source<TAB>target)")
     for key, split in (("data.train", d.train), ("data.valid", d.valid)):
         if not split:
             raise ValueError(f"{key} is empty: name a split")
