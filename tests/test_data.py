@@ -233,6 +233,21 @@ def test_hub_offline_fails_with_one_clear_sentence():
         load_split(cfg, "train")
 
 
+@pytest.mark.parametrize("name", ["./saved_corpus", "../data/saved", "data/corpus/saved"])
+def test_a_hub_name_that_is_a_missing_folder_is_said_so_not_sent_to_the_hub(tmp_path, name,
+                                                                            monkeypatch):
+    """A path that no hub dataset can be named (``./saved``, three parts) and no folder holds:
+    a save_to_disk folder given from another directory was "could not reach the Hugging Face
+    hub ...; download it once with internet" (offline), about a dataset that is no hub's."""
+    monkeypatch.chdir(tmp_path)
+    cfg = DataConfig(source="hub", hub_name=name, src_lang="en", tgt_lang="de")
+    said = f"data.hub_name={name}: no such folder ({tmp_path / name}), nor a hub dataset's name"
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(said)}"):
+        check_hub_splits(cfg, {"data.train=train": ["train"]})
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(said)}"):
+        load_split(cfg, "train")
+
+
 def test_file_cache_is_reused_and_sees_edits(tmp_path):
     _write_split(tmp_path / "d", "text", "train", PAIRS)
     cache = str(tmp_path / "cache")
