@@ -133,6 +133,37 @@ def test_load_or_train_reuses_a_complete_directory(tmp_path, caplog):
     assert calls == [1, 1]
 
 
+def test_a_model_put_in_data_tokenizer_path_by_hand_is_used_never_trained_over(tmp_path,
+                                                                               caplog):
+    """A SentencePiece model copied into data.tokenizer.path without tokenizer.json (one from
+    elsewhere, as tokenizers/README.md allows) was taken for an interrupted save: the run trained
+    a tokenizer of its own and wrote it over the user's spm.model, and trained with that."""
+    from mt.tokenizer import place
+
+    mine = train_tokenizer(SRC, TGT, TokenizerConfig(vocab_size=100), seed=1)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "spm.model").write_bytes(mine.src_proto)
+    cfg = TokenizerConfig(vocab_size=150, path=str(tmp_path / "tok"))
+    with caplog.at_level(logging.INFO, logger="mt.tokenizer"):
+        tok = load_or_train(tmp_path / "tok", lambda: pytest.fail("trained over it"), cfg,
+                            seed=1, shared=True)
+    assert tok.fingerprint == mine.fingerprint
+    assert (tmp_path / "tok" / "spm.model").read_bytes() == mine.src_proto
+    assert f"using the SentencePiece model in {tmp_path / 'tok'} as it is" in caplog.text
+    # a model's own tokenizer (init_from) is not written over it either
+    other = train_tokenizer(SRC, SRC, TokenizerConfig(vocab_size=60), seed=1)
+    with pytest.raises(ValueError, match="the model's tokenizer is not the one in"):
+        place(tmp_path / "tok", other, "init_from=x.pt", shared=True)
+    assert place(tmp_path / "tok", mine, "init_from=x.pt", shared=True).fingerprint == \
+        mine.fingerprint
+    assert (tmp_path / "tok" / "spm.model").read_bytes() == mine.src_proto
+    # half a pair of separate models is said, naming the folder, not trained over
+    (tmp_path / "tok" / "spm.model").rename(tmp_path / "tok" / "src.model")
+    with pytest.raises(FileNotFoundError, match="expected spm.model, or src.model and tgt.model"):
+        load_or_train(tmp_path / "tok", lambda: pytest.fail("trained over it"), cfg, seed=1,
+                      shared=True)
+
+
 def test_a_tokenizer_reused_on_other_data_is_said(tmp_path, caplog, monkeypatch):
     """A run's tokenizer, left by an attempt interrupted before its first checkpoint, was reused
     without a word by the next attempt in that folder on other data (another pair, another
