@@ -142,6 +142,11 @@ def check_values(cfg: TrainConfig) -> None:
                    else "is named twice")
             raise ValueError(f"data.extra_valid[{i}]={split!r} {why}")
     parts = d.train.split("+")
+    twice = sorted({p for p in parts if p and parts.count(p) > 1})
+    if twice:  # its second copy went as duplicates (data.filter.dedup), and data.upsample.X or
+        # data.tagged=[X] could not tell the copies apart
+        raise ValueError(f"data.train={d.train} names {', '.join(twice)} twice: to weigh a split, "
+                         f"give +data.upsample.{twice[0]}=2 instead")
     for split, factor in d.upsample.items():
         if split not in parts:
             raise ValueError(f"data.upsample.{split}: not one of data.train's splits "

@@ -210,6 +210,11 @@ def test_a_hub_column_that_is_not_text_names_its_split_and_column(tmp_path, valu
      "data.src_lang and data.tgt_lang are both 'de'"),
     # data.source=hub without data.hub_name: a TypeError traceback (Path(None)) at the split check
     (dict(source="hub", hub_name=None), "data.source=hub needs data.hub_name"),
+    # the second copy went as duplicates under data.filter.dedup (the default), so the split was
+    # not weighed twice as asked; data.upsample.train would have weighed both copies
+    (dict(source="files", train="train+bt+train"),
+     "data.train=train+bt+train names train twice: to weigh a split, give "
+     "+data.upsample.train=2 instead"),
 ])
 def test_data_settings_that_cannot_name_a_corpus_are_refused_naming_the_key(data, said):
     from mt.config import TrainConfig
