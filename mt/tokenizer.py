@@ -217,8 +217,10 @@ def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
                user_symbols: Sequence[str] = (), side: str = "") -> bytes:
     """A SentencePiece model of ``sentences``; ``side`` ("source ", "target " for separate
     vocabularies) names the text whose vocabulary is too small in the error."""
-    if not sentences:
-        raise ValueError("no non-empty sentence to train SentencePiece on")
+    if not sentences:  # which side, and where from: a blank target file named neither
+        raise ValueError(f"no non-empty {side}sentence to train SentencePiece on in the sample of "
+                         "data.train (up to data.tokenizer.input_sentence_size="
+                         f"{cfg.input_sentence_size} sentences): is that side of the corpus blank?")
     # With the '▁' that SentencePiece puts before every word, a symbol at a sentence's start (where
     # data.tag goes) is one piece, and the first. The sample may hold tagged sources: a user
     # symbol is cut out of the text before pieces are learned, so it bends no other piece.

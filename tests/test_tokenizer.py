@@ -55,6 +55,23 @@ def test_vocabulary_larger_than_the_text_supports_shrinks(model_type, caplog):
             in caplog.text)  # said, not silent
 
 
+@pytest.mark.parametrize("joint", [True, False])
+def test_a_blank_side_says_which_side_has_no_text(joint):
+    """A blank target file (as many empty lines as the source has) with separate vocabularies
+    stopped mt-train with "no non-empty sentence to train SentencePiece on", naming no side."""
+    tgt = [" "] * len(SRC)
+    if joint:  # the sources alone make a joint vocabulary; the filters then drop every pair
+        assert train_tokenizer(SRC, tgt, TokenizerConfig(vocab_size=100)).src_vocab_size > 4
+        with pytest.raises(ValueError, match=r"^no non-empty sentence to train SentencePiece on "
+                                             r"in the sample of data.train \(up to "):
+            train_tokenizer(tgt, tgt, TokenizerConfig(vocab_size=100))
+    else:
+        with pytest.raises(ValueError, match="^no non-empty target sentence to train "
+                                             "SentencePiece on .*is that side of the corpus "
+                                             "blank"):
+            train_tokenizer(SRC, tgt, TokenizerConfig(vocab_size=100, joint=False))
+
+
 def test_same_seed_same_model_and_bad_type():
     cfg = TokenizerConfig(vocab_size=100)
     assert train_tokenizer(SRC, TGT, cfg, 3).fingerprint == train_tokenizer(SRC, TGT, cfg,
