@@ -184,13 +184,17 @@ class Tokenizer:
     def load(cls, directory: str | os.PathLike) -> Tokenizer:
         directory = Path(directory)
         if (directory / "spm.model").exists():
-            return cls(_proto(directory / "spm.model"))
-        if (directory / "src.model").exists() and (directory / "tgt.model").exists():
-            src = _proto(directory / "src.model")
-            return cls(src, _proto(directory / "tgt.model"))
-        raise FileNotFoundError(
-            f"{directory}: no SentencePiece model (expected spm.model, or src.model and tgt.model)"
-        )
+            protos = [_proto(directory / "spm.model")]
+        elif (directory / "src.model").exists() and (directory / "tgt.model").exists():
+            protos = [_proto(directory / "src.model"), _proto(directory / "tgt.model")]
+        else:
+            raise FileNotFoundError(f"{directory}: no SentencePiece model (expected spm.model, or "
+                                    "src.model and tgt.model)")
+        try:
+            return cls(*protos)
+        except ValueError as err:  # a model from elsewhere, with SentencePiece's default ids
+            raise ValueError(f"{directory}: {err} (SentencePiece's --pad_id=0 --unk_id=1 "
+                             "--bos_id=2 --eos_id=3)") from None
 
 
 def _sample(texts: Iterable[str], size: int, seed: int) -> list[str]:

@@ -3,8 +3,10 @@
 import json
 import logging
 import random
+import re
 
 import pytest
+import sentencepiece as spm
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TokenizerConfig
 from mt.tokenizer import META_FILE, Tokenizer, _sample, load_or_train, train_tokenizer
@@ -177,6 +179,14 @@ def test_a_model_put_in_data_tokenizer_path_by_hand_is_used_never_trained_over(t
     # half a pair of separate models is said, naming the folder, not trained over
     (tmp_path / "tok" / "spm.model").rename(tmp_path / "tok" / "src.model")
     with pytest.raises(FileNotFoundError, match="expected spm.model, or src.model and tgt.model"):
+        load_or_train(tmp_path / "tok", lambda: pytest.fail("trained over it"), cfg, seed=1,
+                      shared=True)
+    # a model trained with SentencePiece's own special ids is refused naming its folder
+    (tmp_path / "tok" / "src.model").unlink()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(SRC), model_prefix=str(
+        tmp_path / "tok" / "spm"), vocab_size=30, minloglevel=2)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'tok'))}: source "
+                                         r"SentencePiece model has special ids .* --pad_id=0"):
         load_or_train(tmp_path / "tok", lambda: pytest.fail("trained over it"), cfg, seed=1,
                       shared=True)
 
