@@ -124,6 +124,15 @@ def check_values(cfg: TrainConfig) -> None:
         raise ValueError("data.subword_alpha samples among a unigram model's segmentations: "
                          "set data.tokenizer.model_type=unigram, or data.subword_alpha=0 for "
                          f"{d.tokenizer.model_type}")
+    if d.source == "hub" and not d.hub_name:  # else a TypeError traceback at the split check
+        raise ValueError("data.source=hub needs data.hub_name: a dataset on the hub "
+                         "(wmt/wmt14) or a folder (written by save_to_disk, or of data files)")
+    if d.src_lang == d.tgt_lang and not (d.source == "files" and d.format == "tsv"):
+        # One file, JSON key or translation field for both sides: a model trained to copy, said
+        # nowhere; a hub dataset with a column per language failed with a KeyError traceback.
+        raise ValueError(f"data.src_lang and data.tgt_lang are both {d.src_lang!r}: the source "
+                         "and the target would be the same text; for a task within one language "
+                         "give data.source=files data.format=tsv (source<TAB>target)")
     for key, split in (("data.train", d.train), ("data.valid", d.valid)):
         if not split:
             raise ValueError(f"{key} is empty: name a split")
@@ -133,6 +142,11 @@ def check_values(cfg: TrainConfig) -> None:
                    else "is named twice")
             raise ValueError(f"data.extra_valid[{i}]={split!r} {why}")
     parts = d.train.split("+")
+    twice = sorted({p for p in parts if p and parts.count(p) > 1})
+    if twice:  # its second copy went as duplicates (data.filter.dedup), and data.upsample.X or
+        # data.tagged=[X] could not tell the copies apart
+        raise ValueError(f"data.train={d.train} names {', '.join(twice)} twice: to weigh a split, "
+                         f"give +data.upsample.{twice[0]}=2 instead")
     for split, factor in d.upsample.items():
         if split not in parts:
             raise ValueError(f"data.upsample.{split}: not one of data.train's splits "

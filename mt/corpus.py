@@ -127,7 +127,7 @@ class Corpus:
         return load_or_train(
             directory,
             lambda: sample_texts(train, tok_cfg.input_sentence_size, seed, tok_cfg.joint),
-            tok_cfg, seed, data_identity(cfg.data), loud=rank == 0)
+            tok_cfg, seed, data_identity(cfg.data), loud=rank == 0, shared=bool(tok_cfg.path))
 
     @property
     def src_lens(self) -> array:

@@ -301,6 +301,22 @@ def _unreachable(name: str, err: ConnectionError) -> ConnectionError:
         "data.source=files")
 
 
+def _check_hub_name(name: str) -> None:
+    """Refuses a ``data.hub_name`` that no folder holds and no hub dataset can be called
+    (``./saved``, ``../data/saved``, three parts): a save_to_disk folder given from another
+    directory went to the hub, and offline the run said to download it with internet."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if Path(name).exists():
+        return
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise FileNotFoundError(f"data.hub_name={name}: no such folder ({Path(name).absolute()}), "
+                                "nor a hub dataset's name (USER/DATASET); a relative folder "
+                                "starts at the directory mt-train runs in") from None
+
+
 def check_hub_splits(cfg: DataConfig, wanted: dict[str, list[str]]) -> None:
     """Refuses, at the start of a run, a split that the hub dataset lacks, naming the key that
     asks for it (``wanted``: key -> split names): otherwise a missing ``data.valid`` showed only
@@ -309,6 +325,7 @@ def check_hub_splits(cfg: DataConfig, wanted: dict[str, list[str]]) -> None:
     whose metadata lists none), the load says what is wrong, as before."""
     import datasets
 
+    _check_hub_name(cfg.hub_name)
     local = Path(cfg.hub_name)
     try:
         if (local / "dataset_dict.json").exists():  # save_to_disk: its split list
@@ -368,6 +385,7 @@ def _load_hub(cfg: DataConfig, split: str, cache_dir: str | None):
 
     if not cfg.hub_name:
         raise ValueError("data.hub_name must name a dataset when data.source=hub")
+    _check_hub_name(cfg.hub_name)
     name = f"{cfg.hub_name}" + (f" ({cfg.hub_config})" if cfg.hub_config else "")
     local = Path(cfg.hub_name)
     try:

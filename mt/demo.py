@@ -35,6 +35,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from mt.config import positive_int
 from mt.textio import replace_file
 
 SRC_LANG = "en"
@@ -383,9 +384,10 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m mt.demo DIR``: writes the demo corpus into DIR and prints the line counts."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="directory for {train,valid,test}.{en,zz}")
-    parser.add_argument("--train", type=int, default=12000, help="training pairs")
-    parser.add_argument("--valid", type=int, default=500, help="validation pairs")
-    parser.add_argument("--test", type=int, default=500, help="test pairs")
+    # at least 1: a negative count shifted the other splits' slices and every file came out empty
+    parser.add_argument("--train", type=positive_int, default=12000, help="training pairs")
+    parser.add_argument("--valid", type=positive_int, default=500, help="validation pairs")
+    parser.add_argument("--test", type=positive_int, default=500, help="test pairs")
     parser.add_argument("--seed", type=int, default=1234, help="sentence sampler seed")
     args = parser.parse_args(argv)
     counts = write_demo_corpus(args.out_dir, args.train, args.valid, args.test, args.seed)

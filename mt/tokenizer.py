@@ -50,6 +50,8 @@ from mt.textio import first_line, json_object, replace_file
 log = logging.getLogger(__name__)
 
 META_FILE = "tokenizer.json"
+# The SentencePiece model files a tokenizer directory may hold (joint; separate).
+MODEL_FILES = ("spm.model", "src.model", "tgt.model")
 
 
 # Closing quotes and brackets that may follow a sentence's final punctuation.
@@ -182,13 +184,17 @@ class Tokenizer:
     def load(cls, directory: str | os.PathLike) -> Tokenizer:
         directory = Path(directory)
         if (directory / "spm.model").exists():
-            return cls(_proto(directory / "spm.model"))
-        if (directory / "src.model").exists() and (directory / "tgt.model").exists():
-            src = _proto(directory / "src.model")
-            return cls(src, _proto(directory / "tgt.model"))
-        raise FileNotFoundError(
-            f"{directory}: no SentencePiece model (expected spm.model, or src.model and tgt.model)"
-        )
+            protos = [_proto(directory / "spm.model")]
+        elif (directory / "src.model").exists() and (directory / "tgt.model").exists():
+            protos = [_proto(directory / "src.model"), _proto(directory / "tgt.model")]
+        else:
+            raise FileNotFoundError(f"{directory}: no SentencePiece model (expected spm.model, or "
+                                    "src.model and tgt.model)")
+        try:
+            return cls(*protos)
+        except ValueError as err:  # a model from elsewhere, with SentencePiece's default ids
+            raise ValueError(f"{directory}: {err} (SentencePiece's --pad_id=0 --unk_id=1 "
+                             "--bos_id=2 --eos_id=3)") from None
 
 
 def _sample(texts: Iterable[str], size: int, seed: int) -> list[str]:
@@ -215,8 +221,10 @@ def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
                user_symbols: Sequence[str] = (), side: str = "") -> bytes:
     """A SentencePiece model of ``sentences``; ``side`` ("source ", "target " for separate
     vocabularies) names the text whose vocabulary is too small in the error."""
-    if not sentences:
-        raise ValueError("no non-empty sentence to train SentencePiece on")
+    if not sentences:  # which side, and where from: a blank target file named neither
+        raise ValueError(f"no non-empty {side}sentence to train SentencePiece on in the sample of "
+                         "data.train (up to data.tokenizer.input_sentence_size="
+                         f"{cfg.input_sentence_size} sentences): is that side of the corpus blank?")
     # With the '▁' that SentencePiece puts before every word, a symbol at a sentence's start (where
     # data.tag goes) is one piece, and the first. The sample may hold tagged sources: a user
     # symbol is cut out of the text before pieces are learned, so it bends no other piece.
@@ -314,6 +322,14 @@ def _release_memory() -> None:
         pass
 
 
+def _by_hand(directory: Path) -> bool:
+    """Whether ``directory`` holds a SentencePiece model but no ``tokenizer.json``. In the run's
+    own ``tokenizer/`` that is a save cut short, trained again; in ``data.tokenizer.path`` it is
+    a model put there by hand (tokenizers/README.md), which training would write over."""
+    return (not (directory / META_FILE).exists()
+            and any((directory / name).exists() for name in MODEL_FILES))
+
+
 def require_symbols(tok: Tokenizer, symbols: Sequence[str], which: str, fix: str) -> None:
     """Stops a run whose tokenizer cannot give a user symbol (the back-translation tag) as one
     piece: the model could not tell tagged sources from others."""
@@ -338,7 +354,7 @@ def place(directory: str | os.PathLike, tokenizer: Tokenizer, origin: str,
         shared: the directory is data.tokenizer.path, not the run's own: the error's advice.
     """
     directory = Path(directory)
-    if (directory / META_FILE).exists():
+    if (directory / META_FILE).exists() or shared and _by_hand(directory):
         there = Tokenizer.load(directory)
         if there.fingerprint != tokenizer.fingerprint:
             raise ValueError(f"{origin}: the model's tokenizer is not the one in {directory}; "
@@ -390,6 +406,7 @@ def load_or_train(
     seed: int = 0,
     trained_on: dict | None = None,
     loud: bool = True,
+    shared: bool = False,
 ) -> Tokenizer:
     """The tokenizer in ``directory`` if it is complete, else one trained and saved there.
 
@@ -406,6 +423,8 @@ def load_or_train(
             was reused by the next attempt, with other data, without a word.
         loud: False on the processes of a run but its first, which read the tokenizer the
             first made: its warnings, once, are the first's.
+        shared: ``directory`` is data.tokenizer.path, not the run's own: a SentencePiece model
+            there without ``tokenizer.json`` (``_by_hand``) is used as it is, never trained over.
     """
     warn = log.warning if loud else log.debug
     directory = Path(directory)
@@ -437,6 +456,15 @@ def load_or_train(
                         "retrain it: set data.tokenizer.path to a new directory")
         log.info("reusing the tokenizer in %s (%s, %s pieces)", directory,
                  "joint" if tok.joint else "separate",
+                 tok.src_vocab_size if tok.joint else f"{tok.src_vocab_size}/{tok.tgt_vocab_size}")
+        return tok
+    if shared and _by_hand(directory):
+        tok = Tokenizer.load(directory)
+        require_symbols(tok, cfg.user_symbols, f"the SentencePiece model in {directory} "
+                        "(data.tokenizer.path)", "give a model that has it, or a new "
+                        "data.tokenizer.path to train one")
+        log.info("using the SentencePiece model in %s as it is (no %s: the settings it was "
+                 "trained with are not known; %s pieces)", directory, META_FILE,
                  tok.src_vocab_size if tok.joint else f"{tok.src_vocab_size}/{tok.tgt_vocab_size}")
         return tok
     start = time.perf_counter()

@@ -198,11 +198,58 @@ def test_a_hub_column_that_is_not_text_names_its_split_and_column(tmp_path, valu
         load_split(cfg, "valid")
 
 
+@pytest.mark.parametrize("data, said", [
+    # a folder of one column per language: a KeyError ('Field "src" does not exist in schema')
+    # from datasets, as a traceback; text, JSON lines or a translation column: the same text on
+    # both sides, a model trained to copy, without a word
+    (dict(source="hub", hub_name="corpus", src_lang="en", tgt_lang="en"),
+     "data.src_lang and data.tgt_lang are both 'en'"),
+    (dict(source="files", format="text", src_lang="de", tgt_lang="de"),
+     "data.src_lang and data.tgt_lang are both 'de'"),
+    (dict(source="files", format="jsonl", src_lang="de", tgt_lang="de"),
+     "data.src_lang and data.tgt_lang are both 'de'"),
+    # data.source=hub without data.hub_name: a TypeError traceback (Path(None)) at the split check
+    (dict(source="hub", hub_name=None), "data.source=hub needs data.hub_name"),
+    # the second copy went as duplicates under data.filter.dedup (the default), so the split was
+    # not weighed twice as asked; data.upsample.train would have weighed both copies
+    (dict(source="files", train="train+bt+train"),
+     "data.train=train+bt+train names train twice: to weigh a split, give "
+     "+data.upsample.train=2 instead"),
+])
+def test_data_settings_that_cannot_name_a_corpus_are_refused_naming_the_key(data, said):
+    from mt.config import TrainConfig
+    from mt.config_checks import check_values
+
+    cfg = TrainConfig()
+    cfg.data = DataConfig(**data)
+    with pytest.raises(ValueError, match=f"^{re.escape(said)}"):
+        check_values(cfg)
+    # one language on both sides is a task of its own (paraphrase, correction) in a TSV file,
+    # whose columns, not names, tell the sides apart
+    cfg.data = DataConfig(source="files", format="tsv", src_lang="en", tgt_lang="en")
+    check_values(cfg)
+
+
 @pytest.mark.skipif(not datasets.config.HF_HUB_OFFLINE, reason="needs HF_HUB_OFFLINE=1")
 def test_hub_offline_fails_with_one_clear_sentence():
     cfg = DataConfig(source="hub", hub_name="wmt/wmt14", hub_config="de-en", src_lang="en",
                      tgt_lang="de")
     with pytest.raises(ConnectionError, match="could not reach the Hugging Face hub for wmt/wmt14"):
+        load_split(cfg, "train")
+
+
+@pytest.mark.parametrize("name", ["./saved_corpus", "../data/saved", "data/corpus/saved"])
+def test_a_hub_name_that_is_a_missing_folder_is_said_so_not_sent_to_the_hub(tmp_path, name,
+                                                                            monkeypatch):
+    """A path that no hub dataset can be named (``./saved``, three parts) and no folder holds:
+    a save_to_disk folder given from another directory was "could not reach the Hugging Face
+    hub ...; download it once with internet" (offline), about a dataset that is no hub's."""
+    monkeypatch.chdir(tmp_path)
+    cfg = DataConfig(source="hub", hub_name=name, src_lang="en", tgt_lang="de")
+    said = f"data.hub_name={name}: no such folder ({tmp_path / name}), nor a hub dataset's name"
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(said)}"):
+        check_hub_splits(cfg, {"data.train=train": ["train"]})
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(said)}"):
         load_split(cfg, "train")
 
 

@@ -64,6 +64,16 @@ def test_a_folder_of_someone_elses_data_is_not_overwritten(tmp_path):
     assert (tmp_path / "train.en").read_text() == "mine\n"
 
 
+@pytest.mark.parametrize("flag", ["--train", "--valid", "--test"])
+def test_a_split_size_below_one_is_refused_by_the_command(tmp_path, flag, capsys):
+    """``python -m mt.demo DIR --train -5`` wrote empty files for every split (the negative
+    count shifted the others' slices) and printed "train -5" as if that were done."""
+    with pytest.raises(SystemExit) as stop:
+        mt.demo.main([str(tmp_path / "d"), flag, "-5"])
+    assert stop.value.code == 2 and "must be at least 1, got -5" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+
+
 def test_an_interrupted_write_is_redone(tmp_path, monkeypatch):
     """The folder is the demo's from its first write on: files half written, then a rerun."""
     from mt import demo

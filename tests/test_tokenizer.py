@@ -3,8 +3,10 @@
 import json
 import logging
 import random
+import re
 
 import pytest
+import sentencepiece as spm
 
 from mt.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TokenizerConfig
 from mt.tokenizer import META_FILE, Tokenizer, _sample, load_or_train, train_tokenizer
@@ -53,6 +55,23 @@ def test_vocabulary_larger_than_the_text_supports_shrinks(model_type, caplog):
     assert 30 < tok.src_vocab_size < 5000
     assert (f"data.tokenizer.vocab_size=5000: the text holds {tok.src_vocab_size} pieces"
             in caplog.text)  # said, not silent
+
+
+@pytest.mark.parametrize("joint", [True, False])
+def test_a_blank_side_says_which_side_has_no_text(joint):
+    """A blank target file (as many empty lines as the source has) with separate vocabularies
+    stopped mt-train with "no non-empty sentence to train SentencePiece on", naming no side."""
+    tgt = [" "] * len(SRC)
+    if joint:  # the sources alone make a joint vocabulary; the filters then drop every pair
+        assert train_tokenizer(SRC, tgt, TokenizerConfig(vocab_size=100)).src_vocab_size > 4
+        with pytest.raises(ValueError, match=r"^no non-empty sentence to train SentencePiece on "
+                                             r"in the sample of data.train \(up to "):
+            train_tokenizer(tgt, tgt, TokenizerConfig(vocab_size=100))
+    else:
+        with pytest.raises(ValueError, match="^no non-empty target sentence to train "
+                                             "SentencePiece on .*is that side of the corpus "
+                                             "blank"):
+            train_tokenizer(SRC, tgt, TokenizerConfig(vocab_size=100, joint=False))
 
 
 def test_same_seed_same_model_and_bad_type():
@@ -131,6 +150,45 @@ def test_load_or_train_reuses_a_complete_directory(tmp_path, caplog):
     (tmp_path / "tok" / META_FILE).unlink()
     load_or_train(tmp_path / "tok", texts, cfg, seed=1)
     assert calls == [1, 1]
+
+
+def test_a_model_put_in_data_tokenizer_path_by_hand_is_used_never_trained_over(tmp_path,
+                                                                               caplog):
+    """A SentencePiece model copied into data.tokenizer.path without tokenizer.json (one from
+    elsewhere, as tokenizers/README.md allows) was taken for an interrupted save: the run trained
+    a tokenizer of its own and wrote it over the user's spm.model, and trained with that."""
+    from mt.tokenizer import place
+
+    mine = train_tokenizer(SRC, TGT, TokenizerConfig(vocab_size=100), seed=1)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "spm.model").write_bytes(mine.src_proto)
+    cfg = TokenizerConfig(vocab_size=150, path=str(tmp_path / "tok"))
+    with caplog.at_level(logging.INFO, logger="mt.tokenizer"):
+        tok = load_or_train(tmp_path / "tok", lambda: pytest.fail("trained over it"), cfg,
+                            seed=1, shared=True)
+    assert tok.fingerprint == mine.fingerprint
+    assert (tmp_path / "tok" / "spm.model").read_bytes() == mine.src_proto
+    assert f"using the SentencePiece model in {tmp_path / 'tok'} as it is" in caplog.text
+    # a model's own tokenizer (init_from) is not written over it either
+    other = train_tokenizer(SRC, SRC, TokenizerConfig(vocab_size=60), seed=1)
+    with pytest.raises(ValueError, match="the model's tokenizer is not the one in"):
+        place(tmp_path / "tok", other, "init_from=x.pt", shared=True)
+    assert place(tmp_path / "tok", mine, "init_from=x.pt", shared=True).fingerprint == \
+        mine.fingerprint
+    assert (tmp_path / "tok" / "spm.model").read_bytes() == mine.src_proto
+    # half a pair of separate models is said, naming the folder, not trained over
+    (tmp_path / "tok" / "spm.model").rename(tmp_path / "tok" / "src.model")
+    with pytest.raises(FileNotFoundError, match="expected spm.model, or src.model and tgt.model"):
+        load_or_train(tmp_path / "tok", lambda: pytest.fail("trained over it"), cfg, seed=1,
+                      shared=True)
+    # a model trained with SentencePiece's own special ids is refused naming its folder
+    (tmp_path / "tok" / "src.model").unlink()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(SRC), model_prefix=str(
+        tmp_path / "tok" / "spm"), vocab_size=30, minloglevel=2)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'tok'))}: source "
+                                         r"SentencePiece model has special ids .* --pad_id=0"):
+        load_or_train(tmp_path / "tok", lambda: pytest.fail("trained over it"), cfg, seed=1,
+                      shared=True)
 
 
 def test_a_tokenizer_reused_on_other_data_is_said(tmp_path, caplog, monkeypatch):
