@@ -170,11 +170,13 @@ class Tokenizer:
         """Writes the model(s), then ``tokenizer.json`` (sizes, hash and ``info``) last."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        # Each model file whole or absent: a save cut short leaves no torn model, which a
+        # data.tokenizer.path without tokenizer.json would be taken as (``_by_hand``).
         if self.joint:
-            (directory / "spm.model").write_bytes(self.src_proto)
+            replace_file(directory / "spm.model", self.src_proto)
         else:
-            (directory / "src.model").write_bytes(self.src_proto)
-            (directory / "tgt.model").write_bytes(self.tgt_proto)
+            replace_file(directory / "src.model", self.src_proto)
+            replace_file(directory / "tgt.model", self.tgt_proto)
         meta = {"joint": self.joint, "src_vocab_size": self.src_vocab_size,
                 "tgt_vocab_size": self.tgt_vocab_size, "fingerprint": self.fingerprint,
                 **(info or {})}

@@ -191,6 +191,25 @@ def test_a_model_put_in_data_tokenizer_path_by_hand_is_used_never_trained_over(t
                       shared=True)
 
 
+def test_a_save_cut_short_leaves_no_torn_model(tmp_path, monkeypatch):
+    """A kill in the middle of writing spm.model left half a model under its name, which a
+    data.tokenizer.path without tokenizer.json is now taken as (a model put there by hand)."""
+    from pathlib import Path
+
+    tok = train_tokenizer(SRC, TGT, TokenizerConfig(vocab_size=100), seed=1)
+    write = Path.write_bytes
+
+    def killed_midway(self, data):
+        write(self, data[: len(data) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_bytes", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        tok.save(tmp_path / "tok")
+    assert not (tmp_path / "tok" / "spm.model").exists()
+    assert list((tmp_path / "tok").iterdir()) == []
+
+
 def test_a_tokenizer_reused_on_other_data_is_said(tmp_path, caplog, monkeypatch):
     """A run's tokenizer, left by an attempt interrupted before its first checkpoint, was reused
     without a word by the next attempt in that folder on other data (another pair, another
