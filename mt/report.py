@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 from mt.testsets import EvalError, download_timeout, offline_var
@@ -42,6 +43,21 @@ def make_metric(name: str, *, tokenize: str | None = None, lowercase: bool = Fal
     raise EvalError(f"unknown metric {name!r} (choose from {', '.join(METRICS)})")
 
 
+# ISO 639-3 codes (OPUS's zho, jpn, kor) of the languages sacrebleu has a BLEU tokenizer for.
+_THREE_LETTER = {"zho": "zh", "cmn": "zh", "jpn": "ja", "kor": "ko"}
+
+
+def bleu_target(lang: str) -> str:
+    """The ``trg_lang`` sacrebleu picks BLEU's tokenizer by (it knows ``zh``, ``ja``, ``ko``
+    only, exactly): ``zh-CN``, ``zh_Hant``, ``ZH``, ``jpn`` went to 13a, which keeps a Chinese or
+    Japanese line (no spaces) as one token, BLEU near 0. Other codes are kept as given."""
+    from sacrebleu.metrics import BLEU
+
+    primary = re.split(r"[-_]", lang.strip())[0].lower()
+    primary = _THREE_LETTER.get(primary, primary)
+    return primary if primary in BLEU._TOKENIZER_MAP else lang
+
+
 def _bleu(*, tokenize: str | None, lowercase: bool, trg_lang: str,
           references: list[list[str]] | None, effective_order: bool = False):
     """sacreBLEU's BLEU, with a tokenizer that cannot be loaded said in one line.
@@ -56,6 +72,7 @@ def _bleu(*, tokenize: str | None, lowercase: bool, trg_lang: str,
     from sacrebleu.metrics import BLEU
     from sacrebleu.tokenizers import tokenizer_spm
 
+    trg_lang = bleu_target(trg_lang)
     tok = tokenize or BLEU._TOKENIZER_MAP.get(trg_lang, BLEU.TOKENIZER_DEFAULT)
     what = f"--tokenize {tok}" if tokenize else f"BLEU's tokenizer for {trg_lang} targets ({tok})"
     cache = Path(tokenizer_spm.SACREBLEU_DIR)

@@ -1640,6 +1640,12 @@ def test_training_bleu_tokenizes_as_its_target_language(tokenizer_dir, monkeypat
                       torch.device("cpu"), trg_lang=bleu_language("zh"))
     assert zh["valid_bleu"] == pytest.approx(BLEU(trg_lang="zh").corpus_score(hyps, [refs]).score)
     assert zh["valid_bleu"] > 50 > BLEU().corpus_score(hyps, [refs]).score
+    # a region, a script, capitals or OPUS's three letters went to 13a: BLEU near 0
+    for code in ("zh-CN", "zh_Hant", "ZH", "zho"):
+        with torch.inference_mode():
+            as_coded = validate(model, tok, ["a", "b"], refs, TrainerConfig(beam_size=1),
+                                torch.device("cpu"), trg_lang=bleu_language(code))
+        assert as_coded["valid_bleu"] == zh["valid_bleu"], code
     assert bleu_language("de") == "de"
     if importlib.util.find_spec("MeCab") is None:
         assert bleu_language("ja") == ""
