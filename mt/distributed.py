@@ -178,13 +178,15 @@ class SigtermWatch:
     def watching(self) -> Iterator[None]:
         """The handler for the block (only the main thread may set one), the earlier one after."""
         self.seen = False
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, self._note) if main else None
+        if (threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):  # the parent's choice
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, self._note)
         try:
             yield
-        finally:
-            if main:
-                signal.signal(signal.SIGTERM, previous)
+        finally:  # a handler set outside Python reads as None: put back the default then
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
     def _note(self, signum, frame) -> None:
         self.seen = True

@@ -5,6 +5,7 @@ of ``best.pt`` and ``averaged.pt`` (``test.json``) with the command to run next.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from mt import checkpoint
+from mt import checkpoint, version_line
 from mt.batching import collate, token_batches
 from mt.config import PAD_ID, TrainConfig, TrainerConfig
 from mt.data import load_split, split_files
@@ -262,6 +263,13 @@ def _texts_digest(*sides: list[str]) -> str:
     return digest.hexdigest()
 
 
+def _file_digest(path: Path) -> str | None:
+    try:
+        return hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+    except OSError:
+        return None
+
+
 def _test_line(label: str, result: dict) -> str:
     return (f"{label} = {result['bleu']:.2f}  chrF = {result['chrf']:.2f}  "
             f"({result['sentences']} sentences, {result['bleu_signature']})")
@@ -313,18 +321,24 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
                         "it (mt-eval -m %s scores last.pt)", path, "test" if on_test else "valid",
                         ckpt_dir / "last.pt")
             continue
-        model, tok, _ = checkpoint.load_model(path, device)
+        model, tok, saved = checkpoint.load_model(path, device)
         suffix = "" if name == "best" else ".averaged"
+        hyp_file = run_dir / f"{cfg.data.test}{suffix}.hyp"
         label = "test BLEU" if name == "best" else "test BLEU of averaged.pt"
-        tested_with = {"weights": checkpoint.weights_digest(model.state_dict()),
-                       "test": _texts_digest(src, ref), "beam": opts.beam, "lenpen": opts.lenpen,
-                       "device": device.type, "target_language": trg_lang,
-                       "valid": _texts_digest(*valid) if on_valid else None}
+        tested_with = json.loads(json.dumps({  # as read back from test.json
+            "weights": checkpoint.weights_digest(model.state_dict()),
+            "model": saved["model_config"], "tokenizer": tok.fingerprint,
+            "test": _texts_digest(src, ref), "search": dataclasses.asdict(opts),
+            "device": device.type, "target_language": trg_lang,
+            "valid": _texts_digest(*valid) if on_valid else None, "versions": version_line()},
+            default=str))
         kept = earlier.get(name)
-        if (on_test and kept and kept.get("tested_with") == tested_with
-                and (run_dir / f"{cfg.data.test}{suffix}.hyp").is_file()):
+        if (on_test and isinstance(kept, dict) and kept.get("tested_with") == tested_with
+                and _file_digest(hyp_file) == kept.get("hyp_digest")):
             # a finished run started again (a sweep resumed after an interrupt): the same
-            # weights, texts and search give the same scores, so the decoding is not redone
+            # weights, texts, search and code give the same scores, so the decoding is not
+            # redone; the .hyp must be the one they were of (a later finish, cut short after
+            # writing its own, leaves another beside the old test.json)
             log.info("%s: the scores in %s are of these weights, texts and search: kept",
                      path.name, run_dir / "test.json")
             report[name] = kept
@@ -342,11 +356,11 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
         hyps = best_translations(model, tok, src, opts)
         seconds = time.perf_counter() - start
         result = score(hyps, ref, trg_lang=trg_lang)
-        write_lines(run_dir / f"{cfg.data.test}{suffix}.hyp", hyps)
+        write_lines(hyp_file, hyps)
         report[name] = {**result, "checkpoint": str(path), "seconds": seconds}
         if name in valid_scores:
             report[name]["valid"] = valid_scores[name]
-        report[name]["tested_with"] = json.loads(json.dumps(tested_with))  # as read back
+        report[name].update(tested_with=tested_with, hyp_digest=_file_digest(hyp_file))
         said.append(_test_line(label, result))
     if on_test:  # on disk before a word is printed: a stdout that fails loses nothing
         replace_file(run_dir / "test.json", json.dumps(  # best.pt's scores at the top level

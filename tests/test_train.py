@@ -892,7 +892,12 @@ def test_a_finished_run_started_again_keeps_its_test_scores(tmp_path, corpus_dir
     assert f"test BLEU = {first['bleu']:.2f}" in again.stdout
     beam = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *args, "trainer.beam_size=2")
     assert kept not in beam.stderr
-    assert json.loads((run_dir / "test.json").read_text())["tested_with"]["beam"] == 2
+    assert json.loads((run_dir / "test.json").read_text())["tested_with"]["search"]["beam"] == 2
+    # a later finish cut short after writing its .hyp (here: by hand) leaves another beside the
+    # old test.json: decoded again, not kept
+    hyp.write_text("other\n" * len(hyp.read_text().splitlines()))
+    touched = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *args, "trainer.beam_size=2")
+    assert kept not in touched.stderr and "other" not in hyp.read_text()
     refs = (data / "test.zz").read_text().splitlines()
     (data / "test.zz").write_text("\n".join(["x", *refs[1:]]) + "\n")
     edited = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, *args, "trainer.beam_size=2")
@@ -1410,6 +1415,26 @@ def test_a_sigterm_to_one_rank_in_the_last_steps_stops_every_rank(tmp_path, corp
     last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
     assert last["trainer"]["step"] == 4
     assert not (run_dir / "test.json").exists()
+
+
+def test_the_sigterm_watch_keeps_an_ignored_sigterm_ignored():
+    """A parent that ignores SIGTERM (as terminate_as_interrupt respects) is obeyed in the
+    training loop too; otherwise the watch notes the signal and puts the handler back."""
+    from mt.distributed import SigtermWatch
+
+    watch = SigtermWatch(1, torch.device("cpu"), 1)
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with watch.watching():
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert not watch.agreed(1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with watch.watching():
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert watch.agreed(1) and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_a_data_error_under_torchrun_is_one_line_on_every_rank(tmp_path, corpus_dir,
