@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import sys
 
@@ -18,7 +19,10 @@ from torch import nn
 from mt.incremental import Ensemble
 from mt.kvcache import amx_tiles
 from mt.model import FeedForward, Transformer, avoid_cudnn_attention
+from mt.optim import cpu_has_fast_bf16
 from mt.textio import first_line
+
+log = logging.getLogger("mt.inference")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int8": torch.float32}  # int8: float32 with int8 linear layers (quantize_int8)
@@ -334,6 +338,11 @@ def load_models(paths: list[str], device: str, dtype: str = "float32", pack: boo
     mistake = device_mistake(device)
     if mistake:
         raise ValueError(mistake.removeprefix("--"))
+    if dtype == "bfloat16" and torch.device(device).type == "cpu" and not cpu_has_fast_bf16():
+        # an AVX2 CPU: a transformer_base-sized bfloat16 product ran at 1/6 of float32's rate
+        log.warning("bfloat16 on a CPU without bfloat16 instructions (AVX512-BF16 or AMX): "
+                    "its products are emulated, several times slower than float32 here; "
+                    "--dtype float32 (or int8) decodes faster")
     models, tokenizer, names = [], None, []
     for path in paths:
         try:

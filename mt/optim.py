@@ -6,6 +6,7 @@ precision the step computes in (``trainer.precision``). Configured by the ``opti
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +39,11 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
         raise ValueError(f"trainer.precision must be auto, fp32, bf16 or fp16, got {precision!r}")
     if precision == "fp16" and device.type != "cuda":
         raise ValueError("trainer.precision=fp16 needs a CUDA device; use bf16 on CPU")
+    if precision == "bf16" and device.type == "cpu" and not cpu_has_fast_bf16():
+        logging.getLogger("mt.train").warning(
+            "trainer.precision=bf16 on a CPU without bfloat16 instructions (AVX512-BF16 or "
+            "AMX): its products are emulated, slower than float32 here; trainer.precision=auto "
+            "picks float32 on such a CPU")
     return choices[precision]
 
 

@@ -1760,3 +1760,23 @@ def test_stdout_writer_writes_every_byte_of_a_raw_stdout(monkeypatch, encoding):
     out.writelines(["zwei\n", "drei\n"])
     out.flush()
     assert raw.data.decode("utf-8") == "Grüße aus Köln\nzwei\ndrei\n"
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_bfloat16_on_a_cpu_without_it_is_said_slower(models, monkeypatch, caplog, fast):
+    """On an AVX2-only CPU a bfloat16 product ran at 1/6 of float32's rate: the README's
+    `--dtype bfloat16` made translate several times slower there, without a word."""
+    from mt import inference, optim
+    from mt.inference import load_models
+
+    monkeypatch.setattr(inference, "cpu_has_fast_bf16", lambda: fast)
+    monkeypatch.setattr(optim, "cpu_has_fast_bf16", lambda: fast)
+    with caplog.at_level(logging.WARNING):
+        load_models([models["a"]], "cpu", "bfloat16")
+        load_models([models["a"]], "cpu", "float32")
+        optim.autocast_dtype("bf16", torch.device("cpu"))
+    said = [r.getMessage() for r in caplog.records if "without bfloat16 instructions" in r.message]
+    assert len(said) == (0 if fast else 2), said
+    if not fast:
+        assert "--dtype float32 (or int8) decodes faster" in said[0]
+        assert said[1].startswith("trainer.precision=bf16 on a CPU without bfloat16")
