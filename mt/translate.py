@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"translate: {option} -: stdin is closed; give it as a file")
     if interactive and parallel:
         raise SystemExit(f"translate: {next(iter(parallel))} needs -i (or piped input)")
+    if interactive and args.output is not None:  # the prompt prints; the file would never come
+        raise SystemExit(f"translate: -o {args.output} needs -i (or piped input); at the prompt "
+                         "each translation is printed as it is typed")
     checks.refuse_overwrite(args, parallel)
     checks.refuse_shared_streams(args, parallel)
     total = None if interactive else checks.count_input(args, parallel)
@@ -277,8 +280,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"translate: {mistake}")
     opts = search_options(args, args.workers or default_workers(args.device))
     if interactive:
-        with torch.inference_mode():
-            _interactive(model, tokenizer, opts, args, shortlist)
+        try:
+            with torch.inference_mode():
+                _interactive(model, tokenizer, opts, args, shortlist)
+        except BrokenPipeError:  # the reader left (`translate -m M | head -1` at a terminal)
+            raise reader_left() from None
         return
     log.info("model %s%s", " + ".join(names), "" if total is None else f", {total} lines")
     start = time.perf_counter()

@@ -1478,6 +1478,37 @@ def test_interactive_prompt_decodes_as_files_do_and_counts_lines(models, monkeyp
     assert "Traceback" not in captured.err
 
 
+def test_the_prompt_refuses_an_output_file_it_would_never_write(models, tmp_path, monkeypatch):
+    """`translate -m M -o out.txt` at a terminal printed each translation and never wrote
+    out.txt, without a word: a session's work seemed saved and was not."""
+    _terminal(monkeypatch, b"the dog runs\n")
+    out = tmp_path / "out.txt"
+    with pytest.raises(SystemExit, match=f"^translate: -o {out} needs -i \\(or piped input\\)"):
+        main(["-m", models["a"], "-o", str(out), *FAST])
+    assert not out.exists()
+
+
+def test_a_reader_that_leaves_the_prompt_gets_no_traceback(models):
+    """`translate -m M | head -1` at a terminal: the second translation met a closed pipe and
+    ended in a BrokenPipeError traceback, where a file's or a pipe's input ends quietly."""
+    script = Path(sys.executable).with_name("translate")
+    terminal, typing = os.openpty()  # stdin a terminal: the interactive prompt
+    try:
+        proc = subprocess.Popen([str(script), "-m", models["a"], "--beam", "2", *FAST],
+                                stdin=typing, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        os.write(terminal, b"the dog runs\n")
+        assert proc.stdout.readline()
+        proc.stdout.close()  # head has its line and leaves
+        os.write(terminal, b"a red ball\n\x04")  # another sentence, then Ctrl-D
+        stderr = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 1
+    finally:
+        os.close(terminal)
+        os.close(typing)
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
 def test_console_script_keeps_stdout_for_translations(models):
     script = Path(sys.executable).with_name("translate")
     proc = subprocess.run([str(script), "-m", models["a"], "--beam", "2", *FAST[:-1]],
