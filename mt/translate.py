@@ -61,6 +61,7 @@ from mt.options import (
 from mt.results import LineResult
 from mt.shortlist import Shortlist
 from mt.textio import (
+    HANGUP,
     STDOUT_NAMES,
     InputError,
     atomic_output,
@@ -337,7 +338,10 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
     progress = False if bar is None else bar
     done = unfit = missed = unused = 0  # as returned
     try:
-        with terminate_as_interrupt(), atomic_output(args.output) as out, \
+        # SIGHUP too: a closed terminal or a dropped ssh session killed translate outright and
+        # left FILE.partial behind, which the next run to FILE then refused to write over.
+        with terminate_as_interrupt((signal.SIGTERM, *HANGUP)), \
+                atomic_output(args.output) as out, \
                 torch.inference_mode():
             for chunk in chunks(rows, args.chunk_lines):
                 lines = [row[0] for row in chunk]
@@ -360,7 +364,7 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
     except InputError as err:  # only what could not be checked beforehand comes this late
         written = f" ({done} lines written before it)" if args.output is None and done else ""
         raise SystemExit(f"translate: {err}{written}") from None
-    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (TerminatedBySignal)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM or SIGHUP (TerminatedBySignal)
         print("translate: interrupted" + (f" after {done} lines" if args.output is None
                                           else f"; {args.output} not written"), file=sys.stderr)
         raise _Interrupted(getattr(err, "signal", signal.SIGINT)) from None

@@ -887,6 +887,33 @@ def test_output_through_symlinks_keeps_them_and_terminate_leaves_nothing(models,
     assert not any(alive(w) for w in workers)
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP here")
+def test_a_hangup_leaves_no_partial_output_as_terminate_does(models, tmp_path):
+    """SIGHUP (the terminal closed, an ssh session dropped) killed translate outright and left
+    out.txt.partial behind, which the next run to out.txt refused to write over; it ends the
+    run as SIGTERM does, by the signal, with its workers."""
+    script = Path(sys.executable).with_name("translate")
+    big = _write(tmp_path / "big.txt", ["the dog sees a red ball"] * 20000)
+    out, partial = tmp_path / "out.txt", tmp_path / "out.txt.partial"
+    proc = subprocess.Popen([str(script), "-m", models["a"], "-i", big, "-o", str(out),
+                             "--chunk-lines", "100", "--batch-tokens", "21", "--workers", "2",
+                             *FAST], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 60
+    workers = []
+    while (not partial.exists() or len(workers) < 2 and FORK) and time.monotonic() < deadline:
+        workers = children(proc.pid) if FORK else []
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=60) == -signal.SIGHUP, proc.stderr.read()
+    assert "interrupted" in proc.stderr.read()
+    assert not out.exists() and not partial.exists()
+    deadline = time.monotonic() + 10
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(w) for w in workers)
+
+
 def test_gzipped_input_and_output(models, tmp_path, capsys):
     lines = ["the dog runs", "", "a red ball"]
     plain = _write(tmp_path / "in.txt", lines)
