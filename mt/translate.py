@@ -218,8 +218,13 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
         try:
             results = search_lines(model, tokenizer, [line], opts, shortlist=shortlist,
                                    generator=generator)
-        except FloatingPointError as err:  # NaN scores (search.NOT_A_NUMBER): this line only
-            print(f"translate: {search_failure_said(err, args)}", file=sys.stderr)
+        except (FloatingPointError, MemoryError, RuntimeError) as err:
+            # NaN scores (search.NOT_A_NUMBER), out of memory (a long paste, a large --beam), a
+            # worker killed: this line only, said as a file's run says it; a bug still raises
+            said = search_failure_said(err, args)
+            if said is None:
+                raise
+            print(f"translate: {said}", file=sys.stderr)
             continue
         fields = _fields(model, tokenizer, results, args)
         for text in _format(lineno - 1, _texts(model, tokenizer, results, args)[0], fields[0],

@@ -1471,6 +1471,32 @@ def test_interactive_prompt_says_nan_scores_and_goes_on(models, tmp_path, monkey
     assert said.err.count(f"translate: {NOT_A_NUMBER}{nan_hint('float32')}\n") == 2
 
 
+def test_interactive_prompt_says_out_of_memory_and_goes_on(models, monkeypatch, capsys):
+    """Out of memory at the prompt (a long paste, a large --beam) ended the session in a
+    traceback from the allocator, where a file's run says it in one line with what to lower;
+    it is that line, and the prompt goes on."""
+    import mt.translate
+
+    search = mt.translate.search_lines
+
+    def short_of_memory(model, tokenizer, lines, *args, **kwargs):
+        if lines == ["the dog"]:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator"
+                               ": can't allocate memory: you tried to allocate 104857600 bytes.")
+        return search(model, tokenizer, lines, *args, **kwargs)
+
+    monkeypatch.setattr(mt.translate, "search_lines", short_of_memory)
+    _terminal(monkeypatch, b"the dog\nred ball\n")
+    main(["-m", models["a"], "--beam", "2", *FAST])
+    said = capsys.readouterr()
+    model, tok, _ = load_model(models["a"])
+    opts = SearchOptions(beam=2, max_len_a=0, max_len_b=4, min_len=1)
+    assert said.out.splitlines() == [translate_lines(model, tok, ["red ball"], opts)[0][0][0]]
+    assert ("translate: out of memory: a smaller --batch-tokens (now 4096) or --beam (now 2), or "
+            "fewer --workers\n") in said.err
+    assert "Traceback" not in said.err
+
+
 def test_interactive_sampling_draws_on_one_stream_as_a_file_does(models, tmp_path, monkeypatch,
                                                                   capsys):
     """A sentence typed twice gets new samples, as the same line twice in a file does: a fresh
