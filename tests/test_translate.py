@@ -1240,6 +1240,9 @@ def test_mbr_prints_the_choice_among_the_searchs_candidates(models, tmp_path, ca
     (["--max-len-a", "0", "--max-len-b", "1"], "--max-len-a 0 --max-len-b 1 leaves a short line"),
     (["--max-len-a", "0.1", "--max-len-b", "1"], "--max-len-a 0.1 --max-len-b 1 leaves a short"),
     (["-m", "SAME", "--weights", "1", "inf"], "--weights must be above 0 and finite"),
+    # one model: warned that --weights does nothing, then refused by loading as "2 weights for 1
+    # models", a line that named no option
+    (["--weights", "1", "2"], "--weights: 2 weights for 1 model \\(-m\\); one per model"),
     (["--max-len-b", "-3"], "--max-len-a and --max-len-b must be at least 0"),
     (["--max-len-a", "nan"], "--max-len-a and --max-len-b must be at least 0, got nan"),
     (["--sampling", "--temperature", "inf"], "--temperature must be positive and finite"),
