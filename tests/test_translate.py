@@ -999,6 +999,11 @@ def test_a_device_torch_cannot_use_is_a_one_line_error_naming_it(models, tmp_pat
 
     inp = _write(tmp_path / "in.txt", ["the dog"])
     wrong = ["foo", "cuda:x"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:1"])
+    wrong.append("meta")  # loaded "fine", then a traceback from the search
+    try:  # without Intel Gaudi's module: a ModuleNotFoundError traceback
+        torch.empty(0, device="hpu")
+    except ImportError:
+        wrong.append("hpu")
     for device in wrong:
         with pytest.raises(SystemExit, match=f"^translate: --device {device}: [^\n]*$"):
             main(["-m", models["a"], "-i", inp, "--device", device, *FAST])
