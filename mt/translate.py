@@ -263,8 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     if interactive and parallel:
         raise SystemExit(f"translate: {next(iter(parallel))} needs -i (or piped input)")
     if interactive and args.output is not None:  # the prompt prints; the file would never come
-        raise SystemExit(f"translate: -o {args.output} needs -i (or piped input); at the prompt "
-                         "each translation is printed as it is typed")
+        raise SystemExit(f"translate: -o {args.output} needs the input from a file (-i FILE) or "
+                         "a pipe; at the prompt (stdin a terminal) each translation is printed as "
+                         "it is typed")
     checks.refuse_overwrite(args, parallel)
     checks.refuse_shared_streams(args, parallel)
     total = None if interactive else checks.count_input(args, parallel)

@@ -1542,11 +1542,13 @@ def test_interactive_prompt_decodes_as_files_do_and_counts_lines(models, monkeyp
 def test_the_prompt_refuses_an_output_file_it_would_never_write(models, tmp_path, monkeypatch):
     """`translate -m M -o out.txt` at a terminal printed each translation and never wrote
     out.txt, without a word: a session's work seemed saved and was not."""
-    _terminal(monkeypatch, b"the dog runs\n")
     out = tmp_path / "out.txt"
-    with pytest.raises(SystemExit, match=f"^translate: -o {out} needs -i \\(or piped input\\)"):
-        main(["-m", models["a"], "-o", str(out), *FAST])
-    assert not out.exists()
+    for stdin in ([], ["-i", "-"]):
+        _terminal(monkeypatch, b"the dog runs\n")
+        with pytest.raises(SystemExit, match=f"^translate: -o {out} needs the input from a file "
+                                             "\\(-i FILE\\) or a pipe; at the prompt"):
+            main(["-m", models["a"], *stdin, "-o", str(out), *FAST])
+        assert not out.exists()
 
 
 def test_a_reader_that_leaves_the_prompt_gets_no_traceback(models):
