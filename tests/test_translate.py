@@ -1415,6 +1415,11 @@ def test_constraints_file_puts_every_phrase_in_its_translation(models, tmp_path,
     for wrong in (["--sampling"], ["--beam", "1"]):
         with pytest.raises(SystemExit, match="--constraints-file needs beam search"):
             main(["-m", models["a"], "-i", path, "--constraints-file", cpath, *wrong])
+    # A file saved "UTF-8 with BOM" whose first line has no phrase, a zero-width space: no
+    # phrase, as such an input line is empty (both were refused as characters the target
+    # vocabulary lacks, naming '\ufeff')
+    blank = _write(tmp_path / "bom.txt", ["\ufeff", "\u200b", *wanted[2:]])
+    assert _run([*args, "--constraints-file", blank], capsys)[:2] == free[:2]
     with pytest.raises(SystemExit, match="does not combine"):
         main([*args, "--constraints-file", cpath, "--score", path])
 
