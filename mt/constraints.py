@@ -55,17 +55,19 @@ def encode_phrases(tokenizer, constraints: list[list[str]], name: str = "constra
                    first_line: int = 1) -> list[list[list[int]]]:
     """Per line, its phrases as target ids. A phrase the target vocabulary cannot spell (it would
     hold <unk>, which the translation would print as "⁇"; never with byte fallback) is refused,
-    naming ``name`` and the line (``first_line`` is the number of the first)."""
+    naming ``name`` and the line (``first_line`` is the number of the first). A phrase of only
+    what normalization removes (a byte-order mark: line 1 of a file saved "UTF-8 with BOM" whose
+    first line has no phrase; a zero-width space) is no phrase, as such an input line is empty."""
     flat = [p for phrases in constraints for p in phrases]
     ids = iter(tokenizer.encode_tgt(flat) if flat else [])
     out = []
     for i, phrases in enumerate(constraints):
         line = [next(ids) for _ in phrases]
         for p, p_ids in zip(phrases, line, strict=True):
-            if UNK_ID in p_ids or not p_ids:
+            if UNK_ID in p_ids:
                 raise ValueError(f"{name}:{first_line + i}: constraint {p!r} has characters the "
                                  "target vocabulary lacks")
-        out.append(line)
+        out.append([p_ids for p_ids in line if p_ids])
     return out
 
 

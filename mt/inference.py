@@ -309,9 +309,13 @@ def device_mistake(device: str) -> str | None:
         where = torch.device(device)
     except RuntimeError:
         return f"--device {device}: not a device (cpu, cuda, cuda:1, ...)"
+    if where.type == "meta":  # shapes without data: loading "worked", the search then failed
+        return f"--device {device}: holds no data (shapes only); use cpu or cuda"
     try:
         torch.empty(0, device=where)
-    except (RuntimeError, AssertionError) as err:  # no CUDA build, no GPU, no such GPU
+    # no CUDA build, no GPU, no such GPU; a backend whose module is missing (hpu:
+    # ModuleNotFoundError)
+    except (RuntimeError, AssertionError, ImportError) as err:
         text = str(err).strip()
         first = text.splitlines()[0].split(". ")[0] if text else type(err).__name__
         return f"--device {device}: torch cannot use it here ({first})"

@@ -365,20 +365,33 @@ def translate_lines(model, tokenizer, lines: list[str], opts: SearchOptions | No
     """
     results = search_lines(model, tokenizer, lines, opts or SearchOptions(), progress, prefixes,
                            constraints=constraints, shortlist=shortlist)
-    return [line_texts(tokenizer, r) for r in results]
+    return nbest_texts(model, tokenizer, results)
+
+
+# What readers take for the end of a line (Python's universal newlines and str.splitlines) and
+# the n-best format's field separator. A model with byte fallback can write any of them (the
+# pieces <0x0A>, <0x0D>, <0x09>...): never seen in training, they are rare, but sampling draws
+# them (an under-trained demo model: 62 lines out for 60 in), and one would shift every later
+# line of a file against its source. Each is printed as a space, the whitespace it stands for.
+_LINE_BREAKS = str.maketrans(dict.fromkeys("\t\n\x0b\x0c\r\x1c\x1d\x1e\x85\u2028\u2029", " "))
+
+
+def one_line(text: str) -> str:
+    """``text`` with every line break or tab in it a space (``_LINE_BREAKS``)."""
+    return text.translate(_LINE_BREAKS)
 
 
 def nbest_texts(model, tokenizer, results: list[LineResult], replace_unk: bool = False,
                 layer: int | None = None,
                 batch_tokens: int = SearchOptions.batch_tokens) -> list[list[tuple[str, float]]]:
-    """Per line, its n-best (text, score), best first (``line_texts``); with ``replace_unk``
-    each <unk> copied from the source piece it attends to most in decoder ``layer``
-    (``mt.alignment.replace_unknowns``), the scores unchanged."""
-    nbests = [line_texts(tokenizer, r) for r in results]
+    """Per line, its n-best (text, score), best first (``line_texts``), each text one line
+    (``one_line``); with ``replace_unk`` each <unk> copied from the source piece it attends to
+    most in decoder ``layer`` (``mt.alignment.replace_unknowns``), the scores unchanged."""
+    nbests = [[(one_line(t), score) for t, score in line_texts(tokenizer, r)] for r in results]
     if not replace_unk:
         return nbests
     texts = replace_unknowns(model, tokenizer, results, layer, batch_tokens)
-    return [[(t, score) for t, (_, score) in zip(line, nbest, strict=True)]
+    return [[(one_line(t), score) for t, (_, score) in zip(line, nbest, strict=True)]
             for line, nbest in zip(texts, nbests, strict=True)]
 
 

@@ -391,26 +391,35 @@ def first_line(err: BaseException) -> str:
 
 
 class TerminatedBySignal(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C would be (``terminate_as_interrupt``)."""
+    """SIGTERM (or another of ``terminate_as_interrupt``'s signals: ``signal`` says which),
+    raised where Ctrl-C would be."""
 
     signal = signal.SIGTERM
 
 
 def _raise_terminated(signum, frame) -> None:
-    raise TerminatedBySignal
+    err = TerminatedBySignal()
+    err.signal = signum
+    raise err
+
+
+# The terminal closed, or the ssh session dropped (where there is such a signal: not on Windows).
+HANGUP: tuple[int, ...] = (signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()
 
 
 @contextmanager
-def terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (``timeout``, ``kill``, a job scheduler) ends the work as Ctrl-C does, so that
-    what cleans up after an interrupt runs (a partial output file removed, a temporary folder
-    beside mt-export's --out deleted). Only the main thread can set a signal handler."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):  # the parent's choice stands
+def terminate_as_interrupt(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Iterator[None]:
+    """SIGTERM (``timeout``, ``kill``, a job scheduler), or each of ``signals``, ends the work as
+    Ctrl-C does, so that what cleans up after an interrupt runs (a partial output file removed,
+    a temporary folder beside mt-export's --out deleted). Only the main thread can set a signal
+    handler; a signal the parent ignores (``nohup``) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {s: signal.signal(s, _raise_terminated) for s in signals
+                if signal.getsignal(s) is not signal.SIG_IGN}  # the parent's choice stands
     try:
         yield
     finally:  # a handler set outside Python reads as None: put back the default then
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)

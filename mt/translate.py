@@ -61,6 +61,7 @@ from mt.options import (
 from mt.results import LineResult
 from mt.shortlist import Shortlist
 from mt.textio import (
+    HANGUP,
     STDOUT_NAMES,
     InputError,
     atomic_output,
@@ -217,8 +218,13 @@ def _interactive(model, tokenizer, opts: SearchOptions, args: argparse.Namespace
         try:
             results = search_lines(model, tokenizer, [line], opts, shortlist=shortlist,
                                    generator=generator)
-        except FloatingPointError as err:  # NaN scores (search.NOT_A_NUMBER): this line only
-            print(f"translate: {search_failure_said(err, args)}", file=sys.stderr)
+        except (FloatingPointError, MemoryError, RuntimeError) as err:
+            # NaN scores (search.NOT_A_NUMBER), out of memory (a long paste, a large --beam), a
+            # worker killed: this line only, said as a file's run says it; a bug still raises
+            said = search_failure_said(err, args)
+            if said is None:
+                raise
+            print(f"translate: {said}", file=sys.stderr)
             continue
         fields = _fields(model, tokenizer, results, args)
         for text in _format(lineno - 1, _texts(model, tokenizer, results, args)[0], fields[0],
@@ -256,6 +262,10 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"translate: {option} -: stdin is closed; give it as a file")
     if interactive and parallel:
         raise SystemExit(f"translate: {next(iter(parallel))} needs -i (or piped input)")
+    if interactive and args.output is not None:  # the prompt prints; the file would never come
+        raise SystemExit(f"translate: -o {args.output} needs the input from a file (-i FILE) or "
+                         "a pipe; at the prompt (stdin a terminal) each translation is printed as "
+                         "it is typed")
     checks.refuse_overwrite(args, parallel)
     checks.refuse_shared_streams(args, parallel)
     total = None if interactive else checks.count_input(args, parallel)
@@ -277,8 +287,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"translate: {mistake}")
     opts = search_options(args, args.workers or default_workers(args.device))
     if interactive:
-        with torch.inference_mode():
-            _interactive(model, tokenizer, opts, args, shortlist)
+        try:
+            with torch.inference_mode():
+                _interactive(model, tokenizer, opts, args, shortlist)
+        except BrokenPipeError:  # the reader left (`translate -m M | head -1` at a terminal)
+            raise reader_left() from None
         return
     log.info("model %s%s", " + ".join(names), "" if total is None else f", {total} lines")
     start = time.perf_counter()
@@ -331,7 +344,10 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
     progress = False if bar is None else bar
     done = unfit = missed = unused = 0  # as returned
     try:
-        with terminate_as_interrupt(), atomic_output(args.output) as out, \
+        # SIGHUP too: a closed terminal or a dropped ssh session killed translate outright and
+        # left FILE.partial behind, which the next run to FILE then refused to write over.
+        with terminate_as_interrupt((signal.SIGTERM, *HANGUP)), \
+                atomic_output(args.output) as out, \
                 torch.inference_mode():
             for chunk in chunks(rows, args.chunk_lines):
                 lines = [row[0] for row in chunk]
@@ -354,7 +370,7 @@ def _translate_chunks(model, tokenizer, opts: SearchOptions, args: argparse.Name
     except InputError as err:  # only what could not be checked beforehand comes this late
         written = f" ({done} lines written before it)" if args.output is None and done else ""
         raise SystemExit(f"translate: {err}{written}") from None
-    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (TerminatedBySignal)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM or SIGHUP (TerminatedBySignal)
         print("translate: interrupted" + (f" after {done} lines" if args.output is None
                                           else f"; {args.output} not written"), file=sys.stderr)
         raise _Interrupted(getattr(err, "signal", signal.SIGINT)) from None

@@ -35,6 +35,11 @@ def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
     mistake = flags_mistake(args) or device_mistake(args.device)
     if mistake:
         raise SystemExit(f"translate: {mistake}")
+    if args.weights is not None:  # one model too: a count that differs is a mistake, not unused
+        n = len(args.model)
+        mistake = weights_mistake(args.weights, n, f"{n} model{'s' if n > 1 else ''} (-m)")
+        if mistake:
+            raise SystemExit(f"translate: {mistake}")
     unused = unused_options(args, parser)
     if args.weights is not None and len(args.model) == 1:
         unused.append("--weights has no effect with one model")
@@ -44,10 +49,6 @@ def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
         log.warning("--min-len %d is not below the budget of --max-len-a 0 --max-len-b %d (EOS "
                     "included): every translation runs to the budget",
                     args.min_len, args.max_len_b)
-    if args.weights is not None and len(args.model) > 1:
-        mistake = weights_mistake(args.weights, len(args.model), f"{len(args.model)} models (-m)")
-        if mistake:
-            raise SystemExit(f"translate: {mistake}")
     if args.constraints_file and (args.sampling or args.beam < 2):
         raise SystemExit("translate: --constraints-file needs beam search with --beam 2 or more "
                          "(a beam of 1 has no room for a hypothesis that places a phrase)")

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from mt.batching import budget_batches
+from mt.textio import HANGUP
 
 
 def balanced_batches(lengths: list[int], order: list[int], budget: int,
@@ -212,7 +213,7 @@ def worker_processes(fn: Callable[[Any], Any], items: Sequence, workers: int
 
 @contextmanager
 def _signals_held() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait until the workers are forked, then reach the handlers they had.
+    """Ctrl-C, SIGTERM and SIGHUP wait until the workers are forked, then reach their handlers.
 
     A handler that raises (Python's for Ctrl-C, translate's for SIGTERM) could otherwise raise
     inside the fork's own callbacks, which report the exception and drop it (the run goes on as
@@ -224,7 +225,7 @@ def _signals_held() -> Iterator[None]:
         return
     held: list[int] = []
     saved = {s: signal.signal(s, lambda signum, _: held.append(signum))
-             for s in (signal.SIGINT, signal.SIGTERM)
+             for s in (signal.SIGINT, signal.SIGTERM, *HANGUP)
              if signal.getsignal(s) is not None}  # None: not set from Python, not restorable
     try:
         yield
@@ -252,6 +253,9 @@ def _serve(conn, fn: Callable[[Any], Any], items: Sequence, parents: list,
         _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_term else signal.SIG_DFL)
+    for s in HANGUP:  # translate's handler, inherited, would raise here too: end at once
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            signal.signal(s, signal.SIG_DFL)
     torch.set_num_threads(1)
     try:
         while (i := conn.recv()) is not None:

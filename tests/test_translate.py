@@ -137,6 +137,43 @@ def test_lines_of_nothing_the_tokenizer_keeps_are_empty_lines(models, tmp_path, 
         assert per_line[1] == per_line[2] == per_line[3] == per_line[4], fmt
 
 
+def test_a_model_that_writes_line_breaks_still_gives_one_line_per_input_line(tmp_path, capsys):
+    """A model with byte fallback can write the pieces of a line feed, a carriage return or a tab
+    (sampling from an under-trained one did: 62 lines out for 60 in, every later line shifted
+    against its source). They are printed as spaces, in every format and through the API."""
+    rng = random.Random(4)
+    text = [_sentence(rng) for _ in range(300)]
+    tok = train_tokenizer(text, text, TokenizerConfig(vocab_size=320, byte_fallback=True))
+    breaks = [tok.tgt.piece_to_id(f"<0x{b:02X}>") for b in (0x0A, 0x0D, 0x09, 0x0B)]
+    torch.manual_seed(0)
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=1, d_model=32, ffn_dim=64, heads=2,
+                      dropout=0.0, max_positions=64, src_vocab_size=tok.src_vocab_size,
+                      tgt_vocab_size=tok.tgt_vocab_size, final_logits_bias=True)
+    model = build_model(cfg)
+    with torch.no_grad():  # the line breaks' pieces first, each a little less likely
+        model.final_logits_bias[breaks] = torch.tensor([40.0, 39.5, 39.0, 38.5])
+    path = str(tmp_path / "breaks.pt")
+    save_atomic(model_state(model, tok, None), path)
+    lines = ["the dog runs", "", "a red ball"]
+    src = _write(tmp_path / "in.txt", lines)
+    args = ["-m", path, "-i", src, "--beam", "4", "--max-len-a", "0", "--max-len-b", "4",
+            "--quiet"]
+
+    def printed(*more: str) -> list[str]:  # lines as Python's readers split them (sacrebleu's)
+        main([*args, *more])
+        return capsys.readouterr().out.splitlines()
+
+    assert len(printed()) == len(lines)
+    nbest = printed("--nbest", "4", "--word-scores")
+    assert len(nbest) == 4 * 2 + 1 and all(row.count("\t") == 2 for row in nbest)
+    assert len(printed("--sampling", "--nbest", "3")) == 3 * 2 + 1
+    loaded, tok, _ = load_model(path)
+    texts = translate_lines(loaded, tok, lines, SearchOptions(beam=4, nbest=4, max_len_a=0,
+                                                               max_len_b=4))
+    assert "\n" in "".join(tok.decode_tgt([breaks]))  # the pieces do spell line breaks
+    assert {c for n in texts for t, _ in n for c in t} <= {" "}
+
+
 def test_long_lines_are_cut_after_sentences_else_between_words():
     """Known cuts with a made-up vocabulary: 4 starts a word, 5 continues one, 6 starts a word
     and ends a sentence ('▁.'), 7 is a closing quote alone, 8 ends a sentence with 。 (no space
@@ -850,6 +887,33 @@ def test_output_through_symlinks_keeps_them_and_terminate_leaves_nothing(models,
     assert not any(alive(w) for w in workers)
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP here")
+def test_a_hangup_leaves_no_partial_output_as_terminate_does(models, tmp_path):
+    """SIGHUP (the terminal closed, an ssh session dropped) killed translate outright and left
+    out.txt.partial behind, which the next run to out.txt refused to write over; it ends the
+    run as SIGTERM does, by the signal, with its workers."""
+    script = Path(sys.executable).with_name("translate")
+    big = _write(tmp_path / "big.txt", ["the dog sees a red ball"] * 20000)
+    out, partial = tmp_path / "out.txt", tmp_path / "out.txt.partial"
+    proc = subprocess.Popen([str(script), "-m", models["a"], "-i", big, "-o", str(out),
+                             "--chunk-lines", "100", "--batch-tokens", "21", "--workers", "2",
+                             *FAST], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 60
+    workers = []
+    while (not partial.exists() or len(workers) < 2 and FORK) and time.monotonic() < deadline:
+        workers = children(proc.pid) if FORK else []
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=60) == -signal.SIGHUP, proc.stderr.read()
+    assert "interrupted" in proc.stderr.read()
+    assert not out.exists() and not partial.exists()
+    deadline = time.monotonic() + 10
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(w) for w in workers)
+
+
 def test_gzipped_input_and_output(models, tmp_path, capsys):
     lines = ["the dog runs", "", "a red ball"]
     plain = _write(tmp_path / "in.txt", lines)
@@ -935,6 +999,11 @@ def test_a_device_torch_cannot_use_is_a_one_line_error_naming_it(models, tmp_pat
 
     inp = _write(tmp_path / "in.txt", ["the dog"])
     wrong = ["foo", "cuda:x"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:1"])
+    wrong.append("meta")  # loaded "fine", then a traceback from the search
+    try:  # without Intel Gaudi's module: a ModuleNotFoundError traceback
+        torch.empty(0, device="hpu")
+    except ImportError:
+        wrong.append("hpu")
     for device in wrong:
         with pytest.raises(SystemExit, match=f"^translate: --device {device}: [^\n]*$"):
             main(["-m", models["a"], "-i", inp, "--device", device, *FAST])
@@ -1176,6 +1245,9 @@ def test_mbr_prints_the_choice_among_the_searchs_candidates(models, tmp_path, ca
     (["--max-len-a", "0", "--max-len-b", "1"], "--max-len-a 0 --max-len-b 1 leaves a short line"),
     (["--max-len-a", "0.1", "--max-len-b", "1"], "--max-len-a 0.1 --max-len-b 1 leaves a short"),
     (["-m", "SAME", "--weights", "1", "inf"], "--weights must be above 0 and finite"),
+    # one model: warned that --weights does nothing, then refused by loading as "2 weights for 1
+    # models", a line that named no option
+    (["--weights", "1", "2"], "--weights: 2 weights for 1 model \\(-m\\); one per model"),
     (["--max-len-b", "-3"], "--max-len-a and --max-len-b must be at least 0"),
     (["--max-len-a", "nan"], "--max-len-a and --max-len-b must be at least 0, got nan"),
     (["--sampling", "--temperature", "inf"], "--temperature must be positive and finite"),
@@ -1343,6 +1415,11 @@ def test_constraints_file_puts_every_phrase_in_its_translation(models, tmp_path,
     for wrong in (["--sampling"], ["--beam", "1"]):
         with pytest.raises(SystemExit, match="--constraints-file needs beam search"):
             main(["-m", models["a"], "-i", path, "--constraints-file", cpath, *wrong])
+    # A file saved "UTF-8 with BOM" whose first line has no phrase, a zero-width space: no
+    # phrase, as such an input line is empty (both were refused as characters the target
+    # vocabulary lacks, naming '\ufeff')
+    blank = _write(tmp_path / "bom.txt", ["\ufeff", "\u200b", *wanted[2:]])
+    assert _run([*args, "--constraints-file", blank], capsys)[:2] == free[:2]
     with pytest.raises(SystemExit, match="does not combine"):
         main([*args, "--constraints-file", cpath, "--score", path])
 
@@ -1407,6 +1484,32 @@ def test_interactive_prompt_says_nan_scores_and_goes_on(models, tmp_path, monkey
     assert said.err.count(f"translate: {NOT_A_NUMBER}{nan_hint('float32')}\n") == 2
 
 
+def test_interactive_prompt_says_out_of_memory_and_goes_on(models, monkeypatch, capsys):
+    """Out of memory at the prompt (a long paste, a large --beam) ended the session in a
+    traceback from the allocator, where a file's run says it in one line with what to lower;
+    it is that line, and the prompt goes on."""
+    import mt.translate
+
+    search = mt.translate.search_lines
+
+    def short_of_memory(model, tokenizer, lines, *args, **kwargs):
+        if lines == ["the dog"]:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator"
+                               ": can't allocate memory: you tried to allocate 104857600 bytes.")
+        return search(model, tokenizer, lines, *args, **kwargs)
+
+    monkeypatch.setattr(mt.translate, "search_lines", short_of_memory)
+    _terminal(monkeypatch, b"the dog\nred ball\n")
+    main(["-m", models["a"], "--beam", "2", *FAST])
+    said = capsys.readouterr()
+    model, tok, _ = load_model(models["a"])
+    opts = SearchOptions(beam=2, max_len_a=0, max_len_b=4, min_len=1)
+    assert said.out.splitlines() == [translate_lines(model, tok, ["red ball"], opts)[0][0][0]]
+    assert ("translate: out of memory: a smaller --batch-tokens (now 4096) or --beam (now 2), or "
+            "fewer --workers\n") in said.err
+    assert "Traceback" not in said.err
+
+
 def test_interactive_sampling_draws_on_one_stream_as_a_file_does(models, tmp_path, monkeypatch,
                                                                   capsys):
     """A sentence typed twice gets new samples, as the same line twice in a file does: a fresh
@@ -1439,6 +1542,39 @@ def test_interactive_prompt_decodes_as_files_do_and_counts_lines(models, monkeyp
     assert [row.split("\t")[:2] for row in captured.out.splitlines()] == want[0] + want[2]
     assert captured.err.count("translate: <stdin>:2: invalid UTF-8") == 1
     assert "Traceback" not in captured.err
+
+
+def test_the_prompt_refuses_an_output_file_it_would_never_write(models, tmp_path, monkeypatch):
+    """`translate -m M -o out.txt` at a terminal printed each translation and never wrote
+    out.txt, without a word: a session's work seemed saved and was not."""
+    out = tmp_path / "out.txt"
+    for stdin in ([], ["-i", "-"]):
+        _terminal(monkeypatch, b"the dog runs\n")
+        with pytest.raises(SystemExit, match=f"^translate: -o {out} needs the input from a file "
+                                             "\\(-i FILE\\) or a pipe; at the prompt"):
+            main(["-m", models["a"], *stdin, "-o", str(out), *FAST])
+        assert not out.exists()
+
+
+def test_a_reader_that_leaves_the_prompt_gets_no_traceback(models):
+    """`translate -m M | head -1` at a terminal: the second translation met a closed pipe and
+    ended in a BrokenPipeError traceback, where a file's or a pipe's input ends quietly."""
+    script = Path(sys.executable).with_name("translate")
+    terminal, typing = os.openpty()  # stdin a terminal: the interactive prompt
+    try:
+        proc = subprocess.Popen([str(script), "-m", models["a"], "--beam", "2", *FAST],
+                                stdin=typing, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        os.write(terminal, b"the dog runs\n")
+        assert proc.stdout.readline()
+        proc.stdout.close()  # head has its line and leaves
+        os.write(terminal, b"a red ball\n\x04")  # another sentence, then Ctrl-D
+        stderr = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 1
+    finally:
+        os.close(terminal)
+        os.close(typing)
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
 
 
 def test_console_script_keeps_stdout_for_translations(models):
