@@ -209,6 +209,8 @@ def test_a_value_out_of_range_fails_with_the_key(override, message):
     ("optim.name=sgd", "optim.name must be adam or adamw, got 'sgd'"),
     ("optim.schedule=cosine trainer.max_steps=0 trainer.max_minutes=0",
      "optim.schedule=cosine decays over a budget"),
+    ("optim.schedule=cosine optim.warmup_steps=4000 trainer.max_steps=500",  # '~experiment's warmup
+     "optim.warmup_steps=4000 is not below trainer.max_steps=500"),
 ])
 def test_what_the_model_and_optimizer_refuse_is_refused_before_any_data(override, message):
     """check_setup builds them on the meta device before the tokenizer and the corpus."""
