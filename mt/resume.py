@@ -118,9 +118,12 @@ def restore(trainer: Run, path: Path) -> None:
         trainer.ema.load(ckpt["model"], state["ema_updates"])
     elif trainer.ema is not None:  # trained without one so far: the average starts here
         trainer.ema = EMA(trainer.model, trainer.cfg.trainer.ema_decay)
+    # The kernel is this run's choice, not the saver's; so is AdamW's decoupled weight decay
+    # (optim.name): the saved group's flag would keep an adamw run resumed as adam an AdamW.
     for saved, group in zip(state["optimizer"]["param_groups"], trainer.optimizer.param_groups,
-                            strict=True):  # the kernel is this run's choice, not the saver's
-        saved["fused"], saved["foreach"] = group["fused"], group["foreach"]
+                            strict=True):
+        saved.update({k: group[k] for k in ("fused", "foreach", "decoupled_weight_decay")
+                      if k in group})
     # The optimizer's state is matched to parameters by position: the same ones must train.
     saved_freeze = (saved_config.get("trainer") or {}).get("freeze", [])
     if state.get("trained", trained(trainer.model)) != trained(trainer.model) or (

@@ -1306,6 +1306,19 @@ def test_a_resume_with_another_accumulation_goes_on_from_the_same_batch(tmp_path
     assert (state["epoch"], state["step_in_epoch"], state["step"]) == (0, 8, 5)
 
 
+@pytest.mark.parametrize("before, after", [("adamw", "adam"), ("adam", "adamw")])
+def test_a_resume_with_another_optim_name_takes_its_weight_decay(trainer_factory, before, after):
+    """Adam and AdamW keep the same state; they differ in the group's decoupled_weight_decay,
+    which loading the saved groups put back: an adamw run resumed as adam went on as AdamW."""
+    common = ["trainer.validate_every=100", "trainer.test_at_end=false", "optim.weight_decay=0.1"]
+    trainer_factory("run", *common, "trainer.max_steps=2", f"optim.name={before}").fit()
+    resumed = trainer_factory("run", *common, "trainer.max_steps=4", f"optim.name={after}")
+    fresh = trainer_factory("fresh", *common, "trainer.max_steps=4", f"optim.name={after}")
+    assert resumed.step == 2
+    assert (resumed.optimizer.param_groups[0]["decoupled_weight_decay"]
+            == fresh.optimizer.param_groups[0]["decoupled_weight_decay"] == (after == "adamw"))
+
+
 def test_a_resume_mid_epoch_with_another_max_tokens_says_the_epoch_is_cut_anew(fit_here):
     """The position in the epoch is a count of steps over the epoch's batches, which
     trainer.max_tokens cuts: with another value the rest of the epoch is not the saved one's."""
