@@ -140,7 +140,8 @@ def restore(trainer: Run, path: Path) -> None:
     changed = take_optim_config(trainer.optimizer, trainer.scheduler, trainer.cfg)
     if changed and trainer.rank == 0:  # every rank takes them; one says so
         log.warning("resuming with %s", ", ".join(changed))
-    trainer.scaler.load_state_dict(state["scaler"])
+    if state["scaler"]:  # {} from a run without fp16: an enabled scaler refused it; starts anew
+        trainer.scaler.load_state_dict(state["scaler"])
     trainer.step, trainer.epoch = state["step"], state["epoch"]
     trainer.step_in_epoch = state["step_in_epoch"]
     # The position in the epoch is counted in steps; a step is accumulation x processes

@@ -1319,6 +1319,20 @@ def test_a_resume_with_another_optim_name_takes_its_weight_decay(trainer_factory
             == fresh.optimizer.param_groups[0]["decoupled_weight_decay"] == (after == "adamw"))
 
 
+def test_a_run_without_a_loss_scaler_resumes_with_one(trainer_factory, monkeypatch):
+    """A run trained in fp32 or bf16 saves a disabled GradScaler's empty state; resumed in fp16
+    (trainer.precision=fp16, or auto on a GPU without bf16) its enabled scaler refused that state
+    with a RuntimeError traceback. It starts at a fresh scaler's scale, as a new fp16 run does."""
+    import mt.trainer
+
+    common = ["trainer.validate_every=100", "trainer.test_at_end=false"]
+    trainer_factory("run", *common, "trainer.max_steps=2").fit()
+    monkeypatch.setattr(mt.trainer, "autocast_dtype", lambda *_: torch.float16)  # CUDA's fp16
+    resumed = trainer_factory("run", *common, "trainer.max_steps=4")
+    assert resumed.step == 2 and resumed.scaler.is_enabled()
+    assert resumed.scaler.get_scale() == torch.amp.GradScaler("cpu").get_scale()
+
+
 def test_a_resume_mid_epoch_with_another_max_tokens_says_the_epoch_is_cut_anew(fit_here):
     """The position in the epoch is a count of steps over the epoch's batches, which
     trainer.max_tokens cuts: with another value the rest of the epoch is not the saved one's."""
