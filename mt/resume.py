@@ -226,13 +226,15 @@ def set_aside(run_dir: Path) -> None:
     ``run_dir/earlier/TIME/`` (with its metrics, test scores and translations), before this run
     starts afresh. Left in place, an earlier run's
     step_N.pt counted among this run's: pruning kept it and deleted this run's, averaging took
-    it in; and metrics.jsonl was cut to nothing. Nothing is deleted."""
+    it in; metrics.jsonl was cut to nothing, and its TensorBoard events hidden by the new
+    writer's purge. Nothing is deleted."""
     ckpt_dir = run_dir / "checkpoints"
     found = sorted(ckpt_dir.glob("*.pt")) if ckpt_dir.is_dir() else []
     if not found:  # a run stopped before its first checkpoint: its log lines go, as before
         return
     found += [p for p in (run_dir / "metrics.jsonl", run_dir / "curves.png", run_dir / "test.json",
-                          run_dir / "valid", *sorted(run_dir.glob("*.hyp"))) if p.exists()]
+                          run_dir / "tensorboard", run_dir / "valid",
+                          *sorted(run_dir.glob("*.hyp"))) if p.exists()]
     earlier = run_dir / "earlier" / time.strftime("%Y-%m-%d_%H-%M-%S")
     while earlier.exists():  # two fresh starts within a second
         earlier = earlier.with_name(earlier.name + "+")

@@ -608,16 +608,18 @@ def test_a_fresh_start_beside_an_earlier_runs_files_sets_them_aside(trainer_fact
     (run / "metrics.jsonl").write_text('{"step": 9, "loss": 1.0}\n')
     (run / "test.json").write_text("{}")
     (run / "valid").mkdir()
+    (run / "tensorboard").mkdir()  # its events, which the new writer's purge would hide
+    (run / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"events")
     # its own checkpoints/ as init_from: loaded, then set aside, then missing on a restart
     with pytest.raises(ValueError, match=r"init_from=.*best\.pt: in this run's own checkpoints/"):
         trainer_factory("again", f"init_from={ckpts / 'best.pt'}")
     with caplog.at_level("WARNING", logger="mt.train"):
         trainer = trainer_factory("again", "trainer.keep_last=2", "trainer.average_last=2")
     [earlier] = (run / "earlier").iterdir()
-    assert (f"{ckpts} held best.pt, step_9.pt, metrics.jsonl, test.json, valid but no last.pt: "
-            f"moved to {earlier}, and this run starts afresh") in caplog.text
+    assert (f"{ckpts} held best.pt, step_9.pt, metrics.jsonl, test.json, tensorboard, valid but "
+            f"no last.pt: moved to {earlier}, and this run starts afresh") in caplog.text
     assert sorted(p.name for p in earlier.iterdir()) == ["best.pt", "metrics.jsonl", "step_9.pt",
-                                                         "test.json", "valid"]
+                                                         "tensorboard", "test.json", "valid"]
     validate_with(trainer, SCORES[:3])
     assert sorted(p.name for p in ckpts.glob("step_*.pt")) == ["step_2.pt", "step_3.pt"]
     assert stamp_of(ckpts / "best.pt") == 3
