@@ -158,13 +158,16 @@ def restore(trainer: Run, path: Path) -> None:
                         "where the run took %d: each update changes size, and the epoch goes "
                         "on from its batch %d%s", per_step, saved_per_step, seen - again,
                         f" ({again} of its batches trained again)" if again else "")
-    saved_tokens = (saved_config.get("trainer") or {}).get("max_tokens")
-    if (trainer.rank == 0 and trainer.step_in_epoch and saved_tokens is not None
-            and saved_tokens != trainer.cfg.trainer.max_tokens):
-        log.warning("resuming in the middle of epoch %d with trainer.max_tokens=%d (was %d): "
-                    "its batches are cut anew, so the rest of it is not the rest of the saved "
-                    "one (some pairs come twice, some not at all); the next epoch is whole",
-                    trainer.epoch, trainer.cfg.trainer.max_tokens, saved_tokens)
+    # The epoch's batches are cut by max_tokens and shuffled by the seed: either one new cuts
+    # the rest of the epoch from another list than the one the position counts in.
+    saver = saved_config.get("trainer") or {}
+    cutting = {k: getattr(trainer.cfg.trainer, k) for k in ("max_tokens", "seed")}
+    cut = [f"trainer.{k}={v} (was {saver[k]})" for k, v in cutting.items()
+           if saver.get(k) is not None and saver[k] != v]
+    if trainer.rank == 0 and trainer.step_in_epoch and cut:
+        log.warning("resuming in the middle of epoch %d with %s: its batches are cut anew, so "
+                    "the rest of it is not the rest of the saved one (some pairs come twice, "
+                    "some not at all); the next epoch is whole", trainer.epoch, ", ".join(cut))
     t = trainer.cfg.trainer  # replayed: the metric or threshold may differ from the saver's
     trainer.best, trainer.bad_validations = best_so_far(trainer.history, t.best_metric,
                                                         t.min_improvement)

@@ -1345,6 +1345,10 @@ def test_a_resume_mid_epoch_with_another_max_tokens_says_the_epoch_is_cut_anew(f
             "batches are cut anew") in resumed
     again = fit_here("run", *common, "trainer.max_steps=4", "trainer.max_tokens=300")
     assert "cut anew" not in again
+    reseeded = fit_here("run", *common, "trainer.max_steps=5", "trainer.max_tokens=300",
+                        "trainer.seed=2")  # another shuffle of the epoch's batches
+    assert ("resuming in the middle of epoch 0 with trainer.seed=2 (was 1): its batches are cut "
+            "anew") in reseeded
 
 
 def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, corpus_dir,
