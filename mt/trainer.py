@@ -352,6 +352,12 @@ class Trainer:
             log.warning("no budget (trainer.max_steps, max_epochs, max_minutes and patience are "
                         "all 0): training goes on until you stop it; the same command with %s "
                         "resumes it", resume.resume_override(self.run_dir))
+        o = self.cfg.optim  # cosine refuses this (mt.optim.lr_lambda); the others only ramp up
+        if t.max_steps and o.warmup_steps >= t.max_steps and self.rank == 0:
+            log.warning("optim.warmup_steps=%d is not below trainer.max_steps=%d: the learning "
+                        "rate rises all run and never reaches optim.lr=%g (%.3g at the last "
+                        "step); lower optim.warmup_steps", o.warmup_steps, t.max_steps, o.lr,
+                        o.lr * t.max_steps / o.warmup_steps)
         per_step = t.accumulation * self.world
         self.fit_start = time.perf_counter()
         self.model.train()

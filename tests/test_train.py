@@ -1292,6 +1292,17 @@ def test_a_run_says_which_budget_ended_it(trainer_factory, caplog):
         assert any(re.match(said, r.getMessage()) for r in caplog.records), caplog.text
 
 
+def test_a_run_shorter_than_its_warmup_says_it_never_reaches_optim_lr(fit_here):
+    """'~experiment' keeps 4,000 warmup steps: a shorter run trained at a fraction of optim.lr
+    all along, unsaid."""
+    common = ["trainer.validate_every=100", "trainer.test_at_end=false", "optim.lr=1e-3"]
+    said = fit_here("short", *common, "trainer.max_steps=2", "optim.warmup_steps=4")
+    assert ("optim.warmup_steps=4 is not below trainer.max_steps=2: the learning rate rises all "
+            "run and never reaches optim.lr=0.001 (0.0005 at the last step)") in said
+    assert "never reaches" not in fit_here("long", *common, "trainer.max_steps=3",
+                                           "optim.warmup_steps=2")
+
+
 def test_a_resume_with_another_accumulation_goes_on_from_the_same_batch(tmp_path, fit_here):
     """The position in the epoch is kept in steps; 3 steps of 2 batches are 6 batches, so a
     resume at 1 batch per step (fewer processes, or accumulation 1) goes on from batch 6, not 3,
