@@ -407,6 +407,13 @@ class Trainer:
                        if shrunk else "")
                 raise ValueError(f"epoch {self.epoch} has {len(batches)} batches, fewer than "
                                  f"trainer.accumulation x processes = {per_step}{why}")
+            ends = steps_in_epoch * t.max_epochs  # about: a drawn share or segmentation varies
+            if (self.step == 0 and self.rank == 0 and self.cfg.optim.schedule == "cosine"
+                    and t.max_epochs and 0 < ends < t.max_steps):
+                log.warning("trainer.max_epochs=%d ends the run at about step %d, before "
+                            "optim.schedule=cosine decays to optim.min_lr at trainer.max_steps=%d "
+                            "(the schedule counts steps, not epochs): set trainer.max_steps=%d",
+                            t.max_epochs, ends, t.max_steps, ends)
             while self.step_in_epoch < steps_in_epoch:
                 shares = step_batches(batches, self.step_in_epoch, t.accumulation, self.world)
                 step_tokens = sum(self.corpus.tgt_lens[i] + 1

@@ -1303,6 +1303,19 @@ def test_a_run_shorter_than_its_warmup_says_it_never_reaches_optim_lr(fit_here):
                                            "optim.warmup_steps=2")
 
 
+def test_an_epoch_budget_that_ends_a_cosine_before_its_decay_is_said(fit_here):
+    """optim.schedule=cosine decays over trainer.max_steps; trainer.max_epochs ended the run
+    first, at a rate near optim.lr, unsaid."""
+    common = ["trainer.validate_every=1000", "trainer.test_at_end=false", "optim.schedule=cosine",
+              "optim.warmup_steps=2", "trainer.max_epochs=1"]
+    said = fit_here("epochs", *common, "trainer.max_steps=1000")
+    assert re.search(r"trainer.max_epochs=1 ends the run at about step (\d+), before "
+                     r"optim.schedule=cosine decays to optim.min_lr at trainer.max_steps=1000 "
+                     r"\(the schedule counts steps, not epochs\): set trainer.max_steps=\1$",
+                     said, re.M), said
+    assert "ends the run at about" not in fit_here("steps", *common, "trainer.max_steps=5")
+
+
 def test_a_resume_with_another_accumulation_goes_on_from_the_same_batch(tmp_path, fit_here):
     """The position in the epoch is kept in steps; 3 steps of 2 batches are 6 batches, so a
     resume at 1 batch per step (fewer processes, or accumulation 1) goes on from batch 6, not 3,
