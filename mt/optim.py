@@ -114,6 +114,11 @@ def lr_lambda(cfg, seconds: Callable[[], float] | None = None,
     if cfg.optim.schedule == "cosine" and not (cfg.trainer.max_steps or cfg.trainer.max_minutes):
         raise ValueError("optim.schedule=cosine decays over a budget: set trainer.max_steps or "
                          "trainer.max_minutes")
+    if cfg.optim.schedule == "cosine" and 0 < cfg.trainer.max_steps <= cfg.optim.warmup_steps:
+        # the run would end inside the warmup: a ramp that never reaches optim.lr, let alone decays
+        raise ValueError(f"optim.schedule=cosine: optim.warmup_steps={cfg.optim.warmup_steps} is "
+                         f"not below trainer.max_steps={cfg.trainer.max_steps}, so the rate would "
+                         "only rise and never decay to optim.min_lr; lower optim.warmup_steps")
     schedule = schedules[cfg.optim.schedule]
     if history is None or not 0 < cfg.optim.plateau_factor < 1:
         return schedule

@@ -118,9 +118,12 @@ def restore(trainer: Run, path: Path) -> None:
         trainer.ema.load(ckpt["model"], state["ema_updates"])
     elif trainer.ema is not None:  # trained without one so far: the average starts here
         trainer.ema = EMA(trainer.model, trainer.cfg.trainer.ema_decay)
+    # The kernel is this run's choice, not the saver's; so is AdamW's decoupled weight decay
+    # (optim.name): the saved group's flag would keep an adamw run resumed as adam an AdamW.
     for saved, group in zip(state["optimizer"]["param_groups"], trainer.optimizer.param_groups,
-                            strict=True):  # the kernel is this run's choice, not the saver's
-        saved["fused"], saved["foreach"] = group["fused"], group["foreach"]
+                            strict=True):
+        saved.update({k: group[k] for k in ("fused", "foreach", "decoupled_weight_decay")
+                      if k in group})
     # The optimizer's state is matched to parameters by position: the same ones must train.
     saved_freeze = (saved_config.get("trainer") or {}).get("freeze", [])
     if state.get("trained", trained(trainer.model)) != trained(trainer.model) or (
@@ -137,7 +140,8 @@ def restore(trainer: Run, path: Path) -> None:
     changed = take_optim_config(trainer.optimizer, trainer.scheduler, trainer.cfg)
     if changed and trainer.rank == 0:  # every rank takes them; one says so
         log.warning("resuming with %s", ", ".join(changed))
-    trainer.scaler.load_state_dict(state["scaler"])
+    if state["scaler"]:  # {} from a run without fp16: an enabled scaler refused it; starts anew
+        trainer.scaler.load_state_dict(state["scaler"])
     trainer.step, trainer.epoch = state["step"], state["epoch"]
     trainer.step_in_epoch = state["step_in_epoch"]
     # The position in the epoch is counted in steps; a step is accumulation x processes
@@ -154,13 +158,16 @@ def restore(trainer: Run, path: Path) -> None:
                         "where the run took %d: each update changes size, and the epoch goes "
                         "on from its batch %d%s", per_step, saved_per_step, seen - again,
                         f" ({again} of its batches trained again)" if again else "")
-    saved_tokens = (saved_config.get("trainer") or {}).get("max_tokens")
-    if (trainer.rank == 0 and trainer.step_in_epoch and saved_tokens is not None
-            and saved_tokens != trainer.cfg.trainer.max_tokens):
-        log.warning("resuming in the middle of epoch %d with trainer.max_tokens=%d (was %d): "
-                    "its batches are cut anew, so the rest of it is not the rest of the saved "
-                    "one (some pairs come twice, some not at all); the next epoch is whole",
-                    trainer.epoch, trainer.cfg.trainer.max_tokens, saved_tokens)
+    # The epoch's batches are cut by max_tokens and shuffled by the seed: either one new cuts
+    # the rest of the epoch from another list than the one the position counts in.
+    saver = saved_config.get("trainer") or {}
+    cutting = {k: getattr(trainer.cfg.trainer, k) for k in ("max_tokens", "seed")}
+    cut = [f"trainer.{k}={v} (was {saver[k]})" for k, v in cutting.items()
+           if saver.get(k) is not None and saver[k] != v]
+    if trainer.rank == 0 and trainer.step_in_epoch and cut:
+        log.warning("resuming in the middle of epoch %d with %s: its batches are cut anew, so "
+                    "the rest of it is not the rest of the saved one (some pairs come twice, "
+                    "some not at all); the next epoch is whole", trainer.epoch, ", ".join(cut))
     t = trainer.cfg.trainer  # replayed: the metric or threshold may differ from the saver's
     trainer.best, trainer.bad_validations = best_so_far(trainer.history, t.best_metric,
                                                         t.min_improvement)
@@ -222,13 +229,15 @@ def set_aside(run_dir: Path) -> None:
     ``run_dir/earlier/TIME/`` (with its metrics, test scores and translations), before this run
     starts afresh. Left in place, an earlier run's
     step_N.pt counted among this run's: pruning kept it and deleted this run's, averaging took
-    it in; and metrics.jsonl was cut to nothing. Nothing is deleted."""
+    it in; metrics.jsonl was cut to nothing, and its TensorBoard events hidden by the new
+    writer's purge. Nothing is deleted."""
     ckpt_dir = run_dir / "checkpoints"
     found = sorted(ckpt_dir.glob("*.pt")) if ckpt_dir.is_dir() else []
     if not found:  # a run stopped before its first checkpoint: its log lines go, as before
         return
     found += [p for p in (run_dir / "metrics.jsonl", run_dir / "curves.png", run_dir / "test.json",
-                          run_dir / "valid", *sorted(run_dir.glob("*.hyp"))) if p.exists()]
+                          run_dir / "tensorboard", run_dir / "valid",
+                          *sorted(run_dir.glob("*.hyp"))) if p.exists()]
     earlier = run_dir / "earlier" / time.strftime("%Y-%m-%d_%H-%M-%S")
     while earlier.exists():  # two fresh starts within a second
         earlier = earlier.with_name(earlier.name + "+")

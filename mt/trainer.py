@@ -352,6 +352,12 @@ class Trainer:
             log.warning("no budget (trainer.max_steps, max_epochs, max_minutes and patience are "
                         "all 0): training goes on until you stop it; the same command with %s "
                         "resumes it", resume.resume_override(self.run_dir))
+        o = self.cfg.optim  # cosine refuses this (mt.optim.lr_lambda); the others only ramp up
+        if t.max_steps and o.warmup_steps >= t.max_steps and self.rank == 0:
+            log.warning("optim.warmup_steps=%d is not below trainer.max_steps=%d: the learning "
+                        "rate rises all run and never reaches optim.lr=%g (%.3g at the last "
+                        "step); lower optim.warmup_steps", o.warmup_steps, t.max_steps, o.lr,
+                        o.lr * t.max_steps / o.warmup_steps)
         per_step = t.accumulation * self.world
         self.fit_start = time.perf_counter()
         self.model.train()
@@ -401,6 +407,13 @@ class Trainer:
                        if shrunk else "")
                 raise ValueError(f"epoch {self.epoch} has {len(batches)} batches, fewer than "
                                  f"trainer.accumulation x processes = {per_step}{why}")
+            ends = steps_in_epoch * t.max_epochs  # about: a drawn share or segmentation varies
+            if (self.step == 0 and self.rank == 0 and self.cfg.optim.schedule == "cosine"
+                    and t.max_epochs and 0 < ends < t.max_steps):
+                log.warning("trainer.max_epochs=%d ends the run at about step %d, before "
+                            "optim.schedule=cosine decays to optim.min_lr at trainer.max_steps=%d "
+                            "(the schedule counts steps, not epochs): set trainer.max_steps=%d",
+                            t.max_epochs, ends, t.max_steps, ends)
             while self.step_in_epoch < steps_in_epoch:
                 shares = step_batches(batches, self.step_in_epoch, t.accumulation, self.world)
                 step_tokens = sum(self.corpus.tgt_lens[i] + 1

@@ -209,6 +209,8 @@ def test_a_value_out_of_range_fails_with_the_key(override, message):
     ("optim.name=sgd", "optim.name must be adam or adamw, got 'sgd'"),
     ("optim.schedule=cosine trainer.max_steps=0 trainer.max_minutes=0",
      "optim.schedule=cosine decays over a budget"),
+    ("optim.schedule=cosine optim.warmup_steps=4000 trainer.max_steps=500",  # '~experiment's warmup
+     "optim.warmup_steps=4000 is not below trainer.max_steps=500"),
 ])
 def test_what_the_model_and_optimizer_refuse_is_refused_before_any_data(override, message):
     """check_setup builds them on the meta device before the tokenizer and the corpus."""
@@ -606,16 +608,18 @@ def test_a_fresh_start_beside_an_earlier_runs_files_sets_them_aside(trainer_fact
     (run / "metrics.jsonl").write_text('{"step": 9, "loss": 1.0}\n')
     (run / "test.json").write_text("{}")
     (run / "valid").mkdir()
+    (run / "tensorboard").mkdir()  # its events, which the new writer's purge would hide
+    (run / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"events")
     # its own checkpoints/ as init_from: loaded, then set aside, then missing on a restart
     with pytest.raises(ValueError, match=r"init_from=.*best\.pt: in this run's own checkpoints/"):
         trainer_factory("again", f"init_from={ckpts / 'best.pt'}")
     with caplog.at_level("WARNING", logger="mt.train"):
         trainer = trainer_factory("again", "trainer.keep_last=2", "trainer.average_last=2")
     [earlier] = (run / "earlier").iterdir()
-    assert (f"{ckpts} held best.pt, step_9.pt, metrics.jsonl, test.json, valid but no last.pt: "
-            f"moved to {earlier}, and this run starts afresh") in caplog.text
+    assert (f"{ckpts} held best.pt, step_9.pt, metrics.jsonl, test.json, tensorboard, valid but "
+            f"no last.pt: moved to {earlier}, and this run starts afresh") in caplog.text
     assert sorted(p.name for p in earlier.iterdir()) == ["best.pt", "metrics.jsonl", "step_9.pt",
-                                                         "test.json", "valid"]
+                                                         "tensorboard", "test.json", "valid"]
     validate_with(trainer, SCORES[:3])
     assert sorted(p.name for p in ckpts.glob("step_*.pt")) == ["step_2.pt", "step_3.pt"]
     assert stamp_of(ckpts / "best.pt") == 3
@@ -1288,6 +1292,30 @@ def test_a_run_says_which_budget_ended_it(trainer_factory, caplog):
         assert any(re.match(said, r.getMessage()) for r in caplog.records), caplog.text
 
 
+def test_a_run_shorter_than_its_warmup_says_it_never_reaches_optim_lr(fit_here):
+    """'~experiment' keeps 4,000 warmup steps: a shorter run trained at a fraction of optim.lr
+    all along, unsaid."""
+    common = ["trainer.validate_every=100", "trainer.test_at_end=false", "optim.lr=1e-3"]
+    said = fit_here("short", *common, "trainer.max_steps=2", "optim.warmup_steps=4")
+    assert ("optim.warmup_steps=4 is not below trainer.max_steps=2: the learning rate rises all "
+            "run and never reaches optim.lr=0.001 (0.0005 at the last step)") in said
+    assert "never reaches" not in fit_here("long", *common, "trainer.max_steps=3",
+                                           "optim.warmup_steps=2")
+
+
+def test_an_epoch_budget_that_ends_a_cosine_before_its_decay_is_said(fit_here):
+    """optim.schedule=cosine decays over trainer.max_steps; trainer.max_epochs ended the run
+    first, at a rate near optim.lr, unsaid."""
+    common = ["trainer.validate_every=1000", "trainer.test_at_end=false", "optim.schedule=cosine",
+              "optim.warmup_steps=2", "trainer.max_epochs=1"]
+    said = fit_here("epochs", *common, "trainer.max_steps=1000")
+    assert re.search(r"trainer.max_epochs=1 ends the run at about step (\d+), before "
+                     r"optim.schedule=cosine decays to optim.min_lr at trainer.max_steps=1000 "
+                     r"\(the schedule counts steps, not epochs\): set trainer.max_steps=\1$",
+                     said, re.M), said
+    assert "ends the run at about" not in fit_here("steps", *common, "trainer.max_steps=5")
+
+
 def test_a_resume_with_another_accumulation_goes_on_from_the_same_batch(tmp_path, fit_here):
     """The position in the epoch is kept in steps; 3 steps of 2 batches are 6 batches, so a
     resume at 1 batch per step (fewer processes, or accumulation 1) goes on from batch 6, not 3,
@@ -1304,6 +1332,33 @@ def test_a_resume_with_another_accumulation_goes_on_from_the_same_batch(tmp_path
     assert (state["epoch"], state["step_in_epoch"], state["step"]) == (0, 8, 5)
 
 
+@pytest.mark.parametrize("before, after", [("adamw", "adam"), ("adam", "adamw")])
+def test_a_resume_with_another_optim_name_takes_its_weight_decay(trainer_factory, before, after):
+    """Adam and AdamW keep the same state; they differ in the group's decoupled_weight_decay,
+    which loading the saved groups put back: an adamw run resumed as adam went on as AdamW."""
+    common = ["trainer.validate_every=100", "trainer.test_at_end=false", "optim.weight_decay=0.1"]
+    trainer_factory("run", *common, "trainer.max_steps=2", f"optim.name={before}").fit()
+    resumed = trainer_factory("run", *common, "trainer.max_steps=4", f"optim.name={after}")
+    fresh = trainer_factory("fresh", *common, "trainer.max_steps=4", f"optim.name={after}")
+    assert resumed.step == 2
+    assert (resumed.optimizer.param_groups[0]["decoupled_weight_decay"]
+            == fresh.optimizer.param_groups[0]["decoupled_weight_decay"] == (after == "adamw"))
+
+
+def test_a_run_without_a_loss_scaler_resumes_with_one(trainer_factory, monkeypatch):
+    """A run trained in fp32 or bf16 saves a disabled GradScaler's empty state; resumed in fp16
+    (trainer.precision=fp16, or auto on a GPU without bf16) its enabled scaler refused that state
+    with a RuntimeError traceback. It starts at a fresh scaler's scale, as a new fp16 run does."""
+    import mt.trainer
+
+    common = ["trainer.validate_every=100", "trainer.test_at_end=false"]
+    trainer_factory("run", *common, "trainer.max_steps=2").fit()
+    monkeypatch.setattr(mt.trainer, "autocast_dtype", lambda *_: torch.float16)  # CUDA's fp16
+    resumed = trainer_factory("run", *common, "trainer.max_steps=4")
+    assert resumed.step == 2 and resumed.scaler.is_enabled()
+    assert resumed.scaler.get_scale() == torch.amp.GradScaler("cpu").get_scale()
+
+
 def test_a_resume_mid_epoch_with_another_max_tokens_says_the_epoch_is_cut_anew(fit_here):
     """The position in the epoch is a count of steps over the epoch's batches, which
     trainer.max_tokens cuts: with another value the rest of the epoch is not the saved one's."""
@@ -1314,6 +1369,10 @@ def test_a_resume_mid_epoch_with_another_max_tokens_says_the_epoch_is_cut_anew(f
             "batches are cut anew") in resumed
     again = fit_here("run", *common, "trainer.max_steps=4", "trainer.max_tokens=300")
     assert "cut anew" not in again
+    reseeded = fit_here("run", *common, "trainer.max_steps=5", "trainer.max_tokens=300",
+                        "trainer.seed=2")  # another shuffle of the epoch's batches
+    assert ("resuming in the middle of epoch 0 with trainer.seed=2 (was 1): its batches are cut "
+            "anew") in reseeded
 
 
 def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, corpus_dir,
