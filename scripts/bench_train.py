@@ -1,4 +1,4 @@
-"""Training speed and MFU of mt against Hugging Face MarianMTModel of the same size, side by side.
+r"""Training speed and MFU of mt against Hugging Face MarianMTModel of the same size, side by side.
 
 Both models get the same batches (random tokens with a realistic length mix, length-bucketed and
 padded the same way), the same fused Adam and label smoothing; the systems take turns in blocks of
