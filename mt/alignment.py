@@ -35,9 +35,12 @@ def _word_index(sp, ids: list[int], first: int = 0, source: bool = False) -> lis
     ``source`` it stands for the input's own characters, glued to the word they are in ("man🙂",
     "🐕dog"), so it starts a word only after whitespace. Byte pieces (byte fallback: 🙂 is
     ▁ <0xF0> <0x9F> <0x99> <0x82>) never start with '▁', so they join the word they are in, as
-    the character they spell does."""
+    the character they spell does; but bytes that spell whitespace (<0x20>, <0x0A>, a no-break
+    space's <0xC2><0xA0>: a model may write them, sampling does) separate words, as the text
+    they decode to does, and belong to none."""
+    spaces = _whitespace_bytes(sp, ids)
     out, word, open_word = [], first - 1, False
-    for t in ids:
+    for i, t in enumerate(ids):
         if sp.is_unknown(t):
             if not (source and open_word):
                 word += 1
@@ -46,7 +49,7 @@ def _word_index(sp, ids: list[int], first: int = 0, source: bool = False) -> lis
             continue
         piece = sp.id_to_piece(t)
         rest = piece.lstrip("\u2581")
-        if not rest:
+        if not rest or i in spaces:
             out.append(-1)
             open_word = False
             continue
@@ -55,6 +58,33 @@ def _word_index(sp, ids: list[int], first: int = 0, source: bool = False) -> lis
         out.append(word)
         open_word = True
     return out
+
+
+def _whitespace_bytes(sp, ids: list[int]) -> set[int]:
+    """Positions in ``ids`` of the byte pieces that spell a whitespace character, as
+    SentencePiece decodes them (a run of byte pieces, as UTF-8; a byte that begins no character
+    decodes to U+FFFD, no whitespace)."""
+    spaces, i = set(), 0
+    while i < len(ids):
+        if not sp.is_byte(ids[i]):
+            i += 1
+            continue
+        run = i  # the byte pieces from i on, at most 4: one character
+        while run < len(ids) and run - i < 4 and sp.is_byte(ids[run]):
+            run += 1
+        data = bytes(int(sp.id_to_piece(t)[1:-1], 16) for t in ids[i:run])
+        for size in range(1, len(data) + 1):
+            try:
+                char = data[:size].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            if char.isspace():
+                spaces.update(range(i, i + size))
+            i += size
+            break
+        else:  # no character starts here
+            i += 1
+    return spaces
 
 
 def _source_words(sp, text: str, ids: list[int]) -> list[int]:

@@ -209,6 +209,46 @@ def test_alignment_and_word_scores_count_a_character_in_bytes_as_one(tok):
         assert len(score[0].split()) == len(hyp.split()) + 1  # and EOS
 
 
+def test_bytes_of_whitespace_separate_words_in_alignments_and_word_scores(tok):
+    """A model with byte fallback can write whitespace in bytes (<0x20>, <0x0A>, a no-break
+    space's <0xC2><0xA0>): the printed text splits there, so word scores and alignment links
+    count the words on each side of it. They joined them into one, giving fewer word scores than
+    words, and a link to a word the text does not have the number of."""
+    from mt.alignment import _word_index, align_lines, word_scores
+    from mt.lines import nbest_texts
+    from mt.model import build_model
+    from mt.results import LineResult
+    from mt.search import Hypothesis
+
+    sp = tok.tgt
+    house, garden, s = (sp.piece_to_id(p) for p in ["\u2581house", "\u2581garden", "s"])
+    space, newline, c2, a0 = (sp.piece_to_id(p) for p in ["<0x20>", "<0x0A>", "<0xC2>", "<0xA0>"])
+    euro = [sp.piece_to_id(p) for p in ["<0xE2>", "<0x82>", "<0xAC>"]]  # €: no whitespace
+    translations = [[house, space, s], [house, newline, garden], [space, house], [house, space],
+                    [house, c2, a0, s, *euro], [house, *euro, space, *euro]]
+    assert _word_index(sp, translations[0]) == [0, -1, 1]
+    assert _word_index(sp, translations[4]) == [0, -1, -1, 1, 1, 1, 1]
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(encoder_layers=1, decoder_layers=1, d_model=16, ffn_dim=32,
+                                    heads=2, dropout=0.0, max_positions=64,
+                                    src_vocab_size=tok.src_vocab_size,
+                                    tgt_vocab_size=tok.tgt_vocab_size)).eval()
+    line = "the old house"
+    src = tok.encode_src([line])[0]
+    lps = [[-0.5] * (len(t) + 1) for t in translations]
+    results = [LineResult([src], [[Hypothesis(t, -1.0, sum(lp), lp)]], line)
+               for t, lp in zip(translations, lps, strict=True)]
+    texts = [nbest[0][0] for nbest in nbest_texts(model, tok, results)]
+    scores, aligned = word_scores(tok, results), align_lines(model, tok, results)
+    for text, score, links, r in zip(texts, scores, aligned, results, strict=True):
+        numbers = [float(x) for x in score[0].split()]
+        assert len(numbers) == len(text.split()) + 1, (text, score)
+        assert sum(numbers) == pytest.approx(r.hyps[0][0].logprob)
+        pairs = [tuple(map(int, p.split("-"))) for p in links[0].split()]
+        assert all(j < len(text.split()) for _, j in pairs), (text, links)
+        assert len({j for _, j in pairs}) == len(text.split()), (text, links)  # each word linked
+
+
 def test_subword_candidates_spell_a_rare_character_alike(tok):
     from mt.subwords import Segmentations
 
