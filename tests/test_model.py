@@ -204,6 +204,23 @@ def test_cached_decoding_equals_full_forward(overrides: dict) -> None:
 
 
 @NORMS
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+@pytest.mark.parametrize("tie", ["all", "decoder", "none"])
+def test_cached_decoding_equals_full_forward_up_to_max_positions(norm: str, positions: str,
+                                                                 tie: str) -> None:
+    """Every variant of positions and tying, with a source and a target of exactly
+    ``max_positions`` tokens: the cache's last step reads the last position of the table, as a
+    full pass does (an offset one off would read the wrong row there, or past the table)."""
+    model = tiny_model(norm=norm, positions=positions, tie_embeddings=tie, max_positions=10,
+                       scale_embeddings=tie != "none")
+    src, tgt = padded_source([10, 4, 7]), target_in(3, 10)
+    with torch.no_grad():
+        full = model(src, tgt)
+        steps = step_logits(model, src, tgt)
+    assert (steps - full).abs().max().item() < 1e-5
+
+
+@NORMS
 @pytest.mark.parametrize(
     "index",
     [[2, 0, 0, 1], [1, 0, 2], [2, 0], [0, 1], [0, 1, 2], [1]],
