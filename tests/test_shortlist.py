@@ -45,6 +45,23 @@ def test_a_shortlist_of_every_piece_changes_nothing(name):
     assert _run(search, model, every, sources) == _run(search, model, None, sources)
 
 
+def test_greedy_under_a_shortlist_that_holds_its_output_changes_nothing():
+    """Renormalising over fewer pieces moves no arg-max that is among them: greedy search under a
+    shortlist holding each line's free translation (and no more than a few other pieces) gives
+    that translation, its tokens mapped back to the model's ids, with scores at least the
+    model's (a log-softmax over fewer pieces)."""
+    model, sources = _model(vocab=V), _sources(9, vocab=V)
+    free = _run(_searches()["greedy"], model, None, sources)
+    used = sorted({t for (h,) in free for t in h.tokens})
+    assert 4 < len(used) + 4 < V // 4  # a real restriction
+    table = torch.full((V, 1), PAD_ID, dtype=torch.long)
+    shortlist = Shortlist(table, torch.tensor(used, dtype=torch.long), "fp", V)
+    restricted = _run(_searches()["greedy"], model, shortlist, sources)
+    assert [h.tokens for (h,) in restricted] == [h.tokens for (h,) in free]
+    for (r,), (f,) in zip(restricted, free, strict=True):
+        assert r.logprob >= f.logprob - 1e-5
+
+
 @pytest.mark.parametrize("bucketed", [False, True], ids=["rows", "bucketed"])
 @pytest.mark.parametrize("name", ["greedy", "beam"])
 def test_each_sentence_searches_its_own_pieces_whatever_the_batch(name, bucketed):
