@@ -127,6 +127,35 @@ def test_batch_equals_one_by_one(search):
             assert [h.score for h in hyps] == pytest.approx([h.score for h in alone], abs=1e-4)
 
 
+@pytest.mark.parametrize("search", ["greedy", "beam", "ensemble"])
+def test_batch_of_very_different_lengths_equals_one_by_one(search):
+    """Sentences of 1 to 40 tokens in one batch leave it many steps apart (their keys wait in
+    the cache, then move), some with a prefix or under min_len, the longest with a budget of the
+    model's whole maximum: each gets what it gets alone."""
+    model = _model(max_positions=48)
+    if search == "ensemble":
+        model = Ensemble([model, _model(1, decoder_layers=1, max_positions=48)], [2.0, 1.0])
+    g = torch.Generator().manual_seed(4)
+    srcs = [torch.randint(4, V, (n,), generator=g).tolist() + [EOS_ID]
+            for n in (1, 40, 2, 25, 1, 5, 33)]
+    prefixes = [[], [7, 8], [], [9], [], [], [7]]
+    kw = dict(max_len_a=3.0, max_len_b=2, min_len=3, lenpen=0.6, prefixes=prefixes)
+
+    def run(rows):
+        src = _pad([srcs[i] for i in rows])
+        kw["prefixes"] = [prefixes[i] for i in rows]
+        if search == "greedy":
+            return [[h] for h in greedy_search(model, src, **kw)]
+        return beam_search(model, src, beam_size=3, nbest=2, **kw)
+
+    batched = run(range(len(srcs)))
+    assert max(len(hyps[0].tokens) for hyps in batched) + 1 > 40  # budgets apart
+    for i in range(len(srcs)):
+        alone = run([i])[0]
+        assert [h.tokens for h in batched[i]] == [h.tokens for h in alone]
+        assert [h.score for h in batched[i]] == pytest.approx([h.score for h in alone], abs=1e-4)
+
+
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_log_probs_in_blocks_equal_all_rows_at_once(monkeypatch, search):
     """The output layer and log-softmax run a block of rows at a time into a buffer reused across
