@@ -423,6 +423,22 @@ def test_no_repeat_ngram_ends_a_row_it_leaves_without_tokens(search):
         assert h.score > -torch.inf
 
 
+def test_length_budget_is_a_times_source_length_plus_b_exactly():
+    """--max-len-a 1.3 and a source of 90 tokens: a budget of 1.3 * 90 + 10 = 127 tokens. In
+    float32, 1.3 is 1.29999995 and the product rounds to 116.99999, so the budget was 126; the
+    float64 arithmetic of the documented formula (fairseq's too) gives 127."""
+    from fractions import Fraction
+
+    from mt.search import max_lengths
+
+    lengths = torch.arange(1, 513)
+    src = torch.where(torch.arange(512)[None, :] < lengths[:, None], 5, PAD_ID)
+    for a in (0.5, 1.1, 1.2, 1.3, 2.0):
+        want = [int(Fraction(str(a)) * n + 10) for n in lengths.tolist()]
+        assert max_lengths(src, a, 10, 10**6).tolist() == want, a
+    assert max_lengths(src[89:90], 1.3, 10, 1024).tolist() == [127]
+
+
 def test_length_limits():
     model, srcs = _model(), _sources()
     for hyps in beam_search(model, _pad(srcs), beam_size=3, nbest=3, min_len=4, max_len_a=0,
