@@ -88,9 +88,9 @@ def max_lengths(src: Tensor, max_len_a: float, max_len_b: int, limit: int) -> Te
     # Clamped before the cast: a huge budget (inf: no limit but the model's) cast first
     # would wrap to a negative one; b past what a tensor holds (10**20) failed as a traceback.
     # In float64, as the formula reads in Python: in float32, 1.3 * 90 + 10 came to 126.99999
-    # and a budget of 126.
-    budget = src_len.double() * max_len_a + min(max_len_b, limit)
-    return budget.clamp(min=1, max=limit).long()
+    # and a budget of 126. On the CPU: Apple's MPS has no float64 (once per batch).
+    budget = src_len.to("cpu", torch.float64) * max_len_a + min(max_len_b, limit)
+    return budget.clamp(min=1, max=limit).long().to(src.device)
 
 
 class Prefix:
