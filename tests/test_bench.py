@@ -112,6 +112,11 @@ def test_decode_benchmark_leaves_out_ctranslate2_where_it_cannot_run(monkeypatch
     ("eval_long_lines", ["-m", "MISSING", "--src", "EMPTY", "--ref", "EMPTY"],
      "eval_long_lines.py: EMPTY: no lines to translate"),
     ("bench_mbr", ["B"], "bench_mbr.py: error: B:1: not translate --nbest output"),
+    # after a minute of measuring the peak: a ZeroDivisionError, or a report of fewer steps
+    ("bench_train", ["--steps", "0"], "bench_train.py: error: argument --steps: must be at least"),
+    ("bench_train", ["--block", "0"], "bench_train.py: error: argument --block: must be at least"),
+    ("bench_train", ["--vocab", "3"], "bench_train.py: error: --vocab must be at least 5"),
+    ("bench_train", ["--max-tokens", "10"], "bench_train.py: error: --max-tokens 10 makes"),
 ])
 def test_evaluation_scripts_say_a_mistake_in_one_line(tmp_path, script, args, said):
     """They ended in tracebacks: zip() of files of other lengths, randrange of an empty range,
