@@ -38,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mt.batching import collate, token_batches  # noqa: E402
-from mt.config import EOS_ID, PAD_ID, ModelConfig  # noqa: E402
+from mt.config import EOS_ID, PAD_ID, ModelConfig, count_or_off, positive_int  # noqa: E402
 from mt.loss import label_smoothed_nll  # noqa: E402
 from mt.model import avoid_cudnn_attention, build_model, count_parameters  # noqa: E402
 
@@ -156,11 +156,13 @@ def step_fn(name: str, model, optimizer, dtype, device):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="transformer_small", choices=sorted(SIZES))
-    p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--max-tokens", type=int, default=4096, help="padded tokens per batch")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per system")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per system (compilation)")
-    p.add_argument("--block", type=int, default=5,
+    p.add_argument("--vocab", type=positive_int, default=8000)
+    p.add_argument("--max-tokens", type=positive_int, default=4096,
+                   help="padded tokens per batch")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per system")
+    p.add_argument("--warmup", type=count_or_off, default=2,
+                   help="untimed steps per system (compilation)")
+    p.add_argument("--block", type=positive_int, default=5,
                    help="steps a system runs between two device synchronisations")
     p.add_argument("--device", default="cpu")
     p.add_argument("--systems", default="hf_fp32,mt_fp32,mt_bf16",
@@ -177,6 +179,8 @@ def main() -> None:
                         "mt.model.avoid_cudnn_attention); for every system, as the flag is global")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
+    if args.vocab < 5:  # random tokens are drawn from the ids after the 4 special ones
+        p.error(f"--vocab must be at least 5 (4 special ids and one word), got {args.vocab}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -188,6 +192,9 @@ def main() -> None:
     cfg = ModelConfig(name=args.model, **SIZES[args.model], dropout=args.dropout,
                       src_vocab_size=args.vocab, tgt_vocab_size=args.vocab, max_positions=256)
     batches = make_batches(args.warmup + args.steps, args.max_tokens, args.vocab, seed=1)
+    if len(batches) < args.warmup + args.steps:  # the report would divide by steps not run
+        p.error(f"--max-tokens {args.max_tokens} makes {len(batches)} batches of the "
+                f"{args.warmup + args.steps} that --warmup and --steps ask for; raise it")
     flops = [model_flops(b[0], b[1], cfg) for b in batches]
     batches = [tuple(t.to(device) for t in b) for b in batches]  # the timing is the model's
     systems = {}

@@ -42,7 +42,7 @@ import sacrebleu
 import torch
 from bench_decode import set_up_process, write_report  # this folder is on sys.path
 
-from mt.checkpoint import load_model, resolve
+from mt.checkpoint import load, load_model, resolve
 from mt.config import positive_int
 from mt.export import export_ctranslate2
 from mt.inference import load_models
@@ -50,6 +50,7 @@ from mt.lines import translate_ids
 from mt.options import SearchOptions
 from mt.shortlist import Shortlist
 from mt.textio import InputError, read_lines
+from mt.tokenizer import Tokenizer
 from mt.workers import balanced_batches
 
 SYSTEMS = ("mt-float32", "mt-bfloat16", "mt-int8", "ct2-float32", "ct2-int8")
@@ -88,8 +89,14 @@ def main(argv: list[str] | None = None) -> None:
         lines = list(read_lines(args.input))
         refs = list(read_lines(args.reference)) if args.reference else None
         resolve(args.model)
-    except (InputError, OSError, ValueError) as err:
+        # read before any system is built, so that a missing file or one made for another model
+        # is one line, not a traceback after the mt systems have loaded
+        shortlist = (Shortlist.load(args.shortlist, Tokenizer.from_state(
+            load(args.model, mmap=True)["tokenizer"])) if args.shortlist else None)
+    except (InputError, OSError, ValueError, KeyError, RuntimeError, TypeError) as err:
         p.error(str(err))
+    if not lines:  # every system would time nothing, and the ratios compare noise
+        p.error(f"{args.input}: no lines to translate")
     if refs is not None and len(refs) != len(lines):  # sacreBLEU would score the shorter zip
         p.error(f"{args.input} has {len(lines)} lines but {args.reference} has {len(refs)}")
 
@@ -104,10 +111,10 @@ def main(argv: list[str] | None = None) -> None:
             # does not search it: a search would make up a sentence from nothing
             kept = [i for i, x in enumerate(ids) if len(x) > 1]
             ids = [ids[i] for i in kept]
-            shortlist = Shortlist.load(args.shortlist, tok) if name.endswith("+sl") else None
+            own = shortlist if name.endswith("+sl") else None
 
-            def run(model=model, tok=tok, ids=ids, kept=kept, shortlist=shortlist) -> list[str]:
-                hyps = translate_ids(model, ids, opts, shortlist=shortlist)
+            def run(model=model, tok=tok, ids=ids, kept=kept, own=own) -> list[str]:
+                hyps = translate_ids(model, ids, opts, shortlist=own)
                 out = [""] * len(lines)
                 for i, text in zip(kept, tok.decode_tgt([h[0].tokens for h in hyps]),
                                    strict=True):
@@ -125,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             q, restricted = name[4:].removesuffix("+sl"), name.endswith("+sl")
             out = f"{tmp.name}/{name[4:]}"
             export_ctranslate2(model, tok, out, None if q == "float32" else q,
-                               Shortlist.load(args.shortlist, tok) if restricted else None)
+                               shortlist if restricted else None)
             joint = Path(out, "spm.model").exists()
             name_src, name_tgt = ("spm", "spm") if joint else ("src", "tgt")
             sp_src = spm.SentencePieceProcessor(model_file=f"{out}/{name_src}.model")

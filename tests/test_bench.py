@@ -112,6 +112,11 @@ def test_decode_benchmark_leaves_out_ctranslate2_where_it_cannot_run(monkeypatch
     ("eval_long_lines", ["-m", "MISSING", "--src", "EMPTY", "--ref", "EMPTY"],
      "eval_long_lines.py: EMPTY: no lines to translate"),
     ("bench_mbr", ["B"], "bench_mbr.py: error: B:1: not translate --nbest output"),
+    # after a minute of measuring the peak: a ZeroDivisionError, or a report of fewer steps
+    ("bench_train", ["--steps", "0"], "bench_train.py: error: argument --steps: must be at least"),
+    ("bench_train", ["--block", "0"], "bench_train.py: error: argument --block: must be at least"),
+    ("bench_train", ["--vocab", "3"], "bench_train.py: error: --vocab must be at least 5"),
+    ("bench_train", ["--max-tokens", "10"], "bench_train.py: error: --max-tokens 10 makes"),
 ])
 def test_evaluation_scripts_say_a_mistake_in_one_line(tmp_path, script, args, said):
     """They ended in tracebacks: zip() of files of other lengths, randrange of an empty range,
@@ -169,3 +174,36 @@ def test_bench_translate_gives_empty_lines_empty_outputs_and_refuses_a_short_ref
     bench.main([*common, "-r", str(ref)])
     (hyps,) = scored
     assert len(hyps) == 3 and hyps[1] == "" and hyps[0] and hyps[2]
+
+
+def test_bench_translate_says_a_bad_shortlist_or_an_empty_input_before_any_work(
+        tmp_path, tokenizer_dir, monkeypatch, capsys):
+    """A missing shortlist, or one made for another model, was a traceback after the mt systems
+    had loaded; an empty input timed nothing and printed speed ratios of noise."""
+    from mt.checkpoint import model_state, save_atomic
+    from mt.tokenizer import Tokenizer
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # its import of bench_decode, as when run
+    bench = _script("bench_translate")
+    tok = Tokenizer.load(tokenizer_dir)
+    model = build_model(ModelConfig(encoder_layers=1, decoder_layers=1, d_model=16, ffn_dim=32,
+                                    heads=2, max_positions=64, src_vocab_size=tok.src_vocab_size,
+                                    tgt_vocab_size=tok.tgt_vocab_size))
+    save_atomic(model_state(model, tok, None), tmp_path / "m.pt")
+    src, empty, other = tmp_path / "in.en", tmp_path / "empty.en", tmp_path / "other.pt"
+    src.write_text("the dog sees a cat\n")
+    empty.write_text("")
+    save_atomic({"format": "mt-shortlist/1", "table": torch.zeros(1, 1, dtype=torch.int32),
+                 "always": torch.zeros(1, dtype=torch.int32), "fingerprint": "another model",
+                 "tgt_vocab_size": 1}, other)
+    common = ["-m", str(tmp_path / "m.pt"), "--threads", "1", "--repeat", "1",
+              "--systems", "mt-float32+sl"]
+    for path, said in ((tmp_path / "missing.pt", "no such shortlist file"),
+                       (other, "made for another tokenizer")):
+        with pytest.raises(SystemExit) as stop:
+            bench.main([*common, "-i", str(src), "--shortlist", str(path)])
+        assert stop.value.code == 2 and said in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        bench.main([*common[:-2], "-i", str(empty)])
+    assert stop.value.code == 2
+    assert f"{empty}: no lines to translate" in capsys.readouterr().err
