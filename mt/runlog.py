@@ -334,7 +334,8 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
             default=str))
         kept = earlier.get(name)
         if (on_test and isinstance(kept, dict) and kept.get("tested_with") == tested_with
-                and _file_digest(hyp_file) == kept.get("hyp_digest")):
+                and kept.get("hyp_digest") is not None
+                and _file_digest(hyp_file) == kept["hyp_digest"]):
             # a finished run started again (a sweep resumed after an interrupt): the same
             # weights, texts, search and code give the same scores, so the decoding is not
             # redone; the .hyp must be the one they were of (a later finish, cut short after
