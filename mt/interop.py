@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 def export_main(argv: list[str] | None = None) -> None:
     """``mt-export -m MODEL --format hf|ctranslate2 --out DIR [--quantization int8]``."""
-    from mt.textio import first_line, terminate_as_interrupt
+    from mt.textio import terminate_as_interrupt
 
     p = argparse.ArgumentParser(prog="mt-export", description=(
         "Export an mt model to a Hugging Face Marian directory or a CTranslate2 model."))
@@ -75,13 +75,10 @@ def export_main(argv: list[str] | None = None) -> None:
         raise SystemExit(128 + getattr(err, "signal", signal.SIGINT)) from None
     except ImportError as err:
         sys.exit(f"mt-export: {err}; install the export extra: pip install 'mt[export]'")
-    except (ValueError, FileNotFoundError) as err:
+    except _CannotWrite as err:  # a full disk, an unwritable parent: the old export is kept
+        sys.exit(f"mt-export: cannot write {args.out} ({err}); nothing there was changed")
+    except (ValueError, FileNotFoundError) as err:  # a missing model, a bad --quantization
         sys.exit(f"mt-export: {err}")
-    except Exception as err:  # a full disk, an unwritable parent: the old export is kept
-        if not isinstance(err, OSError) and type(err).__name__ != "SafetensorError":
-            raise
-        why = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
-        sys.exit(f"mt-export: cannot write {args.out} ({why}); nothing there was changed")
     log.info("wrote %s (%s)", args.out, args.format)
 
 
@@ -91,26 +88,42 @@ def _export(args: argparse.Namespace, out_dir: Path) -> None:
     half directory."""
     from mt.checkpoint import load_model, umask
     from mt.export import check_marian, export_ctranslate2, export_hf
+    from mt.textio import first_line
 
     model, tokenizer, _ = load_model(args.model)
+    shortlist = None
     if args.format == "hf":
         check_marian(model.cfg)  # before any work
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.", dir=out_dir.parent) as tmp:
-        new = Path(tmp) / "export"
-        if args.format == "hf":
-            export_hf(model, tokenizer, new)
-        else:
-            from mt.shortlist import Shortlist
+    elif args.shortlist:
+        from mt.shortlist import Shortlist
 
-            shortlist = Shortlist.load(args.shortlist, tokenizer) if args.shortlist else None
-            export_ctranslate2(model, tokenizer, new, args.quantization, shortlist)
-        # transformers writes model.safetensors 0600; an export is for others to read
-        mode = 0o666 & ~umask()
-        for f in new.rglob("*"):
-            if f.is_file():
-                f.chmod(mode)
-        _swap(new, out_dir, Path(tmp) / "old")
+        shortlist = Shortlist.load(args.shortlist, tokenizer)
+    # Everything read, from here on a failure is one of writing, said of --out: the temporary
+    # folder (or its missing parent, under /proc say) is a name the user never gave.
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.", dir=out_dir.parent) as tmp:
+            new = Path(tmp) / "export"
+            if args.format == "hf":
+                export_hf(model, tokenizer, new)
+            else:
+                export_ctranslate2(model, tokenizer, new, args.quantization, shortlist)
+            # transformers writes model.safetensors 0600; an export is for others to read
+            mode = 0o666 & ~umask()
+            for f in new.rglob("*"):
+                if f.is_file():
+                    f.chmod(mode)
+            _swap(new, out_dir, Path(tmp) / "old")
+    except OSError as err:
+        raise _CannotWrite(err.strerror or first_line(err)) from err
+    except Exception as err:
+        if type(err).__name__ == "SafetensorError":  # safetensors' own kind for a full disk
+            raise _CannotWrite(first_line(err)) from err
+        raise
+
+
+class _CannotWrite(Exception):
+    """Writing the export failed; the message is why (``No space left on device``)."""
 
 
 def _holds_model(out_dir: Path, model: str) -> bool:

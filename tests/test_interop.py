@@ -350,6 +350,19 @@ def test_a_failed_export_write_is_one_line_and_keeps_the_old_export(tmp_path, to
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "out"]  # no temporary left
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_unwritable_export_names_out_not_its_temporary_folder(tmp_path, tokenizer_dir):
+    """/proc takes no new folder: the error named the hidden temporary folder mt-export writes
+    first (/proc/.x.w_jx6y7i), a name the user never gave."""
+    tok = Tokenizer.load(tokenizer_dir)
+    ckpt = _save(_mt_model(tok), tok, tmp_path / "m.pt")
+    for out in ("/proc/mt-export-test", "/proc/mt-export-test/deeper"):
+        with pytest.raises(SystemExit) as stop:
+            export_main(["-m", ckpt, "--format", "hf", "--out", out])
+        assert stop.value.code == (f"mt-export: cannot write {out} (No such file or directory); "
+                                   "nothing there was changed")
+
+
 def test_export_and_import_stopped_by_sigterm_leave_nothing_behind(tmp_path, tokenizer_dir,
                                                                    monkeypatch, capsys):
     """``timeout`` and ``kill`` send SIGTERM, which skipped the cleanup: a hidden temporary
