@@ -33,10 +33,18 @@ from pathlib import Path
 
 import numpy as np
 
-from mt.batching import EncodedPairs, encode_split
-from mt.config import DataConfig, FilterConfig, TokenizerConfig
-from mt.data import load_split, sample_texts
-from mt.tokenizer import load_or_train
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # mt without being installed
+
+from mt.batching import EncodedPairs, encode_split  # noqa: E402
+from mt.config import (  # noqa: E402
+    DataConfig,
+    FilterConfig,
+    TokenizerConfig,
+    count_or_off,
+    positive_int,
+)
+from mt.data import load_split, sample_texts  # noqa: E402
+from mt.tokenizer import load_or_train  # noqa: E402
 
 LETTERS = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
 
@@ -180,19 +188,22 @@ def padding_overhead(pairs: EncodedPairs, batches: list[list[int]]) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pairs", type=int, default=100_000)
+    ap.add_argument("--pairs", type=positive_int, default=100_000)
     ap.add_argument("--workdir", default="/tmp/mt_bench_data")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--vocab-size", type=int, default=32000)
+    ap.add_argument("--seed", type=count_or_off, default=1)
+    ap.add_argument("--vocab-size", type=positive_int, default=32000)
     ap.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
-    ap.add_argument("--sentences", type=int, default=1_000_000,
+    ap.add_argument("--sentences", type=positive_int, default=1_000_000,
                     help="SentencePiece training sample (data.tokenizer.input_sentence_size)")
-    ap.add_argument("--num-proc", type=int, default=None,
+    ap.add_argument("--num-proc", type=positive_int, default=None,
                     help="encoding processes (default: the cores)")
-    ap.add_argument("--max-tokens", type=int, default=4096)
-    ap.add_argument("--epochs", type=int, default=2, help="epochs of batches to time")
+    ap.add_argument("--max-tokens", type=positive_int, default=4096)
+    ap.add_argument("--epochs", type=positive_int, default=2, help="epochs of batches to time")
     ap.add_argument("--fresh", action="store_true", help="delete the caches (not the corpus) first")
     args = ap.parse_args(argv)
+    if args.vocab_size < 5:  # else SentencePiece's refusal, after the corpus was made and read
+        ap.error(f"--vocab-size must be at least 5 (4 special ids and a piece of text), got "
+                 f"{args.vocab_size}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
 
     work = Path(args.workdir) / f"p{args.pairs}_s{args.seed}"

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from mt.config import PAD_ID, positive_int
-from mt.loss import label_smoothed_nll
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # mt without being installed
+
+from mt.config import PAD_ID, positive_int  # noqa: E402
+from mt.loss import label_smoothed_nll  # noqa: E402
 
 
 def reference(logits: torch.Tensor, target: torch.Tensor, smoothing: float):

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import Counter, defaultdict
+from pathlib import Path
 
 from sacrebleu.metrics import BLEU, CHRF
 
-from mt.config import positive_int
-from mt.mbr import mbr_choose
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # mt without being installed
+
+from mt.config import positive_int  # noqa: E402
+from mt.mbr import mbr_choose  # noqa: E402
 
 
 def per_pair_choose(candidates: list[str], utility: str) -> int:

@@ -13,17 +13,20 @@ whitespace alone; none for the target's EOS). Needs the ``plot`` extra (matplotl
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
-from mt.alignment import blank_pieces, layer_mistake
-from mt.checkpoint import load_model
-from mt.config import EOS_ID, positive_int
-from mt.lines import encode_prefixes
-from mt.scoring import cross_attention
-from mt.search import beam_search
-from mt.textio import utf8_stdout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # mt without being installed
+
+from mt.alignment import blank_pieces, layer_mistake  # noqa: E402
+from mt.checkpoint import load_model  # noqa: E402
+from mt.config import EOS_ID, positive_int  # noqa: E402
+from mt.lines import encode_prefixes  # noqa: E402
+from mt.scoring import cross_attention  # noqa: E402
+from mt.search import beam_search  # noqa: E402
+from mt.textio import utf8_stdout  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

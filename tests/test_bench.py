@@ -117,6 +117,15 @@ def test_decode_benchmark_leaves_out_ctranslate2_where_it_cannot_run(monkeypatch
     ("bench_train", ["--block", "0"], "bench_train.py: error: argument --block: must be at least"),
     ("bench_train", ["--vocab", "3"], "bench_train.py: error: --vocab must be at least 5"),
     ("bench_train", ["--max-tokens", "10"], "bench_train.py: error: --max-tokens 10 makes"),
+    # a traceback from numpy or at the report (min() of no epochs), or silently one sentence a
+    # batch (--max-tokens 0), each after the corpus was made and read
+    ("bench_data", ["--pairs", "-1"], "bench_data.py: error: argument --pairs: must be at least"),
+    ("bench_data", ["--epochs", "0"], "bench_data.py: error: argument --epochs: must be at least"),
+    ("bench_data", ["--max-tokens", "0"], "bench_data.py: error: argument --max-tokens: must be"),
+    ("bench_data", ["--sentences", "0"], "bench_data.py: error: argument --sentences: must be"),
+    ("bench_data", ["--num-proc", "0"], "bench_data.py: error: argument --num-proc: must be"),
+    ("bench_data", ["--seed", "-1"], "bench_data.py: error: argument --seed: must be at least 0"),
+    ("bench_data", ["--vocab-size", "4"], "bench_data.py: error: --vocab-size must be at least 5"),
 ])
 def test_evaluation_scripts_say_a_mistake_in_one_line(tmp_path, script, args, said):
     """They ended in tracebacks: zip() of files of other lengths, randrange of an empty range,
@@ -207,3 +216,20 @@ def test_bench_translate_says_a_bad_shortlist_or_an_empty_input_before_any_work(
         bench.main([*common[:-2], "-i", str(empty)])
     assert stop.value.code == 2
     assert f"{empty}: no lines to translate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.py")))
+def test_every_script_runs_without_mt_installed(script, tmp_path):
+    """scripts/ put the repository on sys.path, so that a checkout runs them as they are; four
+    did not, and stopped at ``No module named 'mt'`` where mt was not installed (``-S`` leaves out
+    the editable install's .pth file; the libraries' own folder is given as PYTHONPATH)."""
+    import os
+    import subprocess
+
+    libraries = Path(torch.__file__).resolve().parents[1]
+    if (libraries / "mt").is_dir():
+        pytest.skip("mt is installed as a copy beside torch")
+    result = subprocess.run([sys.executable, "-S", str(SCRIPTS / script), "--help"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(libraries)})
+    assert result.returncode == 0 and result.stdout.startswith("usage:"), result.stderr[-2000:]
