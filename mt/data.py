@@ -37,6 +37,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import zlib
 from collections.abc import Collection, Iterator
 from itertools import zip_longest
@@ -294,11 +295,40 @@ def _load_one(cfg: DataConfig, split: str, cache_dir: str | None):
     raise mistake from None
 
 
-def _unreachable(name: str, err: ConnectionError) -> ConnectionError:
+def _unreachable(cfg: DataConfig, err: ConnectionError) -> ConnectionError:
+    """Offline: also says that no folder has the name, which ``data/corpus`` may have meant."""
+    name = cfg.hub_name + (f" ({cfg.hub_config})" if cfg.hub_config else "")
     return ConnectionError(
         f"could not reach the Hugging Face hub for {name} ({err}); download it once with "
         "internet (the datasets cache keeps it; HF_HUB_OFFLINE=1 then reads the cache) or use "
-        "data.source=files")
+        f"data.source=files{_no_folder(cfg.hub_name)}")
+
+
+def _no_folder(name: str) -> str:
+    return ("" if Path(name).exists() else f"; if data.hub_name={name} meant a folder, there is "
+            f"none at {Path(name).absolute()} (a relative folder starts at the directory "
+            "mt-train runs in)")
+
+
+def _config_mistake(cfg: DataConfig, err: ValueError) -> ValueError | None:
+    """datasets' refusal of ``data.hub_config`` (``BuilderConfig 'en-de' not found``, ``Config
+    name is missing``, neither naming the key) as one naming it, with the configs there are."""
+    text = str(err)
+    if not re.match(r"BuilderConfig .* not found|Config name is missing", text):
+        return None
+    import datasets
+
+    try:
+        names = list(datasets.get_dataset_config_names(cfg.hub_name))
+    except Exception:  # noqa: BLE001 - a list only where it can be had at no cost
+        names = []
+    has = f" (its configs: {', '.join(names)})" if names else ""
+    if cfg.hub_config is None:
+        return ValueError(f"data.hub_config is not set, and {cfg.hub_name} has several "
+                          f"configs{has}: set data.hub_config to one")
+    unset = "; set data.hub_config=null" if names == ["default"] else ""  # a folder of files
+    return ValueError(f"data.hub_config={cfg.hub_config}: {cfg.hub_name} has no such "
+                      f"config{has}{unset}")
 
 
 def _check_hub_name(name: str) -> None:
@@ -335,9 +365,10 @@ def check_hub_splits(cfg: DataConfig, wanted: dict[str, list[str]]) -> None:
         else:
             names = datasets.get_dataset_split_names(cfg.hub_name, cfg.hub_config)
     except ConnectionError as err:  # offline: said now, as the first load would have
-        raise _unreachable(cfg.hub_name + (f" ({cfg.hub_config})" if cfg.hub_config else ""),
-                           err) from None
-    except Exception:  # noqa: BLE001 (unreadable metadata: the load itself will say why)
+        raise _unreachable(cfg, err) from None
+    except Exception as err:  # noqa: BLE001 (unreadable metadata: the load itself will say why)
+        if isinstance(err, ValueError) and (mistake := _config_mistake(cfg, err)):
+            raise mistake from None
         return
     for key, splits in wanted.items():
         for split in splits:
@@ -412,9 +443,14 @@ def _load_hub(cfg: DataConfig, split: str, cache_dir: str | None):
             ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split,
                                        cache_dir=cache_dir)
     except ConnectionError as err:
-        raise _unreachable(name, err) from None
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"data.hub_name={cfg.hub_name}: {err}") from None
+        raise _unreachable(cfg, err) from None
+    except FileNotFoundError as err:  # online, no such hub dataset: a folder may have been meant
+        raise FileNotFoundError(f"data.hub_name={cfg.hub_name}: {err}"
+                                f"{_no_folder(cfg.hub_name)}") from None
+    except ValueError as err:
+        if mistake := _config_mistake(cfg, err):
+            raise mistake from None
+        raise
     s, t = cfg.src_lang, cfg.tgt_lang
     if "translation" in ds.column_names:
         ds = ds.select_columns(["translation"]).flatten()

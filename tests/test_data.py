@@ -238,6 +238,52 @@ def test_hub_offline_fails_with_one_clear_sentence():
         load_split(cfg, "train")
 
 
+def test_a_wrong_or_missing_hub_config_of_a_local_folder_names_the_key(tmp_path):
+    """datasets' own words, ``BuilderConfig 'en-de' not found`` or ``Config name is missing``,
+    named no key; they name data.hub_config now, with the configs the folder has, at the
+    start-up check and at the load."""
+    rows = "".join(json.dumps({"translation": {"en": s, "de": t}}) + "\n" for s, t in PAIRS)
+    for folder in ("plain", "multi/de", "multi/fr"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "train.jsonl").write_text(rows)
+    (tmp_path / "multi" / "README.md").write_text(
+        "---\nconfigs:\n" + "".join(f"- config_name: {c}-en\n  data_files:\n  - split: train\n"
+                                     f"    path: {c}/train.jsonl\n" for c in ("de", "fr"))
+        + "---\n")
+    cases = [("plain", "en-de", f"data.hub_config=en-de: {tmp_path / 'plain'} has no such config "
+                                "(its configs: default); set data.hub_config=null"),
+             ("multi", "xx", f"data.hub_config=xx: {tmp_path / 'multi'} has no such config (its "
+                             "configs: de-en, fr-en)"),
+             ("multi", None, f"data.hub_config is not set, and {tmp_path / 'multi'} has several "
+                             "configs (its configs: de-en, fr-en): set data.hub_config to one")]
+    for folder, config, said in cases:
+        cfg = DataConfig(source="hub", hub_name=str(tmp_path / folder), hub_config=config,
+                         src_lang="en", tgt_lang="de")
+        with pytest.raises(ValueError, match=f"^{re.escape(said)}$"):
+            check_hub_splits(cfg, {"data.train=train": ["train"]})
+        with pytest.raises(ValueError, match=f"^{re.escape(said)}$"):
+            load_split(cfg, "train", cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(source="hub", hub_name=str(tmp_path / "multi"), hub_config="fr-en",
+                     src_lang="en", tgt_lang="de")
+    assert _pairs(load_split(cfg, "train", cache_dir=str(tmp_path / "cache"))) == PAIRS
+
+
+@pytest.mark.skipif(not datasets.config.HF_HUB_OFFLINE, reason="needs HF_HUB_OFFLINE=1")
+def test_offline_a_missing_folder_that_could_be_a_hub_name_is_said_both_ways(tmp_path,
+                                                                             monkeypatch):
+    """``data/corpus`` is a valid hub name too: offline, a folder the user meant but that is
+    not there was only "could not reach the Hugging Face hub ... download it once"."""
+    monkeypatch.chdir(tmp_path)
+    cfg = DataConfig(source="hub", hub_name="data/corpus", src_lang="en", tgt_lang="de")
+    said = (f"; if data.hub_name=data/corpus meant a folder, there is none at "
+            f"{tmp_path / 'data' / 'corpus'} (a relative folder starts at the directory mt-train "
+            "runs in)")
+    with pytest.raises(ConnectionError, match=f"^could not reach .*{re.escape(said)}$"):
+        check_hub_splits(cfg, {"data.train=train": ["train"]})
+    with pytest.raises(ConnectionError, match=f"^could not reach .*{re.escape(said)}$"):
+        load_split(cfg, "train")
+
+
 @pytest.mark.parametrize("name", ["./saved_corpus", "../data/saved", "data/corpus/saved"])
 def test_a_hub_name_that_is_a_missing_folder_is_said_so_not_sent_to_the_hub(tmp_path, name,
                                                                             monkeypatch):
