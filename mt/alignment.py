@@ -37,7 +37,8 @@ def _word_index(sp, ids: list[int], first: int = 0, source: bool = False) -> lis
     ▁ <0xF0> <0x9F> <0x99> <0x82>) never start with '▁', so they join the word they are in, as
     the character they spell does; but bytes that spell whitespace (<0x20>, <0x0A>, a no-break
     space's <0xC2><0xA0>: a model may write them, sampling does) separate words, as the text
-    they decode to does, and belong to none."""
+    they decode to does, and belong to none; so does a piece of whitespace other than '▁' (a
+    tab, which normalization=identity keeps, is a piece of its own where the text had tabs)."""
     spaces = _whitespace_bytes(sp, ids)
     out, word, open_word = [], first - 1, False
     for i, t in enumerate(ids):
@@ -49,7 +50,7 @@ def _word_index(sp, ids: list[int], first: int = 0, source: bool = False) -> lis
             continue
         piece = sp.id_to_piece(t)
         rest = piece.lstrip("\u2581")
-        if not rest or i in spaces:
+        if not rest.strip() or i in spaces:
             out.append(-1)
             open_word = False
             continue
@@ -145,10 +146,21 @@ def _jobs(results: list[LineResult], lines: set[int] | None = None) -> list[tupl
 
 def blank_pieces(sp) -> torch.Tensor:
     """(V,) bool: the pieces of SentencePiece model ``sp`` that no word is linked to (control
-    pieces such as EOS and padding, and a piece of whitespace alone)."""
+    pieces such as EOS and padding, and a piece of whitespace alone: '▁', a tab)."""
     return torch.tensor([sp.is_control(i) or (not sp.is_unknown(i)
-                                               and not sp.id_to_piece(i).lstrip("\u2581"))
+                                               and not sp.id_to_piece(i).lstrip("\u2581").strip())
                          for i in range(sp.get_piece_size())])
+
+
+def unlinkable(sp, ids: list[int], blank: torch.Tensor | None = None) -> torch.Tensor:
+    """(S,) bool: the tokens of source ``ids`` that no word is linked to: ``blank_pieces`` (given
+    or made) and byte pieces that spell whitespace (a tab under byte fallback is <0x09>), which
+    belong to no word either, so a target token that attends to one most would lose its link
+    instead of taking its best word."""
+    blank = blank_pieces(sp) if blank is None else blank
+    out = blank[torch.tensor(ids, dtype=torch.long)]
+    out[sorted(_whitespace_bytes(sp, ids))] = True
+    return out
 
 
 @torch.inference_mode()  # a library caller's align_lines kept every batch's graph
@@ -156,7 +168,7 @@ def _attended(model, tokenizer, results: list[LineResult], jobs: list[tuple[int,
               layer: int | None, batch_tokens: int) -> dict[tuple[int, int, int], list[int]]:
     """Per job, the source token each target token attends to most (EOS not included) in one
     decoder layer's cross-attention, heads averaged, teacher-forced on the translation; only word
-    pieces are candidates: not EOS, padding or a piece of whitespace alone."""
+    pieces are candidates: not EOS, padding, a piece or the bytes of whitespace alone."""
     model = first_member(model)
     if layer is None:
         layer = -2 if len(model.decoder_layers) > 1 else -1
@@ -172,7 +184,11 @@ def _attended(model, tokenizer, results: list[LineResult], jobs: list[tuple[int,
                    for li, e, p in (jobs[j] for j in batch)]
         tgt = pad(tgt_ids).to(device)
         attn = cross_attention(model, src, tgt, layer)  # (B, T, S)
-        attn.masked_fill_(blank[src.cpu()].to(device)[:, None, :], -1.0)
+        unlinked = blank[src.cpu()]  # (B, S), padding included
+        for row, j in enumerate(batch):
+            ids = results[jobs[j][0]].sources[jobs[j][2]]
+            unlinked[row, : len(ids)] = unlinkable(tokenizer.src, ids, blank)
+        attn.masked_fill_(unlinked.to(device)[:, None, :], -1.0)
         best = attn.argmax(dim=-1).tolist()  # (B, T)
         for j, row, t in zip(batch, best, tgt_ids, strict=True):
             out[jobs[j]] = row[: len(t) - 1]

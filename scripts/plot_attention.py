@@ -4,8 +4,8 @@ The model translates the sentence (beam search, or ``--target`` forces a given t
 one decoder layer's cross-attention, heads averaged, is computed teacher-forced on that translation
 (``mt.scoring.cross_attention``, the weights ``translate --alignment`` links by). Rows are target
 pieces (EOS included), columns source pieces; outlined is what ``--alignment`` links each target
-piece to: the arg-max of its row over the source's word pieces (not EOS, not a piece of
-whitespace alone; none for the target's EOS). Needs the ``plot`` extra (matplotlib).
+piece to: the arg-max of its row over the source's word pieces (not EOS, not a piece or the
+bytes of whitespace alone; none for the target's EOS). Needs the ``plot`` extra (matplotlib).
 
     python scripts/plot_attention.py -m runs/demo "the red dog runs" -o attention.png
 """
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # mt without being installed
 
-from mt.alignment import blank_pieces, layer_mistake  # noqa: E402
+from mt.alignment import layer_mistake, unlinkable  # noqa: E402
 from mt.checkpoint import load_model  # noqa: E402
 from mt.config import EOS_ID, positive_int  # noqa: E402
 from mt.lines import encode_prefixes  # noqa: E402
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     image = ax.imshow(weights.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(src_labels)), src_labels, rotation=60, ha="right")
     ax.set_yticks(range(len(tgt_labels)), tgt_labels)
-    linked = weights.masked_fill(blank_pieces(tok.src)[src_ids], -1.0)[:-1]  # as --alignment
+    linked = weights.masked_fill(unlinkable(tok.src, src_ids), -1.0)[:-1]  # as --alignment
     for row, col in enumerate(linked.argmax(dim=-1).tolist()):
         ax.add_patch(plt.Rectangle((col - 0.5, row - 0.5), 1, 1, fill=False, edgecolor="red"))
     ax.set_xlabel("source")

@@ -249,6 +249,50 @@ def test_bytes_of_whitespace_separate_words_in_alignments_and_word_scores(tok):
         assert len({j for _, j in pairs}) == len(text.split()), (text, links)  # each word linked
 
 
+def test_a_tab_in_the_source_takes_no_link_and_splits_words_in_a_translation(tok, monkeypatch):
+    """normalization=identity keeps a tab: byte fallback spells it <0x09>, a vocabulary trained
+    on tabbed text has a piece of its own for it. A source tab belongs to no word, yet it was a
+    candidate for each target token's link: one that attended to it most lost its link instead of
+    taking its best word. In a translation a tab piece joined the words on either side into one
+    (two words scored, three printed)."""
+    import mt.alignment
+    from mt.alignment import _word_index, align_lines, word_scores
+    from mt.model import build_model
+    from mt.results import LineResult
+    from mt.search import Hypothesis
+
+    tabbed = [s.replace(" ", "\t", 1) for s in TEXT]
+    tab_tok = train_tokenizer(tabbed, tabbed, TokenizerConfig(vocab_size=70,
+                                                              normalization="identity"), seed=0)
+    line = "the\told house"
+    for t, tab in ((tok, "<0x09>"), (tab_tok, "\t")):
+        src = t.encode_src([line])[0]
+        assert t.src.piece_to_id(tab) in src
+        hyp = t.encode_tgt([line])[0]  # the line itself as the translation (no EOS)
+        index = _word_index(t.tgt, hyp)
+        assert index[:2] == [0, -1] and set(index[2:]) == {1, 2}  # three words, no tab
+        words = mt.alignment._source_words(t.src, line, src[:-1])
+
+        def attention(model, src_t, tgt_t, layer, src=src, words=words, hyp=hyp, t=t):
+            """Each target token weighs the tab most, then the first token of its own word."""
+            out = torch.zeros(1, tgt_t.shape[1], src_t.shape[1])
+            out[0, :, [i for i, w in enumerate(words) if w < 0]] = 0.9
+            for j, w in enumerate(_word_index(t.tgt, hyp)):
+                if w >= 0:
+                    out[0, j, words.index(w)] = 0.5
+            return out
+
+        monkeypatch.setattr(mt.alignment, "cross_attention", attention)
+        model = build_model(ModelConfig(encoder_layers=1, decoder_layers=1, d_model=16,
+                                        ffn_dim=32, heads=2, max_positions=64,
+                                        src_vocab_size=t.src_vocab_size,
+                                        tgt_vocab_size=t.tgt_vocab_size)).eval()
+        lps = [-0.5] * (len(hyp) + 1)
+        results = [LineResult([src], [[Hypothesis(hyp, -1.0, sum(lps), lps)]], line)]
+        assert align_lines(model, t, results) == [["0-0 1-1 2-2"]]
+        assert len(word_scores(t, results)[0][0].split()) == len(line.split()) + 1  # and EOS
+
+
 def test_subword_candidates_spell_a_rare_character_alike(tok):
     from mt.subwords import Segmentations
 
