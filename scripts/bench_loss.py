@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--repeat", type=positive_int, default=5)
     args = p.parse_args(argv)
+    if args.vocab < 5:  # targets are drawn from the ids after the 4 special ones
+        p.error(f"--vocab must be at least 5 (4 special ids and one word), got {args.vocab}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)

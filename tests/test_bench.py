@@ -126,6 +126,7 @@ def test_decode_benchmark_leaves_out_ctranslate2_where_it_cannot_run(monkeypatch
     ("bench_data", ["--num-proc", "0"], "bench_data.py: error: argument --num-proc: must be"),
     ("bench_data", ["--seed", "-1"], "bench_data.py: error: argument --seed: must be at least 0"),
     ("bench_data", ["--vocab-size", "4"], "bench_data.py: error: --vocab-size must be at least 5"),
+    ("bench_loss", ["--vocab", "4"], "bench_loss.py: error: --vocab must be at least 5"),
 ])
 def test_evaluation_scripts_say_a_mistake_in_one_line(tmp_path, script, args, said):
     """They ended in tracebacks: zip() of files of other lengths, randrange of an empty range,
