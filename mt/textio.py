@@ -79,14 +79,18 @@ def is_regular(path: str | None) -> bool:
 
 
 def output_mistake(flag: str, path: str, force: bool, reads: Iterable[str | os.PathLike] = (),
-                   read_as: str = "a file it reads", what: str = "file") -> str | None:
+                   read_as: str = "a file it reads", what: str = "file",
+                   folder_made: bool = True) -> str | None:
     """Why a command must not write ``flag path``, in words; None if it may. A directory (or a
-    name ending in '/', a folder not yet made: written as a file of that name); one of the
+    name ending in '/', a folder not yet made: written as a file of that name); a folder that
+    does not exist, where the command does not make it (``folder_made=False``); one of the
     files it ``reads`` (said as ``read_as``), even with ``force``; any other existing file
     without ``force``."""
     out = Path(path)
     if out.is_dir() or str(path).endswith(os.sep):
         return f"{flag} {path} is a directory; name the {what} to write"
+    if not folder_made and not out.parent.is_dir():
+        return f"{flag} {path}: no such directory {out.parent}"
     if not out.exists():
         return None
     if any(os.path.exists(f) and out.samefile(f) for f in reads):

@@ -53,6 +53,7 @@ from mt.export import export_ctranslate2, hf_model, placeholder_vocabulary  # no
 from mt.inference import device_mistake, keep_freed_memory, prepare_model  # noqa: E402
 from mt.model import build_model  # noqa: E402
 from mt.search import beam_search, greedy_search  # noqa: E402
+from mt.textio import output_mistake  # noqa: E402
 from mt.workers import batch_workers  # noqa: E402
 
 CPU_DEFAULT = ("mt-float32", "mt-bfloat16", "mt-int8", "mt-float32-unpacked", "hf-float32",
@@ -80,14 +81,26 @@ def set_up_process() -> None:
     keep_freed_memory()
 
 
-def write_report(report: dict, path: str | None) -> None:
-    """The JSON report to ``path``, or to stdout without one."""
+def report_mistake(path: str | None) -> str | None:
+    """Why ``--out path`` cannot take the JSON report (a directory, a folder that does not
+    exist), said before the minutes of measuring, not in a traceback after them."""
+    return output_mistake("--out", path, force=True, folder_made=False) if path else None
+
+
+def write_report(report: dict, path: str | None, prog: str) -> None:
+    """The JSON report to ``path``, or to stdout without one; where ``path`` cannot be written
+    after all (a full disk), to stdout, so the measurements are not lost, and an error."""
     text = json.dumps(report, indent=2)
     if path:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+            return
+        except OSError as err:
+            print(text)
+            sys.exit(f"{prog}: cannot write --out {path} ({err.strerror or err}); the report is "
+                     "on stdout above")
+    print(text)
 
 
 def base_model(vocab: int, seed: int) -> torch.nn.Module:
@@ -284,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.vocab < 5:
         p.error(f"--vocab must be at least 5 (4 special ids and one word), got {args.vocab}")
-    if mistake := device_mistake(args.device):
+    if mistake := device_mistake(args.device) or report_mistake(args.out):
         p.error(mistake)
     set_up_process()
     by_batch = args.parallel == "batches"
@@ -441,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"target {name}: needs {target['needs']}, has {target['has']}; linear layers alone "
               f"{target['linear_only_ceiling']}, all but them {target['free_linear_ceiling']}",
               file=sys.stderr)
-    write_report(report, args.out)
+    write_report(report, args.out, "bench_decode.py")
     tmp.cleanup()
 
 

@@ -41,6 +41,7 @@ from mt.batching import collate, token_batches  # noqa: E402
 from mt.config import EOS_ID, PAD_ID, ModelConfig, count_or_off, positive_int  # noqa: E402
 from mt.loss import label_smoothed_nll  # noqa: E402
 from mt.model import avoid_cudnn_attention, build_model, count_parameters  # noqa: E402
+from mt.textio import output_mistake  # noqa: E402
 
 SIZES = {
     "transformer_tiny": dict(encoder_layers=3, decoder_layers=3, d_model=256, ffn_dim=1024,
@@ -181,6 +182,8 @@ def main() -> None:
     args = p.parse_args()
     if args.vocab < 5:  # random tokens are drawn from the ids after the 4 special ones
         p.error(f"--vocab must be at least 5 (4 special ids and one word), got {args.vocab}")
+    if args.out and (mistake := output_mistake("--out", args.out, force=True, folder_made=False)):
+        p.error(mistake)  # before a minute of measuring the peak, not a traceback after all of it
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -282,7 +285,11 @@ def main() -> None:
         print(f"{name:18s} {r['tgt_tokens_per_s']:10.0f} tgt tok/s  {r['model_tflops']:7.2f} "
               f"TFLOP/s  MFU {r['mfu']:.1%}", file=sys.stderr)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        try:
+            Path(args.out).write_text(text + "\n")
+        except OSError as err:  # a full disk: the report is printed above
+            sys.exit(f"bench_train.py: cannot write --out {args.out} ({err.strerror or err}); "
+                     "the report is on stdout above")
 
 
 if __name__ == "__main__":

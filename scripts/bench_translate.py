@@ -40,7 +40,11 @@ from pathlib import Path
 
 import sacrebleu
 import torch
-from bench_decode import set_up_process, write_report  # this folder is on sys.path
+from bench_decode import (  # this folder is on sys.path
+    report_mistake,
+    set_up_process,
+    write_report,
+)
 
 from mt.checkpoint import load, load_model, resolve
 from mt.config import positive_int
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shortlist", help="a shortlist file (mt-shortlist) for the +sl systems")
     p.add_argument("--out", help="JSON file (default: stdout)")
     args = p.parse_args(argv)
+    if mistake := report_mistake(args.out):
+        p.error(mistake)
     set_up_process()
     systems = args.systems.split(",")
     if unknown := sorted({n for n in systems if n.removesuffix("+sl") not in SYSTEMS}):
@@ -208,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         if a in times and b in times:
             ratios[f"{a} / {b}"] = round(min(times[b]) / min(times[a]), 2)
     report["ratios"] = ratios  # speed ratios (> 1: mt faster)
-    write_report(report, args.out)
+    write_report(report, args.out, "bench_translate.py")
     tmp.cleanup()
 
 

@@ -127,6 +127,13 @@ def test_decode_benchmark_leaves_out_ctranslate2_where_it_cannot_run(monkeypatch
     ("bench_data", ["--seed", "-1"], "bench_data.py: error: argument --seed: must be at least 0"),
     ("bench_data", ["--vocab-size", "4"], "bench_data.py: error: --vocab-size must be at least 5"),
     ("bench_loss", ["--vocab", "4"], "bench_loss.py: error: --vocab must be at least 5"),
+    # the report was a FileNotFoundError traceback after all the measuring, and lost
+    ("bench_decode", ["--out", "nodir/r.json"],
+     "bench_decode.py: error: --out nodir/r.json: no such directory nodir"),
+    ("bench_translate", ["-m", "MISSING", "-i", "A", "--out", "nodir/r.json"],
+     "bench_translate.py: error: --out nodir/r.json: no such directory nodir"),
+    ("bench_train", ["--out", "nodir/r.json"],
+     "bench_train.py: error: --out nodir/r.json: no such directory nodir"),
 ])
 def test_evaluation_scripts_say_a_mistake_in_one_line(tmp_path, script, args, said):
     """They ended in tracebacks: zip() of files of other lengths, randrange of an empty range,
@@ -145,6 +152,18 @@ def test_evaluation_scripts_say_a_mistake_in_one_line(tmp_path, script, args, sa
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].startswith(said), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_report_that_cannot_be_written_is_printed_not_lost(tmp_path, capsys):
+    """--out that fails after the measuring (a full disk, a folder removed meanwhile) ended in a
+    traceback, and the minutes of measurements with it."""
+    bench = _script("bench_decode")
+    out = tmp_path / "gone" / "r.json"
+    with pytest.raises(SystemExit) as stop:
+        bench.write_report({"tokens_per_s": 123.0}, str(out), "bench_decode.py")
+    assert stop.value.code == (f"bench_decode.py: cannot write --out {out} (No such file or "
+                               "directory); the report is on stdout above")
+    assert json.loads(capsys.readouterr().out) == {"tokens_per_s": 123.0}
 
 
 def test_bench_translate_gives_empty_lines_empty_outputs_and_refuses_a_short_reference(
