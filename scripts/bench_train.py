@@ -169,10 +169,11 @@ def main() -> None:
     p.add_argument("--systems", default="hf_fp32,mt_fp32,mt_bf16",
                    help="comma-separated: hf_fp32, hf_bf16, mt_fp32, mt_bf16, each optionally "
                         "with _compile")
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=count_or_off, default=0,
+                   help="torch threads (0: torch's default)")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="0 (default) makes the loss curves comparable step by step")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
+    p.add_argument("--profile", type=count_or_off, default=0, metavar="N",
                    help="after timing, profile 3 steps of each system and print its N costliest "
                         "operators (device time on a GPU, else CPU time) to stderr")
     p.add_argument("--sdpa-cudnn", action="store_true",

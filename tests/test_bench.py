@@ -117,6 +117,7 @@ def test_decode_benchmark_leaves_out_ctranslate2_where_it_cannot_run(monkeypatch
     ("bench_train", ["--block", "0"], "bench_train.py: error: argument --block: must be at least"),
     ("bench_train", ["--vocab", "3"], "bench_train.py: error: --vocab must be at least 5"),
     ("bench_train", ["--max-tokens", "10"], "bench_train.py: error: --max-tokens 10 makes"),
+    ("bench_train", ["--threads", "-1"], "bench_train.py: error: argument --threads: must be at"),
     # a traceback from numpy or at the report (min() of no epochs), or silently one sentence a
     # batch (--max-tokens 0), each after the corpus was made and read
     ("bench_data", ["--pairs", "-1"], "bench_data.py: error: argument --pairs: must be at least"),
