@@ -78,6 +78,15 @@ def is_regular(path: str | None) -> bool:
         raise InputError(f"{path}: cannot read ({err.strerror})") from None
 
 
+def file_in_the_way(path: str | os.PathLike) -> Path | None:
+    """The existing file that one of ``path``'s folders would have to be (``notes.txt/out``):
+    making the folders fails with "File exists", which reads as if ``path`` itself existed."""
+    for folder in Path(path).parents:  # the nearest first
+        if folder.exists():
+            return None if folder.is_dir() else folder
+    return None
+
+
 def output_mistake(flag: str, path: str, force: bool, reads: Iterable[str | os.PathLike] = (),
                    read_as: str = "a file it reads", what: str = "file",
                    folder_made: bool = True) -> str | None:
@@ -89,6 +98,8 @@ def output_mistake(flag: str, path: str, force: bool, reads: Iterable[str | os.P
     out = Path(path)
     if out.is_dir() or str(path).endswith(os.sep):
         return f"{flag} {path} is a directory; name the {what} to write"
+    if blocker := file_in_the_way(path):
+        return f"{flag} {path}: {blocker} is a file, not a directory"
     if not folder_made and not out.parent.is_dir():
         return f"{flag} {path}: no such directory {out.parent}"
     if not out.exists():

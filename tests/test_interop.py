@@ -363,6 +363,24 @@ def test_an_unwritable_export_names_out_not_its_temporary_folder(tmp_path, token
                                    "nothing there was changed")
 
 
+def test_an_out_under_a_file_says_the_file_is_in_the_way(tmp_path, tokenizer_dir):
+    """--out notes.txt/export: both commands said "cannot write ... (File exists)", which reads
+    as if --out itself existed."""
+    tok = Tokenizer.load(tokenizer_dir)
+    ckpt = _save(_mt_model(tok), tok, tmp_path / "m.pt")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    out = tmp_path / "notes.txt" / "deeper" / "export"
+    with pytest.raises(SystemExit) as stop:
+        export_main(["-m", ckpt, "--format", "hf", "--out", str(out)])
+    assert stop.value.code == (f"mt-export: --out {out}: {tmp_path / 'notes.txt'} is a file, "
+                               "not a directory")
+    with pytest.raises(SystemExit) as stop:
+        import_main(["--from", "hf", str(tmp_path), "--out", str(out / "m.pt")])
+    assert stop.value.code == (f"mt-import: --out {out / 'm.pt'}: {tmp_path / 'notes.txt'} is a "
+                               "file, not a directory")
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
 def test_export_and_import_stopped_by_sigterm_leave_nothing_behind(tmp_path, tokenizer_dir,
                                                                    monkeypatch, capsys):
     """``timeout`` and ``kill`` send SIGTERM, which skipped the cleanup: a hidden temporary
