@@ -50,6 +50,8 @@ def export_main(argv: list[str] | None = None) -> None:
     for option in ("quantization", "shortlist"):
         if getattr(args, option) and args.format != "ctranslate2":
             p.error(f"--{option} applies to --format ctranslate2 only")
+    if not args.out.strip():  # --out "$UNSET": the working directory, "mt-export:  exists"
+        p.error("--out is empty; name the directory to write")
     if blocker := file_in_the_way(args.out):  # else "cannot write ... (File exists)"
         sys.exit(f"mt-export: --out {args.out}: {blocker} is a file, not a directory")
     # Resolved: '.' and '..' become the directories they name, and a symlink keeps pointing at

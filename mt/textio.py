@@ -95,6 +95,8 @@ def output_mistake(flag: str, path: str, force: bool, reads: Iterable[str | os.P
     does not exist, where the command does not make it (``folder_made=False``); one of the
     files it ``reads`` (said as ``read_as``), even with ``force``; any other existing file
     without ``force``."""
+    if not str(path).strip():  # --out "$UNSET": the working directory, said as "--out  is a"
+        return f"{flag} is empty; name the {what} to write"
     out = Path(path)
     if out.is_dir() or str(path).endswith(os.sep):
         return f"{flag} {path} is a directory; name the {what} to write"

@@ -363,7 +363,7 @@ def test_an_unwritable_export_names_out_not_its_temporary_folder(tmp_path, token
                                    "nothing there was changed")
 
 
-def test_an_out_under_a_file_says_the_file_is_in_the_way(tmp_path, tokenizer_dir):
+def test_an_out_under_a_file_says_the_file_is_in_the_way(tmp_path, tokenizer_dir, capsys):
     """--out notes.txt/export: both commands said "cannot write ... (File exists)", which reads
     as if --out itself existed."""
     tok = Tokenizer.load(tokenizer_dir)
@@ -379,6 +379,13 @@ def test_an_out_under_a_file_says_the_file_is_in_the_way(tmp_path, tokenizer_dir
     assert stop.value.code == (f"mt-import: --out {out / 'm.pt'}: {tmp_path / 'notes.txt'} is a "
                                "file, not a directory")
     assert (tmp_path / "notes.txt").read_text() == "mine\n"
+    # an empty --out ("$UNSET") named the working directory: "mt-export:  exists; ..."
+    with pytest.raises(SystemExit) as stop:
+        import_main(["--from", "hf", str(tmp_path), "--out", ""])
+    assert stop.value.code == "mt-import: --out is empty; name the checkpoint file to write"
+    with pytest.raises(SystemExit):
+        export_main(["-m", ckpt, "--format", "hf", "--out", ""])
+    assert capsys.readouterr().err.endswith("error: --out is empty; name the directory to write\n")
 
 
 def test_export_and_import_stopped_by_sigterm_leave_nothing_behind(tmp_path, tokenizer_dir,
