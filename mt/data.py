@@ -320,7 +320,7 @@ def _config_mistake(cfg: DataConfig, err: ValueError) -> ValueError | None:
 
     try:
         names = list(datasets.get_dataset_config_names(cfg.hub_name))
-    except Exception:  # noqa: BLE001 - a list only where it can be had at no cost
+    except Exception:  # noqa: BLE001 - a list where it can be had (offline: a cached one)
         names = []
     has = f" (its configs: {', '.join(names)})" if names else ""
     if cfg.hub_config is None:
