@@ -773,14 +773,15 @@ def ctrl_c_as_in_a_terminal() -> None:
 
 
 def patched_train(tmp_path: Path, corpus_dir, tokenizer_dir, patch: str, *overrides: str,
-                  run_dir: Path | None = None) -> subprocess.CompletedProcess:
+                  run_dir: Path | None = None, timeout: float = 300,
+                  **popen) -> subprocess.CompletedProcess:
     """mt-train in a process of its own, ``patch`` (Python source) run first: a failure or a
     signal planted where a test needs it, and the command line's handling of it seen whole."""
     script = f"import sys\n{patch}sys.argv[0] = 'mt-train'\nfrom mt.train import main\nmain()\n"
     cmd = [PYTHON, "-c", script, *tiny_train_args(corpus_dir, tokenizer_dir),
            f"hydra.run.dir={run_dir or tmp_path / 'run'}", *overrides]
     return subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=timeout, **popen)
 
 
 def test_a_library_warning_is_printed_once_and_kept_in_the_log(tmp_path, corpus_dir,
@@ -815,6 +816,36 @@ def test_a_sigterm_while_the_data_is_prepared_is_said(tmp_path, corpus_dir, toke
     assert result.returncode == 143, result.stderr[-2000:]
     assert "terminated (SIGTERM) before the first checkpoint; nothing to resume" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_worker_processes_encode_the_corpus_is_one_line(tmp_path, corpus_dir,
+                                                                       tokenizer_dir, sig):
+    """data.num_proc > 1 (the default above 200k pairs) encodes in a pool of forked workers,
+    which inherited mt-train's SIGTERM handler: the pool's SIGTERM to its workers became an
+    error they caught, and mt-train hung after `kill`, `timeout` or a scheduler's SIGTERM until
+    a SIGKILL. A terminal's Ctrl-C, which reaches every process of the group, printed each
+    worker's traceback before mt-train's line. Here a worker signals in the middle of its
+    share, as `kill PID` (SIGTERM, to mt-train alone) or Ctrl-C (SIGINT, to the group) would."""
+    to = "os.getppid()" if sig == "SIGTERM" else "-os.getpgid(0)"
+    patch = ("import os, signal, time, mt.batching as b\n"
+             "parent, encode = os.getpid(), b.EncodeBatch.__call__\n"
+             "def slow(self, *args, **kwargs):\n"
+             "    if os.getpid() != parent:  # a worker: the signal, then a long share\n"
+             f"        os.kill({to}, signal.{sig})\n"
+             "        time.sleep(60)\n"
+             "    return encode(self, *args, **kwargs)\n"
+             "b.EncodeBatch.__call__ = slow\n")
+    try:
+        result = patched_train(tmp_path, corpus_dir, tokenizer_dir, patch, "data.num_proc=2",
+                               timeout=50, start_new_session=True,
+                               preexec_fn=ctrl_c_as_in_a_terminal)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"mt-train still ran 50 s after the {sig}") from err
+    assert result.returncode == 128 + getattr(signal, sig), result.stderr[-3000:]
+    how = "terminated (SIGTERM)" if sig == "SIGTERM" else "interrupted"
+    assert f"{how} before the first checkpoint; nothing to resume" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
 def test_a_sigterm_after_the_loops_last_look_stops_before_the_final_test(tmp_path, corpus_dir,
