@@ -875,6 +875,33 @@ def test_a_sigterm_after_the_loops_last_look_stops_before_the_final_test(tmp_pat
     assert "bleu" in json.loads((run_dir / "test.json").read_text())
 
 
+def test_a_sigterm_in_the_final_validation_saves_its_step(tmp_path, corpus_dir, tokenizer_dir):
+    """A budget that ends between validations (trainer.max_minutes, max_epochs) validates once
+    more after the loop. A SIGTERM there was a KeyboardInterrupt: last.pt stayed at the last
+    save and the steps since were lost. Now the validation ends, last.pt holds its step, and
+    the same command goes straight to the test."""
+    term_in_final = ("import os, signal, mt.trainer as t\n"
+                     "validate = t.Trainer.validate\n"
+                     "def validate_once_more(self):\n"
+                     "    if self.step == 3:  # the loop validated at 2 and stopped at 3\n"
+                     "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                     "    return validate(self)\n"
+                     "t.Trainer.validate = validate_once_more\n")
+    run_dir = tmp_path / "run"
+    budget = ("trainer.max_steps=3", "trainer.validate_every=2")
+    result = patched_train(tmp_path, corpus_dir, tokenizer_dir, term_in_final, *budget)
+    assert result.returncode == 143, result.stderr[-2000:]
+    assert (f"terminated (SIGTERM) after step 3, which {run_dir}/checkpoints/last.pt holds"
+            in result.stderr), result.stderr[-2000:]
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)["trainer"]
+    assert state["step"] == 3 and [r["step"] for r in state["history"]] == [2, 3]
+    assert not (run_dir / "test.json").exists()
+    result = patched_train(tmp_path, corpus_dir, tokenizer_dir, term_in_final, *budget)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resumed" in result.stderr and "step 3: valid loss" not in result.stderr
+    assert "bleu" in json.loads((run_dir / "test.json").read_text())
+
+
 def test_a_run_with_stderr_closed_trains_and_logs_to_its_file(tmp_path, corpus_dir,
                                                              tokenizer_dir):
     """`mt-train ... 2>&-` (a service, a cron line) died silently inside Hydra, exit status 1:
