@@ -633,6 +633,23 @@ def test_a_fresh_start_beside_an_earlier_runs_files_sets_them_aside(trainer_fact
     assert f"{ckpts / 'best.pt'} is missing (a run resumed from a copied last.pt?)" in caplog.text
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_full_disk_under_metrics_jsonl_names_the_file(tmp_path, monkeypatch):
+    """A write to metrics.jsonl that the disk refuses said "mt-train: [Errno 28] No space left
+    on device", naming no file (the checkpoints' writes name theirs)."""
+    import mt.runlog
+    from mt.runlog import Metrics
+    from mt.train import _in_words
+
+    metrics = Metrics(tmp_path, tensorboard=False)
+    # /dev/full: every write fails as on a full disk
+    monkeypatch.setattr(mt.runlog, "open", lambda path, mode: open("/dev/full", mode),
+                        raising=False)
+    with pytest.raises(OSError) as caught:
+        metrics.write({"step": 1, "loss": 2.0})
+    assert _in_words(caught.value) == f"{tmp_path / 'metrics.jsonl'}: No space left on device"
+
+
 def test_a_log_window_without_a_finite_step_reads_nan_not_zero():
     from mt.runlog import Window
 
