@@ -398,6 +398,10 @@ class TerminatedBySignal(KeyboardInterrupt):
 
 
 def _raise_terminated(signum, frame) -> None:
+    if os.getpid() != _guard_pid:  # a child the signal reached before _forked reset it
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     err = TerminatedBySignal()
     err.signal = signum
     raise err
@@ -406,6 +410,7 @@ def _raise_terminated(signum, frame) -> None:
 # The signals that a terminate_as_interrupt block of this process turns into KeyboardInterrupt,
 # while it runs; () outside one. A process forked meanwhile does not keep that (_forked).
 _guarded: tuple[int, ...] = ()
+_guard_pid = 0  # the process whose block that is
 
 
 def _forked() -> None:
@@ -444,7 +449,8 @@ def terminate_as_interrupt(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Iter
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    global _guarded
+    global _guarded, _guard_pid
+    _guard_pid = os.getpid()
     previous = {s: signal.signal(s, _raise_terminated) for s in signals
                 if signal.getsignal(s) is not signal.SIG_IGN}  # the parent's choice stands
     outer, _guarded = _guarded, tuple({*_guarded, *previous})

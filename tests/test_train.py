@@ -865,6 +865,29 @@ def test_a_signal_while_worker_processes_encode_the_corpus_is_one_line(tmp_path,
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_child_forked_under_the_sigterm_handler_dies_of_sigterm_even_before_its_reset():
+    """The reset in a forked child (mt.textio._forked) runs after threading's own after-fork
+    hook: a SIGTERM to the whole group (a scheduler's) could reach a child just forked before
+    it, and the parent's handler raised there into the "exception ignored" of that hook, so the
+    child lived on. The handler itself now lets a child die of it, as by default."""
+    from mt import textio
+
+    with textio.terminate_as_interrupt():
+        pid = os.fork()
+        if pid == 0:  # the child: what it was set to, then the handler run as the signal would
+            if not (signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+                    and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+                os._exit(4)
+            signal.signal(signal.SIGTERM, textio._raise_terminated)
+            try:
+                textio._raise_terminated(signal.SIGTERM, None)
+            finally:
+                os._exit(3)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+
+
 def test_a_sigterm_after_the_loops_last_look_stops_before_the_final_test(tmp_path, corpus_dir,
                                                                          tokenizer_dir):
     """A SIGTERM in the last steps (under DDP the ranks agree only every trainer.log_every
