@@ -137,8 +137,14 @@ class Metrics:
         # NaN and inf as null: Python's json would write bare NaN, which strict parsers refuse
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
                   for k, v in record.items()}
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(finite) + "\n")
+        path = self.run_dir / "metrics.jsonl"
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(finite) + "\n")
+        except OSError as err:  # a full disk said no file: "[Errno 28] No space left on device"
+            if err.filename:
+                raise
+            raise OSError(err.errno, err.strerror, str(path)) from None
         if self.writer is not None:
             for key, value in record.items():
                 if key not in ("step", "epoch") and isinstance(value, int | float):

@@ -369,19 +369,22 @@ class Trainer:
                        dynamic_ncols=True, mininterval=1.0)
         window = self.window
         window.restart_clock()
-        try:
-            with self.sigterm.watching():
+        # and through the final validation: a SIGTERM there waits for its last.pt, as in the loop
+        with self.sigterm.watching():
+            try:
                 stopped = self._epochs(bar, per_step)
-        finally:
-            if bar is not None:
-                bar.close()
-        if self.sigterm.agreed(self.step, now=True):  # one after the loop's last look
-            self._stop_for_sigterm()
-        if self.rank == 0:
-            log.info("training stopped at step %d: %s", self.step, stopped)
-        self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
-        if self.validated_step != self.step:
-            self._validate_and_save()
+            finally:
+                if bar is not None:
+                    bar.close()
+            if self.sigterm.agreed(self.step, now=True):  # one after the loop's last look
+                self._stop_for_sigterm()
+            if self.rank == 0:
+                log.info("training stopped at step %d: %s", self.step, stopped)
+            self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
+            if self.validated_step != self.step:
+                self._validate_and_save()
+                if self.sigterm.agreed(self.step, now=True):  # last.pt holds this step
+                    raise Terminated(self.step)
         return self.best
 
     def _stop_for_sigterm(self) -> None:

@@ -633,6 +633,23 @@ def test_a_fresh_start_beside_an_earlier_runs_files_sets_them_aside(trainer_fact
     assert f"{ckpts / 'best.pt'} is missing (a run resumed from a copied last.pt?)" in caplog.text
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_full_disk_under_metrics_jsonl_names_the_file(tmp_path, monkeypatch):
+    """A write to metrics.jsonl that the disk refuses said "mt-train: [Errno 28] No space left
+    on device", naming no file (the checkpoints' writes name theirs)."""
+    import mt.runlog
+    from mt.runlog import Metrics
+    from mt.train import _in_words
+
+    metrics = Metrics(tmp_path, tensorboard=False)
+    # /dev/full: every write fails as on a full disk
+    monkeypatch.setattr(mt.runlog, "open", lambda path, mode: open("/dev/full", mode),
+                        raising=False)
+    with pytest.raises(OSError) as caught:
+        metrics.write({"step": 1, "loss": 2.0})
+    assert _in_words(caught.value) == f"{tmp_path / 'metrics.jsonl'}: No space left on device"
+
+
 def test_a_log_window_without_a_finite_step_reads_nan_not_zero():
     from mt.runlog import Window
 
@@ -773,14 +790,15 @@ def ctrl_c_as_in_a_terminal() -> None:
 
 
 def patched_train(tmp_path: Path, corpus_dir, tokenizer_dir, patch: str, *overrides: str,
-                  run_dir: Path | None = None) -> subprocess.CompletedProcess:
+                  run_dir: Path | None = None, timeout: float = 300,
+                  **popen) -> subprocess.CompletedProcess:
     """mt-train in a process of its own, ``patch`` (Python source) run first: a failure or a
     signal planted where a test needs it, and the command line's handling of it seen whole."""
     script = f"import sys\n{patch}sys.argv[0] = 'mt-train'\nfrom mt.train import main\nmain()\n"
     cmd = [PYTHON, "-c", script, *tiny_train_args(corpus_dir, tokenizer_dir),
            f"hydra.run.dir={run_dir or tmp_path / 'run'}", *overrides]
     return subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=timeout, **popen)
 
 
 def test_a_library_warning_is_printed_once_and_kept_in_the_log(tmp_path, corpus_dir,
@@ -817,6 +835,59 @@ def test_a_sigterm_while_the_data_is_prepared_is_said(tmp_path, corpus_dir, toke
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_worker_processes_encode_the_corpus_is_one_line(tmp_path, corpus_dir,
+                                                                       tokenizer_dir, sig):
+    """data.num_proc > 1 (the default above 200k pairs) encodes in a pool of forked workers,
+    which inherited mt-train's SIGTERM handler: the pool's SIGTERM to its workers became an
+    error they caught, and mt-train hung after `kill`, `timeout` or a scheduler's SIGTERM until
+    a SIGKILL. A terminal's Ctrl-C, which reaches every process of the group, printed each
+    worker's traceback before mt-train's line. Here a worker signals in the middle of its
+    share, as `kill PID` (SIGTERM, to mt-train alone) or Ctrl-C (SIGINT, to the group) would."""
+    to = "os.getppid()" if sig == "SIGTERM" else "-os.getpgid(0)"
+    patch = ("import os, signal, time, mt.batching as b\n"
+             "parent, encode = os.getpid(), b.EncodeBatch.__call__\n"
+             "def slow(self, *args, **kwargs):\n"
+             "    if os.getpid() != parent:  # a worker: the signal, then a long share\n"
+             f"        os.kill({to}, signal.{sig})\n"
+             "        time.sleep(60)\n"
+             "    return encode(self, *args, **kwargs)\n"
+             "b.EncodeBatch.__call__ = slow\n")
+    try:
+        result = patched_train(tmp_path, corpus_dir, tokenizer_dir, patch, "data.num_proc=2",
+                               timeout=50, start_new_session=True,
+                               preexec_fn=ctrl_c_as_in_a_terminal)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"mt-train still ran 50 s after the {sig}") from err
+    assert result.returncode == 128 + getattr(signal, sig), result.stderr[-3000:]
+    how = "terminated (SIGTERM)" if sig == "SIGTERM" else "interrupted"
+    assert f"{how} before the first checkpoint; nothing to resume" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_child_forked_under_the_sigterm_handler_dies_of_sigterm_even_before_its_reset():
+    """The reset in a forked child (mt.textio._forked) runs after threading's own after-fork
+    hook: a SIGTERM to the whole group (a scheduler's) could reach a child just forked before
+    it, and the parent's handler raised there into the "exception ignored" of that hook, so the
+    child lived on. The handler itself now lets a child die of it, as by default."""
+    from mt import textio
+
+    with textio.terminate_as_interrupt():
+        pid = os.fork()
+        if pid == 0:  # the child: what it was set to, then the handler run as the signal would
+            if not (signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+                    and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+                os._exit(4)
+            signal.signal(signal.SIGTERM, textio._raise_terminated)
+            try:
+                textio._raise_terminated(signal.SIGTERM, None)
+            finally:
+                os._exit(3)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+
+
 def test_a_sigterm_after_the_loops_last_look_stops_before_the_final_test(tmp_path, corpus_dir,
                                                                          tokenizer_dir):
     """A SIGTERM in the last steps (under DDP the ranks agree only every trainer.log_every
@@ -841,6 +912,33 @@ def test_a_sigterm_after_the_loops_last_look_stops_before_the_final_test(tmp_pat
     assert not (run_dir / "test.json").exists()
     result = patched_train(tmp_path, corpus_dir, tokenizer_dir, "", *budget)
     assert result.returncode == 0, result.stderr[-2000:]
+    assert "bleu" in json.loads((run_dir / "test.json").read_text())
+
+
+def test_a_sigterm_in_the_final_validation_saves_its_step(tmp_path, corpus_dir, tokenizer_dir):
+    """A budget that ends between validations (trainer.max_minutes, max_epochs) validates once
+    more after the loop. A SIGTERM there was a KeyboardInterrupt: last.pt stayed at the last
+    save and the steps since were lost. Now the validation ends, last.pt holds its step, and
+    the same command goes straight to the test."""
+    term_in_final = ("import os, signal, mt.trainer as t\n"
+                     "validate = t.Trainer.validate\n"
+                     "def validate_once_more(self):\n"
+                     "    if self.step == 3:  # the loop validated at 2 and stopped at 3\n"
+                     "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                     "    return validate(self)\n"
+                     "t.Trainer.validate = validate_once_more\n")
+    run_dir = tmp_path / "run"
+    budget = ("trainer.max_steps=3", "trainer.validate_every=2")
+    result = patched_train(tmp_path, corpus_dir, tokenizer_dir, term_in_final, *budget)
+    assert result.returncode == 143, result.stderr[-2000:]
+    assert (f"terminated (SIGTERM) after step 3, which {run_dir}/checkpoints/last.pt holds"
+            in result.stderr), result.stderr[-2000:]
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)["trainer"]
+    assert state["step"] == 3 and [r["step"] for r in state["history"]] == [2, 3]
+    assert not (run_dir / "test.json").exists()
+    result = patched_train(tmp_path, corpus_dir, tokenizer_dir, term_in_final, *budget)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resumed" in result.stderr and "step 3: valid loss" not in result.stderr
     assert "bleu" in json.loads((run_dir / "test.json").read_text())
 
 
