@@ -19,6 +19,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from mt.textio import HANGUP
+
 log = logging.getLogger("mt.distributed")
 
 T = TypeVar("T")
@@ -156,50 +158,60 @@ def leave_run_dir(own: Path, shared: Path, remove: bool, meta: str | None = ".hy
 
 
 class Terminated(Exception):  # noqa: N818 - named for the signal, as KeyboardInterrupt is
-    """A SIGTERM (a scheduler's preemption notice, ``kill``, ``timeout``) stopped the run at
-    ``step``, which ``last.pt`` holds."""
+    """A SIGTERM (a scheduler's preemption notice, ``kill``, ``timeout``) or a SIGHUP (the
+    terminal closed, the ssh session dropped) stopped the run at ``step``, which ``last.pt``
+    holds; ``signal`` is which."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, signum: int = signal.SIGTERM) -> None:
         super().__init__(step)
-        self.step = step
+        self.step, self.signal = step, signum
+
+
+# What ends a run as a scheduler's notice does: SIGTERM, and SIGHUP where there is one (not on
+# Windows): a closed terminal killed the run at once, losing every step since the last save.
+STOP_SIGNALS: tuple[int, ...] = (signal.SIGTERM, *HANGUP)
 
 
 class SigtermWatch:
-    """Notes a SIGTERM while training runs, so that the run ends after the step in progress
-    with last.pt saved there: a scheduler's preemption notice (SLURM waits 30 s by default
-    before SIGKILL) costs no training, where the default action lost every step since the last
-    save. Every rank must stop at the same step, so under DDP they agree (``agreed``)."""
+    """Notes a SIGTERM (or SIGHUP) while training runs, so that the run ends after the step in
+    progress with last.pt saved there: a scheduler's preemption notice (SLURM waits 30 s by
+    default before SIGKILL) or a dropped ssh session costs no training, where the default
+    action lost every step since the last save. Every rank must stop at the same step, so
+    under DDP they agree (``agreed``); ``signal`` is then the one that came (0 if none)."""
 
     def __init__(self, world: int, device: torch.device, every: int) -> None:
         self.world, self.device, self.every = world, device, every
-        self.seen = False
+        self.signal = 0
 
     @contextmanager
     def watching(self) -> Iterator[None]:
-        """The handler for the block (only the main thread may set one), the earlier one after."""
-        self.seen = False
-        if (threading.current_thread() is not threading.main_thread()
-                or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):  # the parent's choice
+        """The handlers for the block (only the main thread may set one), the earlier ones
+        after. A signal the parent ignores (``nohup`` ignores SIGHUP) stays ignored."""
+        self.signal = 0
+        if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = signal.signal(signal.SIGTERM, self._note)
+        previous = {s: signal.signal(s, self._note) for s in STOP_SIGNALS
+                    if signal.getsignal(s) is not signal.SIG_IGN}
         try:
             yield
         finally:  # a handler set outside Python reads as None: put back the default then
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            for s, handler in previous.items():
+                signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
     def _note(self, signum, frame) -> None:
-        self.seen = True
+        self.signal = self.signal or signum
 
     def agreed(self, step: int, now: bool = False) -> bool:
-        """Whether a SIGTERM reached any rank. They agree at every ``every``-th step (the log
-        step, where the loss is read anyway) and, with ``now``, when the loop ends: a signal in
-        the last steps must not wait out the final validation and test, which a scheduler's
-        grace period does not cover. Every rank must call it at the same steps."""
+        """Whether a SIGTERM or SIGHUP reached any rank. They agree at every ``every``-th step
+        (the log step, where the loss is read anyway) and, with ``now``, when the loop ends: a
+        signal in the last steps must not wait out the final validation and test, which a
+        scheduler's grace period does not cover. Every rank must call it at the same steps."""
         if self.world == 1:
-            return self.seen
+            return bool(self.signal)
         if step % self.every and not now:
             return False
-        flag = torch.tensor([float(self.seen)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        flag = torch.tensor([float(self.signal)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one signal for all: the larger's number
+        self.signal = int(flag.item())
+        return bool(self.signal)

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from mt import checkpoint, version_line
 from mt.config import TrainConfig, conf_dir, register_configs
 from mt.config_checks import check_keys, check_values
-from mt.distributed import PeerFailed, Terminated, setup_distributed, share_run
+from mt.distributed import STOP_SIGNALS, PeerFailed, Terminated, setup_distributed, share_run
 from mt.divergence import Diverged
 from mt.inference import cap_kernel_caches
 from mt.resume import resume_override
@@ -51,9 +51,10 @@ def hydra_main(dcfg: DictConfig) -> float | None:
     divergence, a batch too large for the device) said in one line on stderr; the traceback
     goes to train.log only, or to stderr too with HYDRA_FULL_ERROR=1, as Hydra's own errors."""
     try:
-        # SIGTERM while the data is prepared or the final test runs ends as Ctrl-C does, in
-        # words (it killed the process without one); the training loop has a handler of its own
-        with terminate_as_interrupt():
+        # SIGTERM (or SIGHUP) while the data is prepared or the final test runs ends as Ctrl-C
+        # does, in words (it killed the process without one); the training loop has a handler
+        # of its own, which saves the step it stops at
+        with terminate_as_interrupt(STOP_SIGNALS):
             return _run(dcfg)
     except (KeyboardInterrupt, Exception) as err:
         if signum := _ctrl_c_within(err):  # how to go on, not a traceback from inside torch
@@ -61,10 +62,11 @@ def hydra_main(dcfg: DictConfig) -> float | None:
         if isinstance(err, Terminated):
             if int(os.environ.get("RANK", "0")) == 0:
                 run_dir = Path(HydraConfig.get().runtime.output_dir)
-                log.warning("terminated (SIGTERM) after step %d, which %s holds: the same "
-                            "command with %s resumes it", err.step,
-                            run_dir / "checkpoints" / "last.pt", resume_override(run_dir))
-            raise SystemExit(128 + signal.SIGTERM) from None
+                log.warning("terminated (%s) after step %d, which %s holds: the same "
+                            "command with %s resumes it", signal.Signals(err.signal).name,
+                            err.step, run_dir / "checkpoints" / "last.pt",
+                            resume_override(run_dir))
+            raise SystemExit(128 + err.signal) from None
         said = _in_words(err)
         if said is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -110,10 +112,10 @@ def _in_sweep() -> bool:
 
 
 def _ctrl_c_within(err: BaseException) -> int:
-    """The signal (SIGINT, or SIGTERM outside the training loop) that set off this error, 0 if
-    none: one that lands inside torch.save makes the zip writer's cleanup raise a RuntimeError
-    of its own, with the KeyboardInterrupt only as its context (the atomic write has kept the
-    last checkpoint whole all the same)."""
+    """The signal (SIGINT, or SIGTERM or SIGHUP outside the training loop) that set off this
+    error, 0 if none: one that lands inside torch.save makes the zip writer's cleanup raise a
+    RuntimeError of its own, with the KeyboardInterrupt only as its context (the atomic write
+    has kept the last checkpoint whole all the same)."""
     seen: BaseException | None = err
     walked: set[int] = set()  # a chain can loop: an error re-raised from its own handler
     while seen is not None and id(seen) not in walked:
@@ -131,7 +133,8 @@ def _interrupted(signum: int) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         last = run_dir / "checkpoints" / "last.pt"
-        how = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+        how = ("interrupted" if signum == signal.SIGINT
+               else f"terminated ({signal.Signals(signum).name})")
         if last.exists():
             log.warning("%s; %s holds the run as of its last validation or save: the "
                         "same command with %s resumes it", how, last, resume_override(run_dir))

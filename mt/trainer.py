@@ -384,7 +384,7 @@ class Trainer:
             if self.validated_step != self.step:
                 self._validate_and_save()
                 if self.sigterm.agreed(self.step, now=True):  # last.pt holds this step
-                    raise Terminated(self.step)
+                    raise Terminated(self.step, self.sigterm.signal)
         return self.best
 
     def _stop_for_sigterm(self) -> None:
@@ -393,7 +393,7 @@ class Trainer:
         self.bad_steps.check(self.step, self.ckpt_dir / "last.pt")
         self.save(improved=False, step_checkpoint=False)
         barrier(self.world)
-        raise Terminated(self.step)
+        raise Terminated(self.step, self.sigterm.signal)
 
     def _epochs(self, bar, per_step: int) -> str:
         """The training loop, until a budget ends it (its reason) or a SIGTERM (Terminated)."""

@@ -821,17 +821,42 @@ def test_a_library_warning_is_printed_once_and_kept_in_the_log(tmp_path, corpus_
         assert said in (run_dir / "train.log").read_text()
 
 
-def test_a_sigterm_while_the_data_is_prepared_is_said(tmp_path, corpus_dir, tokenizer_dir):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_sigterm_while_the_data_is_prepared_is_said(tmp_path, corpus_dir, tokenizer_dir, sig):
     """Before the training loop (a tokenizer trained, a corpus encoded: minutes on WMT) a
-    SIGTERM killed mt-train without a word; now it ends as Ctrl-C does, with SIGTERM's status."""
+    SIGTERM killed mt-train without a word; now it ends as Ctrl-C does, with the signal's
+    status. A SIGHUP (the terminal closed) likewise."""
     result = patched_train(tmp_path, corpus_dir, tokenizer_dir,
                            "import os, signal, time, mt.train as t\n"
                            "def corpus(self, *args):\n"
-                           "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                           f"    os.kill(os.getpid(), signal.{sig})\n"
                            "    time.sleep(30)\n"
                            "t.Trainer._corpus = corpus\n")
-    assert result.returncode == 143, result.stderr[-2000:]
-    assert "terminated (SIGTERM) before the first checkpoint; nothing to resume" in result.stderr
+    assert result.returncode == 128 + getattr(signal, sig), result.stderr[-2000:]
+    assert f"terminated ({sig}) before the first checkpoint; nothing to resume" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP here")
+def test_a_sighup_in_the_loop_saves_the_step_it_stops_at(tmp_path, corpus_dir, tokenizer_dir):
+    """A closed terminal or a dropped ssh session (SIGHUP) killed mt-train at once: every step
+    since the last save was lost. It now stops as a SIGTERM does: last.pt at the step, exit
+    129, the resume hint; the same command goes on from there."""
+    hang_up = ("import os, signal, mt.trainer as t\n"
+               "step = t.Trainer.train_step\n"
+               "def train_step(self, *args, **kwargs):\n"
+               "    if self.step == 2:  # in the third step\n"
+               "        os.kill(os.getpid(), signal.SIGHUP)\n"
+               "    return step(self, *args, **kwargs)\n"
+               "t.Trainer.train_step = train_step\n")
+    run_dir = tmp_path / "run"
+    budget = ("trainer.max_steps=6", "trainer.validate_every=100", "optim.warmup_steps=2")
+    result = patched_train(tmp_path, corpus_dir, tokenizer_dir, hang_up, *budget)
+    assert result.returncode == 129, result.stderr[-2000:]
+    assert (f"terminated (SIGHUP) after step 3, which {run_dir}/checkpoints/last.pt holds"
+            in result.stderr), result.stderr[-2000:]
+    assert torch.load(run_dir / "checkpoints" / "last.pt",
+                      weights_only=False)["trainer"]["step"] == 3
     assert "Traceback" not in result.stderr
 
 
@@ -1574,24 +1599,30 @@ def test_a_sigterm_to_one_rank_in_the_last_steps_stops_every_rank(tmp_path, corp
     assert not (run_dir / "test.json").exists()
 
 
-def test_the_sigterm_watch_keeps_an_ignored_sigterm_ignored():
-    """A parent that ignores SIGTERM (as terminate_as_interrupt respects) is obeyed in the
-    training loop too; otherwise the watch notes the signal and puts the handler back."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_the_sigterm_watch_keeps_an_ignored_sigterm_ignored(sig):
+    """A parent that ignores SIGTERM (as terminate_as_interrupt respects), or SIGHUP (nohup), is
+    obeyed in the training loop too; otherwise the watch notes the signal, says which, and puts
+    the handler back."""
     from mt.distributed import SigtermWatch
 
+    if not hasattr(signal, sig):
+        pytest.skip(f"no {sig} here")
+    signum = getattr(signal, sig)
     watch = SigtermWatch(1, torch.device("cpu"), 1)
-    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    before = signal.signal(signum, signal.SIG_IGN)
     try:
         with watch.watching():
-            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
-            os.kill(os.getpid(), signal.SIGTERM)
+            assert signal.getsignal(signum) is signal.SIG_IGN
+            os.kill(os.getpid(), signum)
         assert not watch.agreed(1)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signum, signal.SIG_DFL)
         with watch.watching():
-            os.kill(os.getpid(), signal.SIGTERM)
-        assert watch.agreed(1) and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+            os.kill(os.getpid(), signum)
+        assert watch.agreed(1) and watch.signal == signum
+        assert signal.getsignal(signum) is signal.SIG_DFL
     finally:
-        signal.signal(signal.SIGTERM, before)
+        signal.signal(signum, before)
 
 
 def test_a_data_error_under_torchrun_is_one_line_on_every_rank(tmp_path, corpus_dir,
