@@ -1094,6 +1094,12 @@ def test_score_refuses_a_translation_file_that_does_not_match(models, tmp_path):
         main(["-m", models["a"], "-i", src, "--score", src, "--mbr", "chrf", "--quiet"])
     with pytest.raises(SystemExit, match="--score scores given translations"):
         main(["-m", models["a"], "-i", src, "--score", src, "--nbest", "9", "--quiet"])
+    # a sampling flag without --sampling was told to "add --sampling", which --score refuses
+    for shaping in (["--temperature", "0.5"], ["--top-k", "3"], ["--top-p", "0.9"],
+                    ["--epsilon", "0.02"]):
+        with pytest.raises(SystemExit, match="--score scores given translations; it does not "
+                                             "combine with --sampling .or its --temperature"):
+            main(["-m", models["a"], "-i", src, "--score", src, *shaping, "--quiet"])
 
 
 def test_alignment_links_words_of_both_sides(models, tmp_path, capsys):
