@@ -200,7 +200,12 @@ def unused_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
               ("--worker-threads", "with one worker (--workers 1, --sampling or a GPU)",
                args.worker_threads
                and (args.workers == 1 or args.sampling or not args.device.startswith("cpu"))),
-              ("--beam", "with --sampling (--nbest sets the samples per line)",
+              # one random stream, drawn in batch order: its batches are searched one by one
+              ("--workers", "with --sampling or on a GPU (one batch is searched at a time)",
+               (args.workers or 1) > 1
+               and (args.sampling or not args.device.startswith("cpu"))),
+              ("--beam", "with --sampling (--mbr-candidates sets the samples per line)"
+               if args.mbr else "with --sampling (--nbest sets the samples per line)",
                given("beam") and args.sampling),
               ("--alignment-layer", "without --alignment or --replace-unk" if aligns
                else "without --replace-unk",

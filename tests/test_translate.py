@@ -1325,6 +1325,12 @@ def test_a_min_len_the_budget_cannot_hold_is_warned_about(models, tmp_path, capl
     (["--score", "GIVEN", "--beam", "3", "--min-len", "2"],
      ["--beam has no effect with --score", "--min-len has no effect with --score"]),
     (["--sampling", "--seed", "3", "--mbr", "chrf", "--mbr-candidates", "4"], []),
+    # sampling's one random stream is drawn a batch at a time: --workers 2 was dropped silently
+    (["--sampling", "--workers", "2"],
+     ["--workers has no effect with --sampling or on a GPU (one batch is searched at a time)"]),
+    (["--sampling", "--workers", "1"], []),
+    (["--sampling", "--mbr", "chrf", "--mbr-candidates", "4", "--beam", "7"],
+     ["--beam has no effect with --sampling (--mbr-candidates sets the samples per line)"]),
 ])
 def test_flags_that_do_nothing_in_a_combination_are_warned_about(models, tmp_path, capsys,
                                                                  caplog, flags, warned):
