@@ -1396,6 +1396,33 @@ def test_prefix_the_target_vocabulary_cannot_spell_is_refused(models, tmp_path, 
         search_lines(model, tok, lines, SearchOptions(beam=2), prefixes=["", "\u0436", ""])
 
 
+def test_a_prefix_the_model_cannot_write_whole_is_refused(models, tmp_path, capsys,
+                                                         monkeypatch):
+    """A prefix of the model's maximum (64 tokens, EOS included) or more pieces was cut where
+    the output ends, and the translation was that cut prefix alone, without a word. It is
+    refused as a prefix the vocabulary cannot spell is: one line naming the file and the line,
+    before any work for a regular file, where it is read for a pipe; one piece shorter fits."""
+    lines = ["the dog runs", "a red ball"]
+    path = _write(tmp_path / "in.txt", lines)
+    model, tok, _ = load_model(models["a"])
+    fits, long = " ".join(["the"] * 63), " ".join(["the"] * 64)
+    assert [len(ids) for ids in tok.encode_tgt([fits, long])] == [63, 64]
+    pre = _write(tmp_path / "prefix.txt", ["the dog", long])
+    args = ["-m", models["a"], "-i", path, "--beam", "2", "--quiet"]
+    said = "prefix of 64 pieces: the model writes at most 63 before EOS"
+    with pytest.raises(SystemExit, match=f"^translate: {pre}:2: {said} "):
+        main([*args, "--prefix-file", pre])
+    assert capsys.readouterr().out == ""
+    _stdin(monkeypatch, Path(pre).read_bytes())
+    with pytest.raises(SystemExit, match=f"^translate: -:2: {said}"):
+        main([*args, "--prefix-file", "-", "--chunk-lines", "1"])
+    assert len(capsys.readouterr().out.splitlines()) == 1  # the line before it
+    with pytest.raises(ValueError, match=f"^prefixes:2: {said}"):
+        search_lines(model, tok, lines, SearchOptions(beam=2), prefixes=["", long])
+    out = _run([*args, "--prefix-file", _write(tmp_path / "fits.txt", ["", fits])], capsys)
+    assert out[1] == fits
+
+
 def test_constraints_file_puts_every_phrase_in_its_translation(models, tmp_path, capsys,
                                                               caplog):
     rng = random.Random(9)
