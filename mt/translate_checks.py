@@ -52,6 +52,9 @@ def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
     unused = unused_options(args, parser)
     if args.weights is not None and len(args.model) == 1:
         unused.append("--weights has no effect with one model")
+    if args.no_pack and (args.dtype in ("int8", "float16") or not args.device.startswith("cpu")):
+        unused.append(f"--no-pack has no effect with --dtype {args.dtype} on {args.device} (only "
+                      "float32 and bfloat16 layers on a CPU are packed)")
     for warning in unused:
         log.warning(warning)
     if args.score is None and args.max_len_a == 0 and args.min_len >= args.max_len_b:

@@ -1329,6 +1329,10 @@ def test_a_min_len_the_budget_cannot_hold_is_warned_about(models, tmp_path, capl
     (["--sampling", "--workers", "2"],
      ["--workers has no effect with --sampling or on a GPU (one batch is searched at a time)"]),
     (["--sampling", "--workers", "1"], []),
+    (["--no-pack", "--dtype", "float16"], ["--no-pack has no effect with --dtype float16 on cpu "
+                                           "(only float32 and bfloat16 layers on a CPU are "
+                                           "packed)"]),
+    (["--no-pack", "--dtype", "float32"], []),
     (["--sampling", "--mbr", "chrf", "--mbr-candidates", "4", "--beam", "7"],
      ["--beam has no effect with --sampling (--mbr-candidates sets the samples per line)"]),
 ])
