@@ -223,3 +223,8 @@ def import_main(argv: list[str] | None = None) -> None:
     n = sum(p.numel() for p in model.parameters())
     log.info("wrote %s (%.1fM parameters, vocabulary %d/%d)", args.out, n / 1e6,
              model.cfg.src_vocab_size, model.cfg.tgt_vocab_size)
+
+
+if __name__ == "__main__":  # python -m mt.interop exited 0 without a word: it holds two commands
+    sys.exit("mt.interop holds two commands: run mt-export or mt-import (or python -c 'from "
+             "mt.interop import export_main; export_main()' ...)")

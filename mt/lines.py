@@ -170,13 +170,19 @@ def translate_ids(model, sources: list[list[int]], opts: SearchOptions,
 
 
 def encode_prefixes(tokenizer, prefixes: list[str], name: str = "prefixes",
-                    first_line: int = 1) -> list[list[int]]:
+                    first_line: int = 1, limit: int | None = None) -> list[list[int]]:
     """Per line, its target prefix as ids. A prefix the target vocabulary cannot spell is refused
     (as ``mt.constraints.encode_phrases`` refuses a phrase), naming ``name``, the line
     (``first_line`` is the number of the first) and the character: forced, it would be <unk>,
-    which the translation prints as "⁇". With byte fallback every prefix can be spelled."""
+    which the translation prints as "⁇". With byte fallback every prefix can be spelled. So is
+    one of ``limit`` pieces or more (a model of ``limit`` positions, EOS included): the search
+    cut it where the model's output ends, and the translation was that cut prefix alone."""
     out = tokenizer.encode_tgt(prefixes)
     for i, (text, ids) in enumerate(zip(prefixes, out, strict=True)):
+        if limit is not None and len(ids) >= limit:
+            raise ValueError(f"{name}:{first_line + i}: prefix of {len(ids)} pieces: the model "
+                             f"writes at most {limit - 1} before EOS (its maximum is {limit} "
+                             "tokens)")
         if UNK_ID in ids:
             lacked = [c for c in dict.fromkeys(text) if UNK_ID in tokenizer.encode_tgt([c])[0]]
             what = f"{lacked[0]!r}" if lacked else "some of its characters"
@@ -209,7 +215,8 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         opts: the search.
         progress: a progress bar on stderr (True), or the caller's tqdm bar to advance per line.
         prefixes: per line, target text to force at the start of its translation ("" = none);
-            one the target vocabulary cannot spell is a ValueError (``encode_prefixes``).
+            one the target vocabulary cannot spell, or too long for the model, is a ValueError
+            (``encode_prefixes``).
         generator: the random stream for sampling (default: a new one from ``opts.seed``); a
             caller that searches a file in chunks passes one stream for all of them.
         warn: log a warning for lines translated in pieces, and for translations that lack a
@@ -229,7 +236,8 @@ def search_lines(model, tokenizer, lines: list[str], opts: SearchOptions,
         raise ValueError(f"{len(constraints)} constraint lists for {len(lines)} lines")
     limit = max_positions(model)
     encoded = tokenizer.encode_src(lines)
-    prefix_ids = encode_prefixes(tokenizer, prefixes) if prefixes is not None else None
+    prefix_ids = (encode_prefixes(tokenizer, prefixes, limit=limit) if prefixes is not None
+                  else None)
     phrase_ids = encode_phrases(tokenizer, constraints) if constraints is not None else None
     sources: list[list[int]] = []
     forced: list[list[int]] = []

@@ -200,7 +200,12 @@ def unused_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
               ("--worker-threads", "with one worker (--workers 1, --sampling or a GPU)",
                args.worker_threads
                and (args.workers == 1 or args.sampling or not args.device.startswith("cpu"))),
-              ("--beam", "with --sampling (--nbest sets the samples per line)",
+              # one random stream, drawn in batch order: its batches are searched one by one
+              ("--workers", "with --sampling or on a GPU (one batch is searched at a time)",
+               (args.workers or 1) > 1
+               and (args.sampling or not args.device.startswith("cpu"))),
+              ("--beam", "with --sampling (--mbr-candidates sets the samples per line)"
+               if args.mbr else "with --sampling (--nbest sets the samples per line)",
                given("beam") and args.sampling),
               ("--alignment-layer", "without --alignment or --replace-unk" if aligns
                else "without --replace-unk",
@@ -261,9 +266,10 @@ def add_device_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
 def add_worker_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--workers`` and ``--worker-threads``, as translate and mt-eval both take them."""
     p.add_argument("--workers", type=positive_int, default=None,
-                   help="batches searched at once, one core each (CPU); default: one per core "
-                        "torch may use on CPU, 1 on a GPU. Batches are cut to keep every worker "
-                        "busy, so scores may differ in their last bits between worker counts")
+                   help="batches searched at once, one core each (CPU; --sampling searches "
+                        "one at a time); default: one per core torch may use on CPU, 1 on a GPU. "
+                        "Batches are cut to keep every worker busy, so scores may differ in "
+                        "their last bits between worker counts")
     p.add_argument("--worker-threads", action="store_true",
                    help="run the workers as threads of this process instead of forked "
                         "processes (the default on Linux; elsewhere always threads): 0.1-0.4 GB "

@@ -341,3 +341,7 @@ def main(argv: list[str] | None = None) -> None:
           f"gets {info['line_pieces']:.0f} on average, and a batch of {BATCH_TOKENS:,} tokens "
           f"(its union, what the output layer computes) {info['batch_pieces']:.0f}; wrote "
           f"{args.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":  # python -m mt.shortlist: it exited 0 without a word or a file
+    main()

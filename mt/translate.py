@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
         for option, path in parallel.items():
             if option in SPELLED and is_regular(path):
                 for n, part in enumerate(chunks(read_lines(path, args.errors), args.chunk_lines)):
-                    _spelled(tokenizer, option, part, path, n * args.chunk_lines + 1)
+                    _spelled(tokenizer, option, part, path, n * args.chunk_lines + 1,
+                             max_positions(model))
     except ValueError as err:
         raise SystemExit(f"translate: {err}") from None
     mistake = layer_mistake(model, args.alignment_layer)
@@ -314,11 +315,13 @@ def main(argv: list[str] | None = None) -> None:
 SPELLED = ("--prefix-file", "--constraints-file")
 
 
-def _spelled(tokenizer, option: str, lines: list[str], path: str, first_line: int) -> list:
+def _spelled(tokenizer, option: str, lines: list[str], path: str, first_line: int,
+             limit: int) -> list:
     """A chunk of an ``option`` file (one of SPELLED) as target ids: per line, the prefix, or
-    the phrases. ValueError names the file and line of one the vocabulary cannot spell."""
+    the phrases. ValueError names the file and line of one the vocabulary cannot spell, or of a
+    prefix that a model of ``limit`` positions cannot write."""
     if option == "--prefix-file":
-        return encode_prefixes(tokenizer, lines, path, first_line)
+        return encode_prefixes(tokenizer, lines, path, first_line, limit)
     return encode_phrases(tokenizer, [split_phrases(c) for c in lines], path, first_line)
 
 
@@ -404,7 +407,7 @@ def _search_chunk(model, tokenizer, opts: SearchOptions, args: argparse.Namespac
         if option in side:
             try:
                 ids[option] = _spelled(tokenizer, option, side[option], paths[option],
-                                       first_line)
+                                       first_line, max_positions(model))
             except ValueError as err:
                 raise InputError(str(err)) from None
     phrases = ([split_phrases(c) for c in side["--constraints-file"]]

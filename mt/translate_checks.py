@@ -27,10 +27,19 @@ def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
     if args.mbr and args.score:
         raise SystemExit("translate: --mbr chooses among translations it searches; it does not "
                          "combine with --score")
+    # The sampling flags too: refused later without --sampling, their message asked to add it,
+    # which --score then refused.
+    shaped = [flag for flag, on in (
+        ("--temperature", args.temperature != parser.get_default("temperature")),
+        ("--top-k", args.top_k != parser.get_default("top_k")),
+        ("--top-p", args.top_p != parser.get_default("top_p")),
+        ("--epsilon", args.epsilon != parser.get_default("epsilon"))) if on]
     if args.score is not None and (args.sampling or args.nbest != 1 or args.prefix_file
-                                   or args.constraints_file or args.shortlist or args.replace_unk):
+                                   or args.constraints_file or args.shortlist or args.replace_unk
+                                   or shaped):
         raise SystemExit("translate: --score scores given translations; it does not combine with "
-                         "--sampling, --nbest, --prefix-file, --constraints-file, --shortlist or "
+                         "--sampling (or its --temperature, --top-k, --top-p, --epsilon), "
+                         "--nbest, --prefix-file, --constraints-file, --shortlist or "
                          "--replace-unk")
     mistake = flags_mistake(args) or device_mistake(args.device)
     if mistake:
@@ -43,6 +52,9 @@ def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
     unused = unused_options(args, parser)
     if args.weights is not None and len(args.model) == 1:
         unused.append("--weights has no effect with one model")
+    if args.no_pack and (args.dtype in ("int8", "float16") or not args.device.startswith("cpu")):
+        unused.append(f"--no-pack has no effect with --dtype {args.dtype} on {args.device} (only "
+                      "float32 and bfloat16 layers on a CPU are packed)")
     for warning in unused:
         log.warning(warning)
     if args.score is None and args.max_len_a == 0 and args.min_len >= args.max_len_b:

@@ -209,3 +209,24 @@ def test_every_command_prints_the_versions_a_bug_report_needs(tmp_path, capsys):
         assert stop.value.code == 0
         assert capsys.readouterr().out == want + "\n", name
     assert list(tmp_path.iterdir()) == []  # no run directory made
+
+
+def test_every_command_runs_as_python_m_its_module(tmp_path):
+    """``python -m mt.shortlist`` exited 0 without a word or a file (its module had no
+    ``__main__`` block): each command's module runs that command, and ``mt.interop``, which
+    holds two, names them and fails."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+    from conftest import REPO
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    commands: dict[str, list[str]] = {}
+    for name, entry in project["scripts"].items():
+        commands.setdefault(entry.split(":")[0], []).append(name)
+    for module, names in commands.items():
+        result = subprocess.run([PYTHON, "-m", module, "--version"], cwd=tmp_path,
+                                env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+        if len(names) == 1:
+            assert (result.returncode, result.stdout[:3]) == (0, "mt "), (module, result.stderr)
+        else:
+            assert result.returncode == 1 and all(n in result.stderr for n in names), module
+    assert list(tmp_path.iterdir()) == []  # nothing run

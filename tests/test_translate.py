@@ -1094,6 +1094,12 @@ def test_score_refuses_a_translation_file_that_does_not_match(models, tmp_path):
         main(["-m", models["a"], "-i", src, "--score", src, "--mbr", "chrf", "--quiet"])
     with pytest.raises(SystemExit, match="--score scores given translations"):
         main(["-m", models["a"], "-i", src, "--score", src, "--nbest", "9", "--quiet"])
+    # a sampling flag without --sampling was told to "add --sampling", which --score refuses
+    for shaping in (["--temperature", "0.5"], ["--top-k", "3"], ["--top-p", "0.9"],
+                    ["--epsilon", "0.02"]):
+        with pytest.raises(SystemExit, match="--score scores given translations; it does not "
+                                             "combine with --sampling .or its --temperature"):
+            main(["-m", models["a"], "-i", src, "--score", src, *shaping, "--quiet"])
 
 
 def test_alignment_links_words_of_both_sides(models, tmp_path, capsys):
@@ -1319,6 +1325,16 @@ def test_a_min_len_the_budget_cannot_hold_is_warned_about(models, tmp_path, capl
     (["--score", "GIVEN", "--beam", "3", "--min-len", "2"],
      ["--beam has no effect with --score", "--min-len has no effect with --score"]),
     (["--sampling", "--seed", "3", "--mbr", "chrf", "--mbr-candidates", "4"], []),
+    # sampling's one random stream is drawn a batch at a time: --workers 2 was dropped silently
+    (["--sampling", "--workers", "2"],
+     ["--workers has no effect with --sampling or on a GPU (one batch is searched at a time)"]),
+    (["--sampling", "--workers", "1"], []),
+    (["--no-pack", "--dtype", "float16"], ["--no-pack has no effect with --dtype float16 on cpu "
+                                           "(only float32 and bfloat16 layers on a CPU are "
+                                           "packed)"]),
+    (["--no-pack", "--dtype", "float32"], []),
+    (["--sampling", "--mbr", "chrf", "--mbr-candidates", "4", "--beam", "7"],
+     ["--beam has no effect with --sampling (--mbr-candidates sets the samples per line)"]),
 ])
 def test_flags_that_do_nothing_in_a_combination_are_warned_about(models, tmp_path, capsys,
                                                                  caplog, flags, warned):
@@ -1382,6 +1398,33 @@ def test_prefix_the_target_vocabulary_cannot_spell_is_refused(models, tmp_path, 
     model, tok, _ = load_model(models["a"])
     with pytest.raises(ValueError, match="prefixes:2: .* lacks '\u0436'"):
         search_lines(model, tok, lines, SearchOptions(beam=2), prefixes=["", "\u0436", ""])
+
+
+def test_a_prefix_the_model_cannot_write_whole_is_refused(models, tmp_path, capsys,
+                                                         monkeypatch):
+    """A prefix of the model's maximum (64 tokens, EOS included) or more pieces was cut where
+    the output ends, and the translation was that cut prefix alone, without a word. It is
+    refused as a prefix the vocabulary cannot spell is: one line naming the file and the line,
+    before any work for a regular file, where it is read for a pipe; one piece shorter fits."""
+    lines = ["the dog runs", "a red ball"]
+    path = _write(tmp_path / "in.txt", lines)
+    model, tok, _ = load_model(models["a"])
+    fits, long = " ".join(["the"] * 63), " ".join(["the"] * 64)
+    assert [len(ids) for ids in tok.encode_tgt([fits, long])] == [63, 64]
+    pre = _write(tmp_path / "prefix.txt", ["the dog", long])
+    args = ["-m", models["a"], "-i", path, "--beam", "2", "--quiet"]
+    said = "prefix of 64 pieces: the model writes at most 63 before EOS"
+    with pytest.raises(SystemExit, match=f"^translate: {pre}:2: {said} "):
+        main([*args, "--prefix-file", pre])
+    assert capsys.readouterr().out == ""
+    _stdin(monkeypatch, Path(pre).read_bytes())
+    with pytest.raises(SystemExit, match=f"^translate: -:2: {said}"):
+        main([*args, "--prefix-file", "-", "--chunk-lines", "1"])
+    assert len(capsys.readouterr().out.splitlines()) == 1  # the line before it
+    with pytest.raises(ValueError, match=f"^prefixes:2: {said}"):
+        search_lines(model, tok, lines, SearchOptions(beam=2), prefixes=["", long])
+    out = _run([*args, "--prefix-file", _write(tmp_path / "fits.txt", ["", fits])], capsys)
+    assert out[1] == fits
 
 
 def test_constraints_file_puts_every_phrase_in_its_translation(models, tmp_path, capsys,
