@@ -286,6 +286,10 @@ def main(argv: list[str] | None = None) -> None:
     mistake = layer_mistake(model, args.alignment_layer)
     if mistake:
         raise SystemExit(f"translate: {mistake}")
+    if (args.score is None and args.min_len >= max_positions(model)  # any --max-len-a/-b
+            and not (args.max_len_a == 0 and args.min_len >= args.max_len_b)):  # said already
+        log.warning("--min-len %d is not below the model's maximum of %d tokens (EOS included): "
+                    "every translation runs to it", args.min_len, max_positions(model))
     opts = search_options(args, args.workers or default_workers(args.device))
     if interactive:
         try:

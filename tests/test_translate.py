@@ -1310,6 +1310,27 @@ def test_a_min_len_the_budget_cannot_hold_is_warned_about(models, tmp_path, capl
     assert not caplog.records
 
 
+def test_a_min_len_the_model_cannot_hold_is_warned_about(models, tmp_path, caplog, capsys):
+    """With the default --max-len-a (a budget of the source's length) a --min-len past the
+    model's maximum made every translation run to that maximum without a word."""
+    from mt.checkpoint import load_model
+
+    most = load_model(models["a"])[0].cfg.max_positions
+    path = _write(tmp_path / "in.txt", ["a dog"])
+    with caplog.at_level(logging.WARNING, logger="mt.translate"):
+        out = _run(["-m", models["a"], "-i", path, "--beam", "2", "--quiet", "--min-len",
+                    str(most)], capsys)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--min-len {most} is not below the model's maximum of {most} tokens (EOS included): "
+        "every translation runs to it"]
+    assert len(out) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mt.translate"):
+        _run(["-m", models["a"], "-i", path, "--beam", "2", "--quiet", "--min-len",
+              str(most - 1)], capsys)
+    assert not caplog.records
+
+
 @pytest.mark.parametrize("flags, warned", [
     (["--seed", "3"], ["--seed has no effect without --sampling"]),
     (["--mbr-candidates", "8"], ["--mbr-candidates has no effect without --mbr"]),
