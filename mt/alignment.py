@@ -38,7 +38,10 @@ def _word_index(sp, ids: list[int], first: int = 0, source: bool = False) -> lis
     the character they spell does; but bytes that spell whitespace (<0x20>, <0x0A>, a no-break
     space's <0xC2><0xA0>: a model may write them, sampling does) separate words, as the text
     they decode to does, and belong to none; so does a piece of whitespace other than '▁' (a
-    tab, which normalization=identity keeps, is a piece of its own where the text had tabs)."""
+    tab, which normalization=identity keeps, is a piece of its own where the text had tabs).
+    Whitespace inside a piece separates words too: under identity a tab and the digits or
+    punctuation beside it are one Unicode script, so SentencePiece makes pieces such as
+    '\t2024\t'; such a piece is a token of its first word, and the words after it count on."""
     spaces = _whitespace_bytes(sp, ids)
     out, word, open_word = [], first - 1, False
     for i, t in enumerate(ids):
@@ -54,10 +57,11 @@ def _word_index(sp, ids: list[int], first: int = 0, source: bool = False) -> lis
             out.append(-1)
             open_word = False
             continue
-        if rest != piece or not open_word:
+        if rest != piece or not open_word or rest[0].isspace():
             word += 1
         out.append(word)
-        open_word = True
+        word += len(rest.split()) - 1  # the words after its first, in a piece that spans some
+        open_word = not rest[-1].isspace()
     return out
 
 
@@ -107,7 +111,10 @@ def _source_words(sp, text: str, ids: list[int]) -> list[int]:
         word += spaced and not c.isspace()
         spaced = c.isspace()
         word_of.append(-1 if spaced else word)
-    return [-1 if start is None else word_of[origin[start]] for start, _, _ in spans]
+    # A token's word is that of its first character that is not whitespace: '\t2024' (a piece
+    # under normalization=identity) is 2024's, not its tab's.
+    return [next((w for k in range(start, end) if (w := word_of[origin[k]]) >= 0), -1)
+            if start is not None else -1 for start, _, end in spans]
 
 
 def _token_chars(sp, text: str, ids: list[int]
@@ -246,9 +253,10 @@ def word_scores(tokenizer, results: list[LineResult], copied: bool = False) -> l
 
     Words are the whitespace-separated words of the translation, as ``--alignment`` counts them;
     a word's log-probability is the sum of its pieces' (a piece of whitespace alone goes with the
-    word after it). So the numbers of an entry sum to its log-probability (the score before the
-    length penalty), and a low one marks the word the model was least sure of. A line translated
-    in pieces has its pieces' words in turn and the sum of their EOS log-probabilities last.
+    word after it; a piece that spans words with its first, the others 0). So the numbers of an
+    entry sum to its log-probability (the score before the length penalty), and a low one marks
+    the word the model was least sure of. A line translated in pieces has its pieces' words in
+    turn and the sum of their EOS log-probabilities last.
 
     Returns:
         per line, per n-best entry (as ``align_lines``), the scores separated by spaces (""

@@ -293,6 +293,47 @@ def test_a_tab_in_the_source_takes_no_link_and_splits_words_in_a_translation(tok
         assert len(word_scores(t, results)[0][0].split()) == len(line.split()) + 1  # and EOS
 
 
+def test_a_piece_with_a_tab_inside_counts_the_words_it_spans(monkeypatch):
+    """Under normalization=identity a tab and the digits beside it are one Unicode script, so
+    SentencePiece learns pieces such as '\\t2024\\t'. In a translation such a piece joined the
+    words before and after it into one (two words counted in "old<TAB>2024<TAB>green tree", four
+    printed, every later link and score off by two); in a source it belonged to its tab's no word,
+    so 2024 was never linked."""
+    import mt.alignment
+    from mt.alignment import _source_words, _word_index, align_lines, word_scores
+    from mt.model import build_model
+    from mt.results import LineResult
+    from mt.search import Hypothesis
+
+    tabbed = [s.replace(" ", "\t") for s in TEXT]
+    t = train_tokenizer(tabbed, tabbed, TokenizerConfig(vocab_size=80, normalization="identity"),
+                        seed=0)
+    line = "old\t2024\tgreen tree"
+    hyp = t.encode_tgt([line])[0]
+    assert any("\t" in p and p.strip() for p in map(t.tgt.id_to_piece, hyp)), hyp
+    index = _word_index(t.tgt, hyp)
+    assert sorted(set(index)) == [0, 1, 2, 3]  # as line.split() counts them
+    src = t.encode_src([line])[0]
+    words = _source_words(t.src, line, src[:-1])
+    assert sorted(set(words)) == [0, 1, 2, 3]
+
+    def attention(model, src_t, tgt_t, layer):
+        """Each target token weighs the first source token of its own word most."""
+        out = torch.zeros(1, tgt_t.shape[1], src_t.shape[1])
+        for j, w in enumerate(index):
+            out[0, j, words.index(w)] = 0.5
+        return out
+
+    monkeypatch.setattr(mt.alignment, "cross_attention", attention)
+    model = build_model(ModelConfig(encoder_layers=1, decoder_layers=1, d_model=16, ffn_dim=32,
+                                    heads=2, max_positions=64, src_vocab_size=t.src_vocab_size,
+                                    tgt_vocab_size=t.tgt_vocab_size)).eval()
+    lps = [-0.5] * (len(hyp) + 1)
+    results = [LineResult([src], [[Hypothesis(hyp, -1.0, sum(lps), lps)]], line)]
+    assert align_lines(model, t, results) == [["0-0 1-1 2-2 3-3"]]
+    assert len(word_scores(t, results)[0][0].split()) == len(line.split()) + 1  # and EOS
+
+
 def test_subword_candidates_spell_a_rare_character_alike(tok):
     from mt.subwords import Segmentations
 
