@@ -29,6 +29,7 @@ from mt.config import TrainConfig, conf_dir, register_configs
 from mt.config_checks import check_keys, check_values
 from mt.distributed import PeerFailed, Terminated, setup_distributed, share_run
 from mt.divergence import Diverged
+from mt.hydra_errors import one_line_refusals
 from mt.inference import cap_kernel_caches
 from mt.resume import resume_override
 from mt.runlog import finish
@@ -242,7 +243,8 @@ def main() -> None:
         raise SystemExit(mistake)
     cap_kernel_caches()  # before the first product: see its docstring
     register_configs()
-    hydra_main()
+    with one_line_refusals("mt-train"):  # a misspelt key or group option: one line, not ten
+        hydra_main()
     if _failed_jobs:
         raise SystemExit(f"mt-train: {len(_failed_jobs)} job(s) of the sweep failed (said above): "
                          + "; ".join(_failed_jobs))

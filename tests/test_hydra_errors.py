@@ -1,0 +1,115 @@
+"""A typo on mt-train's command line is one line naming the override, not Hydra's report of five
+to twelve lines, whose advice for an unknown key ('use +trainer.max_step=5') was wrong here."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+
+@pytest.fixture()
+def fresh_hydra():
+    """mt-train's main() in this process: Hydra's global state is left set by a failed start."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    yield
+    GlobalHydra.instance().clear()
+
+
+@pytest.mark.parametrize("args, line", [
+    (["trainer.max_step=5"],
+     "trainer.max_step=5: trainer.max_step is not a config key; did you mean trainer.max_steps?"),
+    (["foo=1"], "foo=1: foo is not a config key; the config has data, init_from, model, optim, "
+                "trainer"),
+    (["hydra.run.dirr=x"], "hydra.run.dirr=x: hydra.run.dirr is not a config key; did you mean "
+                           "hydra.run.dir?"),
+    (["model=transformer_bas"],
+     "model=transformer_bas: there is no conf/model/transformer_bas.yaml; did you mean "
+     "model=transformer_base? the options are transformer_base, transformer_big, "
+     "transformer_d256_4x4, transformer_small, transformer_tiny"),
+    (["experiment=nope"], "experiment=nope: there is no conf/experiment/nope.yaml; the options "
+                          "are demo, "),
+    (["trainer.max_steps=abc"],
+     "trainer.max_steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["+trainer.max_steps=5"], "+trainer.max_steps=5: trainer.max_steps is a key already; "
+                               "without the '+', trainer.max_steps=5 sets it"),
+    (["data.upsample.train=2"],  # a dict: here '+' is the way
+     "data.upsample.train=2: data.upsample has no key train yet; +data.upsample.train=2 adds it"),
+    (["+model=transformer_base"], "+model=transformer_base: model is chosen already "
+                                  "(conf/train.yaml); without the '+', model=transformer_base"),
+    (["data.extra_valid=test"],
+     "data.extra_valid=test: data.extra_valid takes a list: data.extra_valid=[test]"),
+    (["~trainer.max_steps"], "~trainer.max_steps: trainer.max_steps is a key of the schema"),
+    (["-m", "trainer.max_steps=5,abc"],  # a sweep's bad value, before any of its jobs runs
+     "trainer.max_steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["-m", "model=transformer_tiny,transformer_bas"], "model=transformer_bas: there is no "),
+])
+def test_a_typo_on_the_command_line_is_one_line_naming_it(args, line, fresh_hydra, tmp_path,
+                                                          monkeypatch, capsys):
+    from mt import train
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    run = ([f"hydra.sweep.dir={tmp_path}/sweep"] if "-m" in args
+           else ["--cfg", "job"])  # prints only: no run directory
+    monkeypatch.setattr(sys, "argv", ["mt-train", *args, *run])
+    with pytest.raises(SystemExit, match="^" + re.escape(f"mt-train: {line}")) as stop:
+        train.main()
+    assert "\n" not in str(stop.value.code)
+    assert capsys.readouterr().err == ""  # nothing of Hydra's report besides
+
+
+def test_hydra_full_error_keeps_hydras_traceback(fresh_hydra, monkeypatch):
+    from hydra.errors import ConfigCompositionException
+
+    from mt import train
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.setattr(sys, "argv", ["mt-train", "trainer.max_step=5", "--cfg", "job"])
+    with pytest.raises(ConfigCompositionException, match="trainer.max_step"):
+        train.main()
+
+
+def test_a_bad_choice_inside_a_config_file_is_named(tmp_path, fresh_hydra):
+    """An experiment that names a missing model: the choice, which the file holds, is named."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import MissingConfigException
+
+    from mt.hydra_errors import in_words
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "model" / "small.yaml").write_text("width: 1\n")
+    (tmp_path / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: smal\n")
+    (tmp_path / "train.yaml").write_text("defaults:\n  - model: small\n  - _self_\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        with pytest.raises(MissingConfigException) as err:
+            compose("train", overrides=["+experiment=mine"])
+    assert in_words(err.value) == (
+        "model=smal: there is no conf/model/smal.yaml; did you mean "
+        "model=small? the options are small")
+
+
+def test_other_errors_keep_hydras_report(monkeypatch, capsys):
+    """A bug (or an error the module does not know) is reported by Hydra as before, with its
+    traceback; and Hydra's function is itself again after the block."""
+    from hydra._internal import utils
+
+    from mt.hydra_errors import one_line_refusals
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    original = utils.run_and_report
+
+    def bug():
+        raise RuntimeError("a bug of mt's")
+
+    with one_line_refusals("mt-train"):
+        assert utils.run_and_report is not original
+        with pytest.raises(SystemExit) as stop:
+            utils.run_and_report(bug)
+    assert stop.value.code == 1
+    assert "RuntimeError: a bug of mt's" in capsys.readouterr().err
+    assert utils.run_and_report is original
