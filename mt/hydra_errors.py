@@ -64,8 +64,10 @@ def _unknown_key(given: str, cause: OmegaConfBaseException) -> str:
     full_key = str(cause.full_key)
     parent, _, key = full_key.rpartition(".")
     if not dataclasses.is_dataclass(cause.object_type):
-        return (f"{given}: {parent or 'the config'} has no key {key} yet; "
-                f"+{given.lstrip('+')} adds it")
+        # data.upsample={train:2} too is refused key by key: each one is added apart
+        named, _, value = given.lstrip("+").partition("=")
+        add = f"+{full_key}={value if named == full_key else '...'}"
+        return f"{given}: {parent or 'the config'} has no key {key} yet; {add} adds it"
     keys = sorted(f.name for f in dataclasses.fields(cause.object_type))
     near = difflib.get_close_matches(key, keys, n=1)
     if near:
@@ -77,18 +79,25 @@ def _unknown_key(given: str, cause: OmegaConfBaseException) -> str:
 
 def _missing_option(err: MissingConfigException) -> str | None:
     """A config group option (model=transformer_bas, experiment=nope) with no file in conf/."""
-    group, _, name = str(err.missing_cfg_file).rpartition("/")
-    if not group or not err.options:
+    found = re.search(r"Available options in '([^']+)'", str(err))
+    if not found or not err.options:
         return None
-    near = difflib.get_close_matches(name, err.options, n=1)
+    group = found.group(1)
+    name = str(err.missing_cfg_file).removeprefix(f"{group}/")
+    # experiment=conf/experiment/x.yaml: an option is a file's name without folder or .yaml
+    near = difflib.get_close_matches(name.rpartition("/")[2].removesuffix(".yaml"), err.options,
+                                     n=1)
     hint = f"did you mean {group}={near[0]}? " if near else ""
-    # The choice came from the command line (the primary config's defaults list, 'train'), or
-    # from a config file that names it: then that file is the one to mend.
     # Hydra's own groups (hydra/launcher=...) have no folder in conf/. The choice may come from
     # a config file (an experiment's "override /model: ..."): Hydra's report does not say which
     # either, and the file is found by the name.
-    ours = not group.startswith("hydra/")
-    missing = f"there is no conf/{group}/{name}.yaml" if ours else f"{group} has no {name}"
+    if group.startswith("hydra/"):
+        missing = f"{group} has no {name}"
+    elif "/" in name:
+        missing = (f"an option of {group} is the name of a file in conf/{group}/, without "
+                   "folder or .yaml")
+    else:
+        missing = f"there is no conf/{group}/{name}.yaml"
     return f"{group}={name}: {missing}; {hint}the options are {', '.join(err.options)}"
 
 

@@ -32,6 +32,12 @@ def fresh_hydra():
      "transformer_d256_4x4, transformer_small, transformer_tiny"),
     (["experiment=nope"], "experiment=nope: there is no conf/experiment/nope.yaml; the options "
                           "are demo, "),
+    (["experiment=conf/experiment/demo.yaml"],
+     "experiment=conf/experiment/demo.yaml: an option of experiment is the name of a file in "
+     "conf/experiment/, without folder or .yaml; did you mean experiment=demo? "),
+    (["data.upsample={train:2}"],  # Hydra's '+data.upsample={train:2}' is refused in turn
+     "data.upsample={train:2}: data.upsample has no key train yet; +data.upsample.train=... "
+     "adds it"),
     (["trainer.max_steps=abc"],
      "trainer.max_steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     (["+trainer.max_steps=5"], "+trainer.max_steps=5: trainer.max_steps is a key already; "
