@@ -39,7 +39,8 @@ def in_words(err: BaseException) -> str | None:
         said = str(cause.msg or cause).splitlines()[0]
         key, _, value = given.partition("=")
         if "is not a ListConfig, list or tuple" in said:  # data.extra_valid=test
-            return f"{given}: {key} takes a list: {key}=[{value}]"
+            # quoted: [bt] is a glob pattern to the shell, which zsh refuses unquoted
+            return f"{given}: {key} takes a list: '{key}=[{value}]'"
         if given.startswith("~") and "does not support deletion" in said:
             return (f"{given}: {key[1:]} is a key of the schema, which cannot be dropped; "
                     f"give it a value ({key[1:]}=...)")

@@ -47,7 +47,7 @@ def fresh_hydra():
     (["+model=transformer_base"], "+model=transformer_base: model is chosen already "
                                   "(conf/train.yaml); without the '+', model=transformer_base"),
     (["data.extra_valid=test"],
-     "data.extra_valid=test: data.extra_valid takes a list: data.extra_valid=[test]"),
+     "data.extra_valid=test: data.extra_valid takes a list: 'data.extra_valid=[test]'"),
     (["~trainer.max_steps"], "~trainer.max_steps: trainer.max_steps is a key of the schema"),
     (["-m", "trainer.max_steps=5,abc"],  # a sweep's bad value, before any of its jobs runs
      "trainer.max_steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
