@@ -11,12 +11,18 @@ import pytest
 
 @pytest.fixture()
 def fresh_hydra():
-    """mt-train's main() in this process: Hydra's global state is left set by a failed start."""
+    """mt-train's main() in this process: Hydra's global state is left set by a failed start,
+    and a sweep sets up logging (to this test's captured stderr) before it fails."""
+    import logging
+
     from hydra.core.global_hydra import GlobalHydra
 
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
     GlobalHydra.instance().clear()
     yield
     GlobalHydra.instance().clear()
+    root.handlers[:], root.level = handlers, level
 
 
 @pytest.mark.parametrize("args, line", [
