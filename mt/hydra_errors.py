@@ -5,8 +5,9 @@ exist in five to twelve lines (the OmegaConf node's types, the config search pat
 for an unknown key, "To append to your config use +trainer.max_step=5", is wrong here: the schema
 has no such key, so ``+`` only adds one that nothing reads (``mt.config_checks.check_keys``
 refuses it a step later). ``one_line_refusals`` puts these in words, with the nearest name where
-there is one; anything else (a bug, or an error this module does not know) keeps Hydra's report,
-and ``HYDRA_FULL_ERROR=1`` keeps Hydra's full traceback for everything.
+there is one (and the same mistakes in a config file, a recipe of the user's own, with its
+name); anything else (a bug, or an error this module does not know) keeps Hydra's report, and
+``HYDRA_FULL_ERROR=1`` keeps Hydra's full traceback for everything.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def in_words(err: BaseException) -> str | None:
             return (f"{given}: {key[1:]} is a key of the schema, which cannot be dropped; "
                     f"give it a value ({key[1:]}=...)")
         return f"{given}: {said}"
+    within = re.match(r"In '([^']+)': \w+ raised while composing config", text)
+    merging = err.__context__  # Hydra raises this one without 'from'
+    if within and isinstance(merging, OmegaConfBaseException) and merging.full_key:
+        # a key or value of a config file (a recipe of the user's own in conf/experiment/)
+        where = f"conf/{within.group(1)}.yaml: "
+        if isinstance(merging, ConfigAttributeError | ConfigKeyError):
+            return where + _unknown_key(str(merging.full_key), merging).partition(": ")[2]
+        return f"{where}{merging.full_key}: {str(merging.msg or merging).splitlines()[0]}"
     there = re.match(r"Could not append to config\. An item is already at '([^']+)'\.\n"
                      r"Either remove \+ prefix: '([^']*)'", text)
     if there:  # +trainer.max_steps=5

@@ -125,3 +125,26 @@ def test_other_errors_keep_hydras_report(monkeypatch, capsys):
     assert stop.value.code == 1
     assert "RuntimeError: a bug of mt's" in capsys.readouterr().err
     assert utils.run_and_report is original
+
+
+@pytest.mark.parametrize("body, line", [
+    ("trainer:\n  max_step: 5\n", "conf/experiment/mine.yaml: trainer.max_step is not a config "
+                                  "key; did you mean trainer.max_steps?"),
+    ("trainer:\n  max_steps: abc\n", "conf/experiment/mine.yaml: trainer.max_steps: Value 'abc' "
+                                     "of type 'str' could not be converted to Integer")])
+def test_a_typo_in_a_recipe_of_ones_own_names_the_file(body, line, tmp_path, fresh_hydra):
+    """A recipe written into conf/experiment/: Hydra named the file, but in six lines."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from mt.config import register_configs
+    from mt.hydra_errors import in_words
+
+    register_configs()
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\n" + body)
+    (tmp_path / "train.yaml").write_text("defaults:\n  - train_schema\n  - _self_\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        with pytest.raises(ConfigCompositionException) as err:
+            compose("train", overrides=["+experiment=mine"])
+    assert in_words(err.value) == line
