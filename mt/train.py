@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from mt import checkpoint, version_line
 from mt.config import TrainConfig, conf_dir, register_configs
@@ -96,6 +97,9 @@ def _in_words(err: BaseException) -> str | None:
                 "fp32 keeps activations finite; else the model diverged (lower optim.lr)")
     if isinstance(err, OSError) and err.filename and err.strerror:  # name the file, not errno
         return f"{err.filename}: {err.strerror}"
+    if isinstance(err, OmegaConfBaseException) and isinstance(err, ValueError) and err.full_key:
+        # optim.lr='${foo}', resolved as the run starts: the key, not OmegaConf's 3 type lines
+        return f"{err.full_key}: {str(err.msg or err).splitlines()[0]}"
     return str(err) if isinstance(err, ValueError | OSError | Diverged | PeerFailed) else None
 
 

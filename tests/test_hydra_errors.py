@@ -148,3 +148,24 @@ def test_a_typo_in_a_recipe_of_ones_own_names_the_file(body, line, tmp_path, fre
         with pytest.raises(ConfigCompositionException) as err:
             compose("train", overrides=["+experiment=mine"])
     assert in_words(err.value) == line
+
+
+@pytest.mark.parametrize("key, value, line", [
+    ("optim.lr", "${foo}", "optim.lr: Interpolation key 'foo' not found"),
+    ("data.dir", "${oc.env:NOPE_NOT_SET}", "data.dir: KeyError raised while resolving "
+                                            "interpolation: \"Environment variable "
+                                            "'NOPE_NOT_SET' not found\"")])
+def test_an_interpolation_that_cannot_resolve_is_one_line(key, value, line, monkeypatch):
+    """Resolved as the run starts (OmegaConf.to_object): the line went on with three lines of
+    OmegaConf's node types."""
+    from omegaconf import OmegaConf
+
+    from mt import train
+    from mt.config import TrainConfig
+
+    monkeypatch.delenv("NOPE_NOT_SET", raising=False)
+    cfg = OmegaConf.structured(TrainConfig)
+    OmegaConf.update(cfg, key, value)
+    with pytest.raises(ValueError) as err:
+        OmegaConf.to_object(cfg)
+    assert train._in_words(err.value) == line
