@@ -59,6 +59,11 @@ def in_words(err: BaseException) -> str | None:
     if there:  # +trainer.max_steps=5
         key, given = there.groups()
         return f"+{given}: {key} is a key already; without the '+', {given} sets it"
+    ambiguous = re.match(r"Ambiguous value for argument '(([^=']+)=([^']*))'", text)
+    if ambiguous:  # trainer.max_steps=1,2 without -m
+        given, key, values = ambiguous.groups()
+        return (f"{given}: several values sweep only under -m (--multirun); a list is written "
+                f"'{key}=[{values}]', a text with a comma quoted: '{key}=\"{values}\"'")
     twice = re.match(r"Multiple values for (\S+)\. To override a value use 'override \1: (.*)'",
                      text)
     if twice:  # +model=transformer_base: the group has its choice in conf/train.yaml

@@ -55,6 +55,9 @@ def fresh_hydra():
     (["data.extra_valid=test"],
      "data.extra_valid=test: data.extra_valid takes a list: 'data.extra_valid=[test]'"),
     (["~trainer.max_steps"], "~trainer.max_steps: trainer.max_steps is a key of the schema"),
+    (["trainer.max_steps=1,2"],  # a sweep without -m
+     "trainer.max_steps=1,2: several values sweep only under -m (--multirun); a list is written "
+     "'trainer.max_steps=[1,2]', a text with a comma quoted: 'trainer.max_steps=\"1,2\"'"),
     (["-m", "trainer.max_steps=5,abc"],  # a sweep's bad value, before any of its jobs runs
      "trainer.max_steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     (["-m", "model=transformer_tiny,transformer_bas"], "model=transformer_bas: there is no "),
