@@ -74,13 +74,16 @@ def _decode(raw: bytes, path: Path, lineno: int) -> str:
 
 
 def _find(path: Path) -> Path:
-    """The path itself, or its .gz sibling."""
+    """The path itself, or its .gz sibling. A relative path is said with the folder it starts
+    in: the Multi30k recipes' ``../shared/data/multi30k``, given from outside the repository
+    root, read as if the data were missing."""
     if path.exists():
         return path
     gz = path.with_name(path.name + ".gz")
     if gz.exists():
         return gz
-    raise FileNotFoundError(f"{path}: no such file (nor {gz.name})")
+    where = "" if path.is_absolute() else f"; relative paths start in {Path.cwd()}"
+    raise FileNotFoundError(f"{path}: no such file (nor {gz.name}{where})")
 
 
 def split_files(cfg: DataConfig, split: str) -> list[Path]:

@@ -23,12 +23,14 @@ import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from mt import checkpoint, version_line
 from mt.config import TrainConfig, conf_dir, register_configs
 from mt.config_checks import check_keys, check_values
 from mt.distributed import STOP_SIGNALS, PeerFailed, Terminated, setup_distributed, share_run
 from mt.divergence import Diverged
+from mt.hydra_errors import one_line_refusals
 from mt.inference import cap_kernel_caches
 from mt.resume import resume_override
 from mt.runlog import finish
@@ -97,6 +99,9 @@ def _in_words(err: BaseException) -> str | None:
                 "fp32 keeps activations finite; else the model diverged (lower optim.lr)")
     if isinstance(err, OSError) and err.filename and err.strerror:  # name the file, not errno
         return f"{err.filename}: {err.strerror}"
+    if isinstance(err, OmegaConfBaseException) and isinstance(err, ValueError) and err.full_key:
+        # optim.lr='${foo}', resolved as the run starts: the key, not OmegaConf's 3 type lines
+        return f"{err.full_key}: {str(err.msg or err).splitlines()[0]}"
     return str(err) if isinstance(err, ValueError | OSError | Diverged | PeerFailed) else None
 
 
@@ -245,7 +250,8 @@ def main() -> None:
         raise SystemExit(mistake)
     cap_kernel_caches()  # before the first product: see its docstring
     register_configs()
-    hydra_main()
+    with one_line_refusals("mt-train"):  # a misspelt key or group option: one line, not ten
+        hydra_main()
     if _failed_jobs:
         raise SystemExit(f"mt-train: {len(_failed_jobs)} job(s) of the sweep failed (said above): "
                          + "; ".join(_failed_jobs))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Back-translation, plain and tagged (Caswell et al., 2019), simulated on Multi30k: the first half
 # of the training pairs stays parallel (A), the second half's German is taken as monolingual text
-# (B). A reverse model (de->en) trained on A back-translates B with beam search; then three
+# (B). A reverse model (de->en) trained on A back-translates B with beam search (in bfloat16 on a
+# CPU with AVX512-BF16 or AMX, else in float32, where bfloat16 is emulated and slower); then three
 # en->de runs of the same number of steps: A alone, A + back-translated B, and A + tagged
 # back-translated B (data.tagged=[bt]). Each is scored on test2016 (best.pt and averaged.pt).
 # docs/benchmarks.md ("Back-translation, plain and tagged") has the figures this printed.
@@ -47,10 +48,12 @@ model() {  # averaged.pt where mt-train wrote one (trainer.average_last), else b
 
 train "$out/reverse" data.src_lang=de data.tgt_lang=en
 if [[ ! -s $data/bt.en || ! -s $data/bt.de ]]; then  # both: an interrupt may fall between
+  dtype=$(python -c "from mt.optim import cpu_has_fast_bf16
+print('bfloat16' if cpu_has_fast_bf16() else 'float32')")
   say translate -m "$(model "$out/reverse")" -i "$data/mono.de" -o "$data/bt.en" --beam 5 \
-    --dtype bfloat16
+    --dtype "$dtype"
   translate -m "$(model "$out/reverse")" -i "$data/mono.de" -o "$data/bt.en" --beam 5 \
-    --dtype bfloat16
+    --dtype "$dtype"
   cp "$data/mono.de" "$data/bt.de"
 fi
 say mt-eval "reverse de->en: $(model "$out/reverse")"

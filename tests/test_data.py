@@ -744,3 +744,21 @@ def test_corpus_interface_and_reuse(tmp_path, monkeypatch):
     assert meta.stat().st_mtime_ns == stamp
     assert again.tokenizer.fingerprint == corpus.tokenizer.fingerprint
     assert again.pairs.rows.tolist() == corpus.pairs.rows.tolist()
+
+
+def test_a_missing_split_file_at_a_relative_path_says_where_it_was_looked_for(tmp_path,
+                                                                              monkeypatch):
+    """The Multi30k recipes' data.dir=../shared/data/multi30k, from outside the repository root,
+    said only '../shared/data/multi30k/valid.en: no such file', as if the data were missing."""
+    from mt.data import split_files
+
+    monkeypatch.chdir(tmp_path)
+    cfg = DataConfig(source="files", dir="../shared/data/multi30k", src_lang="en", tgt_lang="de")
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            "../shared/data/multi30k/valid.en: no such file (nor valid.en.gz; relative paths "
+            f"start in {tmp_path})")):
+        split_files(cfg, "valid")
+    cfg.dir = str(tmp_path / "nowhere")  # an absolute path says all
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"{tmp_path}/nowhere/valid.en: no such file (nor valid.en.gz)")):
+        split_files(cfg, "valid")

@@ -1,0 +1,174 @@
+"""A typo on mt-train's command line is one line naming the override, not Hydra's report of five
+to twelve lines, whose advice for an unknown key ('use +trainer.max_step=5') was wrong here."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+
+@pytest.fixture()
+def fresh_hydra():
+    """mt-train's main() in this process: Hydra's global state is left set by a failed start,
+    and a sweep sets up logging (to this test's captured stderr) before it fails."""
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    GlobalHydra.instance().clear()
+    yield
+    GlobalHydra.instance().clear()
+    root.handlers[:], root.level = handlers, level
+
+
+@pytest.mark.parametrize("args, line", [
+    (["trainer.max_step=5"],
+     "trainer.max_step=5: trainer.max_step is not a config key; did you mean trainer.max_steps?"),
+    (["foo=1"], "foo=1: foo is not a config key; the config has data, init_from, model, optim, "
+                "trainer"),
+    (["hydra.run.dirr=x"], "hydra.run.dirr=x: hydra.run.dirr is not a config key; did you mean "
+                           "hydra.run.dir?"),
+    (["model=transformer_bas"],
+     "model=transformer_bas: there is no conf/model/transformer_bas.yaml; did you mean "
+     "model=transformer_base? the options are transformer_base, transformer_big, "
+     "transformer_d256_4x4, transformer_small, transformer_tiny"),
+    (["experiment=nope"], "experiment=nope: there is no conf/experiment/nope.yaml; the options "
+                          "are demo, "),
+    (["experiment=conf/experiment/demo.yaml"],
+     "experiment=conf/experiment/demo.yaml: an option of experiment is the name of a file in "
+     "conf/experiment/, without folder or .yaml; did you mean experiment=demo? "),
+    (["data.upsample={train:2}"],  # Hydra's '+data.upsample={train:2}' is refused in turn
+     "data.upsample={train:2}: data.upsample has no key train yet; +data.upsample.train=... "
+     "adds it"),
+    (["trainer.max_steps=abc"],
+     "trainer.max_steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["+trainer.max_steps=5"], "+trainer.max_steps=5: trainer.max_steps is a key already; "
+                               "without the '+', trainer.max_steps=5 sets it"),
+    (["data.upsample.train=2"],  # a dict: here '+' is the way
+     "data.upsample.train=2: data.upsample has no key train yet; +data.upsample.train=2 adds it"),
+    (["+model=transformer_base"], "+model=transformer_base: model is chosen already "
+                                  "(conf/train.yaml); without the '+', model=transformer_base"),
+    (["data.extra_valid=test"],
+     "data.extra_valid=test: data.extra_valid takes a list: 'data.extra_valid=[test]'"),
+    (["~trainer.max_steps"], "~trainer.max_steps: trainer.max_steps is a key of the schema"),
+    (["trainer.max_steps=1,2"],  # a sweep without -m
+     "trainer.max_steps=1,2: several values sweep only under -m (--multirun); a list is written "
+     "'trainer.max_steps=[1,2]', a text with a comma quoted: 'trainer.max_steps=\"1,2\"'"),
+    (["-m", "trainer.max_steps=5,abc"],  # a sweep's bad value, before any of its jobs runs
+     "trainer.max_steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["-m", "model=transformer_tiny,transformer_bas"], "model=transformer_bas: there is no "),
+])
+def test_a_typo_on_the_command_line_is_one_line_naming_it(args, line, fresh_hydra, tmp_path,
+                                                          monkeypatch, capsys):
+    from mt import train
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    run = ([f"hydra.sweep.dir={tmp_path}/sweep"] if "-m" in args
+           else ["--cfg", "job"])  # prints only: no run directory
+    monkeypatch.setattr(sys, "argv", ["mt-train", *args, *run])
+    with pytest.raises(SystemExit, match="^" + re.escape(f"mt-train: {line}")) as stop:
+        train.main()
+    assert "\n" not in str(stop.value.code)
+    assert capsys.readouterr().err == ""  # nothing of Hydra's report besides
+
+
+def test_hydra_full_error_keeps_hydras_traceback(fresh_hydra, monkeypatch):
+    from hydra.errors import ConfigCompositionException
+
+    from mt import train
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.setattr(sys, "argv", ["mt-train", "trainer.max_step=5", "--cfg", "job"])
+    with pytest.raises(ConfigCompositionException, match="trainer.max_step"):
+        train.main()
+
+
+def test_a_bad_choice_inside_a_config_file_is_named(tmp_path, fresh_hydra):
+    """An experiment that names a missing model: the choice, which the file holds, is named."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import MissingConfigException
+
+    from mt.hydra_errors import in_words
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "model" / "small.yaml").write_text("width: 1\n")
+    (tmp_path / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: smal\n")
+    (tmp_path / "train.yaml").write_text("defaults:\n  - model: small\n  - _self_\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        with pytest.raises(MissingConfigException) as err:
+            compose("train", overrides=["+experiment=mine"])
+    assert in_words(err.value) == (
+        "model=smal: there is no conf/model/smal.yaml; did you mean "
+        "model=small? the options are small")
+
+
+def test_other_errors_keep_hydras_report(monkeypatch, capsys):
+    """A bug (or an error the module does not know) is reported by Hydra as before, with its
+    traceback; and Hydra's function is itself again after the block."""
+    from hydra._internal import utils
+
+    from mt.hydra_errors import one_line_refusals
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    original = utils.run_and_report
+
+    def bug():
+        raise RuntimeError("a bug of mt's")
+
+    with one_line_refusals("mt-train"):
+        assert utils.run_and_report is not original
+        with pytest.raises(SystemExit) as stop:
+            utils.run_and_report(bug)
+    assert stop.value.code == 1
+    assert "RuntimeError: a bug of mt's" in capsys.readouterr().err
+    assert utils.run_and_report is original
+
+
+@pytest.mark.parametrize("body, line", [
+    ("trainer:\n  max_step: 5\n", "conf/experiment/mine.yaml: trainer.max_step is not a config "
+                                  "key; did you mean trainer.max_steps?"),
+    ("trainer:\n  max_steps: abc\n", "conf/experiment/mine.yaml: trainer.max_steps: Value 'abc' "
+                                     "of type 'str' could not be converted to Integer")])
+def test_a_typo_in_a_recipe_of_ones_own_names_the_file(body, line, tmp_path, fresh_hydra):
+    """A recipe written into conf/experiment/: Hydra named the file, but in six lines."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from mt.config import register_configs
+    from mt.hydra_errors import in_words
+
+    register_configs()
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\n" + body)
+    (tmp_path / "train.yaml").write_text("defaults:\n  - train_schema\n  - _self_\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        with pytest.raises(ConfigCompositionException) as err:
+            compose("train", overrides=["+experiment=mine"])
+    assert in_words(err.value) == line
+
+
+@pytest.mark.parametrize("key, value, line", [
+    ("optim.lr", "${foo}", "optim.lr: Interpolation key 'foo' not found"),
+    ("data.dir", "${oc.env:NOPE_NOT_SET}", "data.dir: KeyError raised while resolving "
+                                            "interpolation: \"Environment variable "
+                                            "'NOPE_NOT_SET' not found\"")])
+def test_an_interpolation_that_cannot_resolve_is_one_line(key, value, line, monkeypatch):
+    """Resolved as the run starts (OmegaConf.to_object): the line went on with three lines of
+    OmegaConf's node types."""
+    from omegaconf import OmegaConf
+
+    from mt import train
+    from mt.config import TrainConfig
+
+    monkeypatch.delenv("NOPE_NOT_SET", raising=False)
+    cfg = OmegaConf.structured(TrainConfig)
+    OmegaConf.update(cfg, key, value)
+    with pytest.raises(ValueError) as err:
+        OmegaConf.to_object(cfg)
+    assert train._in_words(err.value) == line
