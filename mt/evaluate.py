@@ -141,6 +141,10 @@ def run(args: argparse.Namespace) -> dict:
         if s.kind == "hyp" and len(tests) > 1 and "{test}" not in s.path:
             raise EvalError(f"--hyp {s.path}: with several test sets, write {{test}} in the path "
                             "where the test set's name goes (e.g. out/{test}.hyp)")
+    if [s.path for s in systems if s.kind == "hyp"].count("-") + sum(
+            [t.src, *t.refs].count("-") for t in tests) > 1:
+        raise EvalError("- (stdin) is given more than once among --hyp, --src and --ref; it can "
+                        "be read only once: give the others as files")
     seen: dict[str, int] = {}
     for s in systems:  # unique display names, in the order given
         seen[s.path] = seen.get(s.path, 0) + 1
@@ -189,9 +193,9 @@ def _run_test(args: argparse.Namespace, test: TestSet, systems: list[System],
     for n, system in enumerate(systems, 1):
         record: dict = {"name": system.name, "kind": system.kind}
         if system.kind == "hyp":
-            hyp_file = _expand(system.path, test, n)
-            hyps = read_text(hyp_file)
-            record["hypotheses"] = hyp_file
+            record["hypotheses"] = _expand(system.path, test, n)
+            hyps = read_text(record["hypotheses"])
+            hyp_file = "<stdin>" if record["hypotheses"] == "-" else record["hypotheses"]
         else:  # only the kept lines are translated
             hyps, speed = _translate(system, test, sources and kept(sources), n, loaded, args)
             record.update(system.info, **speed)

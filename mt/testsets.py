@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,7 +73,12 @@ def read_text(path: str | os.PathLike) -> list[str]:
     reference file had one in its 4th decimal against the run's own ``test.json``)."""
     p = Path(path)
     try:
-        data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+        if str(path) == "-":  # `translate ... | mt-eval --hyp - --ref REF`, as sacrebleu reads it
+            if sys.stdin is None:
+                raise EvalError("-: stdin is closed; give a file")
+            data, p = sys.stdin.buffer.read(), Path("<stdin>")
+        else:
+            data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
     except FileNotFoundError:
         raise EvalError(f"{p}: no such file") from None
     except (OSError, EOFError, zlib.error) as err:  # a broken .gz

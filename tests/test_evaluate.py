@@ -832,3 +832,21 @@ def test_a_failed_output_write_keeps_the_file_that_was_there(tmp_path):
         _write("--output", str(out), lines())
     assert out.read_text() == "one\ntwo\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hyp.txt"]
+
+
+def test_hypotheses_from_stdin(files, capsys, monkeypatch):
+    """`translate ... | mt-eval --hyp - --ref REF` scores the pipe as sacrebleu reads its stdin
+    (it was '-: no such file'); stdin read twice would be empty the second time, so a second
+    '-' is refused, and a short pipe is named as stdin."""
+    text = Path(files["good"]).read_bytes()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text)))
+    piped = _run(["--hyp", "-", "--ref", files["ref"], "-M", "bleu", "chrf", "ter"], capsys)
+    cli = _cli([files["ref"]], files["good"], "-m", "bleu", "chrf", "ter")
+    scores = piped["tests"][0]["systems"][0]["scores"]
+    assert [round(s["score"], 4) for s in scores.values()] == [c["score"] for c in cli]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text)))
+    with pytest.raises(SystemExit, match=r"- \(stdin\) is given more than once"):
+        main(["--hyp", "-", "--ref", "-"])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text[: len(text) // 2])))
+    with pytest.raises(SystemExit, match=r"<stdin> has \d+ lines but .*ref.de has 200 lines"):
+        main(["--hyp", "-", "--ref", files["ref"]])
