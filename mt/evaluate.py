@@ -48,6 +48,7 @@ from mt.testsets import (
     read_text,
 )
 from mt.textio import (
+    STDOUT_NAMES,
     InputError,
     atomic_output,
     nearest_existing,
@@ -251,6 +252,9 @@ def _check_outputs(args: argparse.Namespace, systems: list[System], tests: list[
     reads += [("--shortlist", args.shortlist)] if args.shortlist else []
     seen: dict[str, str] = {}
     for flag, path in writes:
+        if flag != "--output" and path in STDOUT_NAMES:  # where the table goes: two documents
+            raise EvalError(f"{flag} {path}: stdout carries the results; give a file"
+                            + (" (--json prints the JSON there)" if flag == "--json-out" else ""))
         key = os.path.realpath(path)
         if key in seen:
             pattern, what = ((args.output, "translations") if flag == "--output" else

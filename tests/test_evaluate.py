@@ -850,3 +850,13 @@ def test_hypotheses_from_stdin(files, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text[: len(text) // 2])))
     with pytest.raises(SystemExit, match=r"<stdin> has \d+ lines but .*ref.de has 200 lines"):
         main(["--hyp", "-", "--ref", files["ref"]])
+
+
+@pytest.mark.parametrize("flag,path", [("--json-out", "-"), ("--json-out", "/dev/stdout"),
+                                       ("--sentence-scores", "/dev/stdout")])
+def test_stdout_is_no_output_file(files, capsys, flag, path):
+    """stdout carries the table: a JSON object or sentence scores written there too made stdout
+    two documents in one (`--json-out -` gave the JSON, then the table), which no reader parses."""
+    with pytest.raises(SystemExit, match=f"{flag} {path}: stdout carries the results"):
+        main(["--hyp", files["good"], "--ref", files["ref"], flag, path])
+    assert capsys.readouterr().out == ""
