@@ -38,7 +38,7 @@ from mt.options import (
     unused_options,
     weights_mistake,
 )
-from mt.report import compare, make_metric, render, score_system, sentence_scores
+from mt.report import bleu_target, compare, make_metric, render, score_system, sentence_scores
 from mt.testsets import (
     EvalError,
     TestSet,
@@ -305,17 +305,25 @@ def _write_sentence_scores(path: str, hyps: list[str], refs: list[list[str]], me
                                                                       *rows]))
 
 
-def _check_direction(paths: list[str], test: TestSet) -> None:
+def _check_direction(paths: list[str], test: TestSet, tokenize: str | None) -> None:
     """Warns when a model was trained for another language pair than the test set's: a
-    de-en test scored with an en-de model gives BLEU near 0 and no other sign of the mix-up."""
+    de-en test scored with an en-de model gives BLEU near 0 and no other sign of the mix-up;
+    and when a test set without a langpair leaves a Chinese, Japanese or Korean target's BLEU
+    to 13a, where mt-train's test.json used that language's tokenizer (BLEU near 0 beside it)."""
     from mt.checkpoint import load
 
-    if not test.langpair:
-        return
     for path in paths:
         data = (load(path, mmap=True).get("config") or {}).get("data") or {}
-        pair = f"{data.get('src_lang')}-{data.get('tgt_lang')}"
-        if "src_lang" in data and "tgt_lang" in data and pair != test.langpair:
+        pair, tgt = f"{data.get('src_lang')}-{data.get('tgt_lang')}", data.get("tgt_lang")
+        if not test.langpair and not tokenize and tgt and bleu_target(tgt) in ("zh", "ja", "ko"):
+            try:  # where MeCab is missing, mt-train took 13a too
+                make_metric("bleu", trg_lang=tgt)
+            except EvalError:
+                continue
+            log.warning("%s was trained for %s targets, but test set %s has no language pair, so "
+                        "BLEU tokenizes with 13a, not as for %s (as mt-train's test score did): "
+                        "pass --langpair %s", path, tgt, test.name, tgt, pair)
+        elif test.langpair and "src_lang" in data and tgt and pair != test.langpair:
             log.warning("%s was trained for %s, test set %s is %s: check the direction "
                         "(--langpair)", path, pair, test.name, test.langpair)
 
@@ -351,7 +359,7 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
         if mistake:
             raise EvalError(f"-m {system.path}: {mistake}")
         loaded[n] = (model, tokenizer, shortlist)
-        _check_direction(names, test)
+        _check_direction(names, test, args.tokenize)
         configs = [m.cfg for m in getattr(model, "models", [model])]
         system.info = {"model": ",".join(names),
                        "config_hash": ",".join(config_hash(dict(vars(c))) for c in configs),

@@ -635,8 +635,9 @@ def test_output_pattern_must_separate_systems(files):
               "--output", str(files["tmp"] / "out.txt")])
 
 
-def _tiny_model_and_test_set(tmp_path: Path) -> tuple[str, str]:
-    """A random 1+1 layer model saved as m.pt, and a 12-line test set; returns (src, ref)."""
+def _tiny_model_and_test_set(tmp_path: Path, tgt_lang: str = "de") -> tuple[str, str]:
+    """A random 1+1 layer model saved as m.pt (trained for en-``tgt_lang``, as its config
+    says), and a 12-line test set; returns (src, ref)."""
     import torch
 
     from mt.checkpoint import model_state, save_atomic
@@ -652,7 +653,7 @@ def _tiny_model_and_test_set(tmp_path: Path) -> tuple[str, str]:
     cfg = ModelConfig(encoder_layers=1, decoder_layers=1, d_model=32, ffn_dim=64, heads=2,
                       max_positions=64, src_vocab_size=tok.src_vocab_size,
                       tgt_vocab_size=tok.tgt_vocab_size)
-    run_config = {"data": {"src_lang": "en", "tgt_lang": "de"}}  # as mt-train records it
+    run_config = {"data": {"src_lang": "en", "tgt_lang": tgt_lang}}  # as mt-train records it
     save_atomic(model_state(build_model(cfg).eval(), tok, run_config), tmp_path / "m.pt")
     return (_write(tmp_path / "test.en", src[:12]),
             _write(tmp_path / "test.de", [s.upper() for s in src[:12]]))
@@ -669,6 +670,24 @@ def test_a_model_trained_for_the_other_direction_is_said(tmp_path, capsys, caplo
     with caplog.at_level("WARNING", logger="mt.evaluate"):
         _run([*argv, "--langpair", "de-en"], capsys)
     assert "m.pt was trained for en-de, test set" in caplog.text and "is de-en" in caplog.text
+
+
+def test_a_chinese_target_without_a_langpair_is_said(tmp_path, capsys, caplog):
+    """mt-train scores an en-zh run's test set with sacrebleu's zh tokenizer; mt-eval -m on the
+    same files without --langpair took 13a (a Chinese line one token, BLEU near 0) in silence."""
+    src_file, ref_file = _tiny_model_and_test_set(tmp_path, tgt_lang="zh")
+    argv = ["-m", str(tmp_path / "m.pt"), "--src", src_file, "--ref", ref_file, "--beam", "1",
+            "--max-len-b", "3"]
+    with caplog.at_level("WARNING", logger="mt.evaluate"):
+        result = _run(argv, capsys)
+    assert "tok:13a" in result["tests"][0]["systems"][0]["bleu_signature"]
+    assert "m.pt was trained for zh targets" in caplog.text
+    assert "pass --langpair en-zh" in caplog.text
+    caplog.clear()
+    for given in (["--langpair", "en-zh"], ["--tokenize", "13a"]):  # said, or chosen
+        with caplog.at_level("WARNING", logger="mt.evaluate"):
+            _run([*argv, *given], capsys)
+        assert "trained for" not in caplog.text
 
 
 def test_an_empty_test_set_is_one_line_with_a_model_or_a_file(tmp_path):
