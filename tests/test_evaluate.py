@@ -197,8 +197,22 @@ def test_source_is_checked_for_hypothesis_files_too(files):
 def test_empty_hypotheses_are_an_error(files, content):
     empty = files["tmp"] / "empty.hyp"
     empty.write_text(content)
-    with pytest.raises(SystemExit, match="empty"):
+    with pytest.raises(SystemExit, match="the hypotheses are empty"):
         main(["--hyp", str(empty), "--ref", files["ref"]])
+
+
+def test_a_line_per_reference_all_empty_is_scored(files, capsys, caplog):
+    """A system that wrote an empty line for every reference (an early validation's step_N.hyp)
+    scores 0 with a warning, as sacrebleu scores it and as mt-eval -m scores such a model; it
+    was an error that stopped the whole command, the other systems' scores with it."""
+    blank = _write(files["tmp"] / "blank.hyp", [" "] * 200)
+    with caplog.at_level("WARNING", logger="mt.evaluate"):
+        result = _run(["--hyp", files["good"], blank, "--ref", files["ref"], "-M", "bleu",
+                       "chrf", "ter", "--paired-bs", "--paired-bs-n", "100"], capsys)
+    assert "blank.hyp: every translation is empty" in caplog.text
+    scores = result["tests"][0]["systems"][1]["scores"]
+    cli = _cli([files["ref"]], blank, "-m", "bleu", "chrf", "ter")
+    assert [round(s["score"], 4) for s in scores.values()] == [c["score"] for c in cli]
 
 
 def test_tokenized_reference_gives_a_warning(files, caplog):
