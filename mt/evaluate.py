@@ -38,7 +38,7 @@ from mt.options import (
     unused_options,
     weights_mistake,
 )
-from mt.report import compare, make_metric, render, score_system, sentence_scores
+from mt.report import bleu_target, compare, make_metric, render, score_system, sentence_scores
 from mt.testsets import (
     EvalError,
     TestSet,
@@ -48,6 +48,7 @@ from mt.testsets import (
     read_text,
 )
 from mt.textio import (
+    STDOUT_NAMES,
     InputError,
     atomic_output,
     nearest_existing,
@@ -141,6 +142,10 @@ def run(args: argparse.Namespace) -> dict:
         if s.kind == "hyp" and len(tests) > 1 and "{test}" not in s.path:
             raise EvalError(f"--hyp {s.path}: with several test sets, write {{test}} in the path "
                             "where the test set's name goes (e.g. out/{test}.hyp)")
+    if [s.path for s in systems if s.kind == "hyp"].count("-") + sum(
+            [t.src, *t.refs].count("-") for t in tests) > 1:
+        raise EvalError("- (stdin) is given more than once among --hyp, --src and --ref; it can "
+                        "be read only once: give the others as files")
     seen: dict[str, int] = {}
     for s in systems:  # unique display names, in the order given
         seen[s.path] = seen.get(s.path, 0) + 1
@@ -189,9 +194,9 @@ def _run_test(args: argparse.Namespace, test: TestSet, systems: list[System],
     for n, system in enumerate(systems, 1):
         record: dict = {"name": system.name, "kind": system.kind}
         if system.kind == "hyp":
-            hyp_file = _expand(system.path, test, n)
-            hyps = read_text(hyp_file)
-            record["hypotheses"] = hyp_file
+            record["hypotheses"] = _expand(system.path, test, n)
+            hyps = read_text(record["hypotheses"])
+            hyp_file = "<stdin>" if record["hypotheses"] == "-" else record["hypotheses"]
         else:  # only the kept lines are translated
             hyps, speed = _translate(system, test, sources and kept(sources), n, loaded, args)
             record.update(system.info, **speed)
@@ -247,6 +252,9 @@ def _check_outputs(args: argparse.Namespace, systems: list[System], tests: list[
     reads += [("--shortlist", args.shortlist)] if args.shortlist else []
     seen: dict[str, str] = {}
     for flag, path in writes:
+        if flag != "--output" and path in STDOUT_NAMES:  # where the table goes: two documents
+            raise EvalError(f"{flag} {path}: stdout carries the results; give a file"
+                            + (" (--json prints the JSON there)" if flag == "--json-out" else ""))
         key = os.path.realpath(path)
         if key in seen:
             pattern, what = ((args.output, "translations") if flag == "--output" else
@@ -297,17 +305,25 @@ def _write_sentence_scores(path: str, hyps: list[str], refs: list[list[str]], me
                                                                       *rows]))
 
 
-def _check_direction(paths: list[str], test: TestSet) -> None:
+def _check_direction(paths: list[str], test: TestSet, tokenize: str | None) -> None:
     """Warns when a model was trained for another language pair than the test set's: a
-    de-en test scored with an en-de model gives BLEU near 0 and no other sign of the mix-up."""
+    de-en test scored with an en-de model gives BLEU near 0 and no other sign of the mix-up;
+    and when a test set without a langpair leaves a Chinese, Japanese or Korean target's BLEU
+    to 13a, where mt-train's test.json used that language's tokenizer (BLEU near 0 beside it)."""
     from mt.checkpoint import load
 
-    if not test.langpair:
-        return
     for path in paths:
         data = (load(path, mmap=True).get("config") or {}).get("data") or {}
-        pair = f"{data.get('src_lang')}-{data.get('tgt_lang')}"
-        if "src_lang" in data and "tgt_lang" in data and pair != test.langpair:
+        pair, tgt = f"{data.get('src_lang')}-{data.get('tgt_lang')}", data.get("tgt_lang")
+        if not test.langpair and not tokenize and tgt and bleu_target(tgt) in ("zh", "ja", "ko"):
+            try:  # where MeCab is missing, mt-train took 13a too
+                make_metric("bleu", trg_lang=tgt)
+            except EvalError:
+                continue
+            log.warning("%s was trained for %s targets, but test set %s has no language pair, so "
+                        "BLEU tokenizes with 13a, not as for %s (as mt-train's test score did): "
+                        "pass --langpair %s", path, tgt, test.name, tgt, pair)
+        elif test.langpair and "src_lang" in data and tgt and pair != test.langpair:
             log.warning("%s was trained for %s, test set %s is %s: check the direction "
                         "(--langpair)", path, pair, test.name, test.langpair)
 
@@ -343,7 +359,7 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
         if mistake:
             raise EvalError(f"-m {system.path}: {mistake}")
         loaded[n] = (model, tokenizer, shortlist)
-        _check_direction(names, test)
+        _check_direction(names, test, args.tokenize)
         configs = [m.cfg for m in getattr(model, "models", [model])]
         system.info = {"model": ",".join(names),
                        "config_hash": ",".join(config_hash(dict(vars(c))) for c in configs),

@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "scored side by side; comma-separated paths (a.pt,b.pt) are one system, "
                    "their ensemble")
     g.add_argument("--hyp", nargs="+", action=_AddSystem, default=None,
-                   help="hypothesis file (detokenized, one line per sentence); with several "
-                   "test sets put {test} in the path")
+                   help="hypothesis file (detokenized, one line per sentence; - reads stdin); with "
+                   "several test sets put {test} in the path")
     g = p.add_argument_group("test sets (several allowed)")
     g.add_argument("--src", help="source file (needed with -m)")
     g.add_argument("--ref", nargs="+", action="extend",

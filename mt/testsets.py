@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,7 +73,12 @@ def read_text(path: str | os.PathLike) -> list[str]:
     reference file had one in its 4th decimal against the run's own ``test.json``)."""
     p = Path(path)
     try:
-        data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+        if str(path) == "-":  # `translate ... | mt-eval --hyp - --ref REF`, as sacrebleu reads it
+            if sys.stdin is None:
+                raise EvalError("-: stdin is closed; give a file")
+            data, p = sys.stdin.buffer.read(), Path("<stdin>")
+        else:
+            data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
     except FileNotFoundError:
         raise EvalError(f"{p}: no such file") from None
     except (OSError, EOFError, zlib.error) as err:  # a broken .gz
@@ -336,12 +342,14 @@ def check_lines(hyps: list[str], hyp_name: str, refs: list[list[str]], ref_names
                 refs_said: bool = False) -> None:
     """Stops the silent mistakes: misaligned or empty files; warns on tokenized text.
 
-    A model that translates everything to empty lines is worth a score (0) and a warning; an
-    empty hypothesis file is a mistake (a wrong path, a crashed run) and an error.
-    ``refs_said``: the references were looked at for an earlier system of the same test set
-    (their warning came once per system).
+    A model that translates everything to empty lines is worth a score (0) and a warning, and
+    so is a file of its translations, a line per reference (an early validation's
+    ``step_N.hyp``, scored beside later ones: sacrebleu scores it 0 too, where this refused the
+    whole command); an empty hypothesis file is a mistake (a wrong path, a crashed run) and an
+    error. ``refs_said``: the references were looked at for an earlier system of the same test
+    set (their warning came once per system).
     """
-    if not any(h.strip() for h in hyps) and from_model:
+    if not any(h.strip() for h in hyps) and (from_model or len(hyps) == len(refs[0])):
         log.warning("%s: every translation is empty", hyp_name)
     elif not any(h.strip() for h in hyps):
         raise EvalError(f"{hyp_name}: the hypotheses are empty ({len(hyps)} lines, no text) "

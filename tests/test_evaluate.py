@@ -197,8 +197,22 @@ def test_source_is_checked_for_hypothesis_files_too(files):
 def test_empty_hypotheses_are_an_error(files, content):
     empty = files["tmp"] / "empty.hyp"
     empty.write_text(content)
-    with pytest.raises(SystemExit, match="empty"):
+    with pytest.raises(SystemExit, match="the hypotheses are empty"):
         main(["--hyp", str(empty), "--ref", files["ref"]])
+
+
+def test_a_line_per_reference_all_empty_is_scored(files, capsys, caplog):
+    """A system that wrote an empty line for every reference (an early validation's step_N.hyp)
+    scores 0 with a warning, as sacrebleu scores it and as mt-eval -m scores such a model; it
+    was an error that stopped the whole command, the other systems' scores with it."""
+    blank = _write(files["tmp"] / "blank.hyp", [" "] * 200)
+    with caplog.at_level("WARNING", logger="mt.evaluate"):
+        result = _run(["--hyp", files["good"], blank, "--ref", files["ref"], "-M", "bleu",
+                       "chrf", "ter", "--paired-bs", "--paired-bs-n", "100"], capsys)
+    assert "blank.hyp: every translation is empty" in caplog.text
+    scores = result["tests"][0]["systems"][1]["scores"]
+    cli = _cli([files["ref"]], blank, "-m", "bleu", "chrf", "ter")
+    assert [round(s["score"], 4) for s in scores.values()] == [c["score"] for c in cli]
 
 
 def test_tokenized_reference_gives_a_warning(files, caplog):
@@ -635,8 +649,9 @@ def test_output_pattern_must_separate_systems(files):
               "--output", str(files["tmp"] / "out.txt")])
 
 
-def _tiny_model_and_test_set(tmp_path: Path) -> tuple[str, str]:
-    """A random 1+1 layer model saved as m.pt, and a 12-line test set; returns (src, ref)."""
+def _tiny_model_and_test_set(tmp_path: Path, tgt_lang: str = "de") -> tuple[str, str]:
+    """A random 1+1 layer model saved as m.pt (trained for en-``tgt_lang``, as its config
+    says), and a 12-line test set; returns (src, ref)."""
     import torch
 
     from mt.checkpoint import model_state, save_atomic
@@ -652,7 +667,7 @@ def _tiny_model_and_test_set(tmp_path: Path) -> tuple[str, str]:
     cfg = ModelConfig(encoder_layers=1, decoder_layers=1, d_model=32, ffn_dim=64, heads=2,
                       max_positions=64, src_vocab_size=tok.src_vocab_size,
                       tgt_vocab_size=tok.tgt_vocab_size)
-    run_config = {"data": {"src_lang": "en", "tgt_lang": "de"}}  # as mt-train records it
+    run_config = {"data": {"src_lang": "en", "tgt_lang": tgt_lang}}  # as mt-train records it
     save_atomic(model_state(build_model(cfg).eval(), tok, run_config), tmp_path / "m.pt")
     return (_write(tmp_path / "test.en", src[:12]),
             _write(tmp_path / "test.de", [s.upper() for s in src[:12]]))
@@ -669,6 +684,24 @@ def test_a_model_trained_for_the_other_direction_is_said(tmp_path, capsys, caplo
     with caplog.at_level("WARNING", logger="mt.evaluate"):
         _run([*argv, "--langpair", "de-en"], capsys)
     assert "m.pt was trained for en-de, test set" in caplog.text and "is de-en" in caplog.text
+
+
+def test_a_chinese_target_without_a_langpair_is_said(tmp_path, capsys, caplog):
+    """mt-train scores an en-zh run's test set with sacrebleu's zh tokenizer; mt-eval -m on the
+    same files without --langpair took 13a (a Chinese line one token, BLEU near 0) in silence."""
+    src_file, ref_file = _tiny_model_and_test_set(tmp_path, tgt_lang="zh")
+    argv = ["-m", str(tmp_path / "m.pt"), "--src", src_file, "--ref", ref_file, "--beam", "1",
+            "--max-len-b", "3"]
+    with caplog.at_level("WARNING", logger="mt.evaluate"):
+        result = _run(argv, capsys)
+    assert "tok:13a" in result["tests"][0]["systems"][0]["bleu_signature"]
+    assert "m.pt was trained for zh targets" in caplog.text
+    assert "pass --langpair en-zh" in caplog.text
+    caplog.clear()
+    for given in (["--langpair", "en-zh"], ["--tokenize", "13a"]):  # said, or chosen
+        with caplog.at_level("WARNING", logger="mt.evaluate"):
+            _run([*argv, *given], capsys)
+        assert "trained for" not in caplog.text
 
 
 def test_an_empty_test_set_is_one_line_with_a_model_or_a_file(tmp_path):
@@ -832,3 +865,31 @@ def test_a_failed_output_write_keeps_the_file_that_was_there(tmp_path):
         _write("--output", str(out), lines())
     assert out.read_text() == "one\ntwo\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hyp.txt"]
+
+
+def test_hypotheses_from_stdin(files, capsys, monkeypatch):
+    """`translate ... | mt-eval --hyp - --ref REF` scores the pipe as sacrebleu reads its stdin
+    (it was '-: no such file'); stdin read twice would be empty the second time, so a second
+    '-' is refused, and a short pipe is named as stdin."""
+    text = Path(files["good"]).read_bytes()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text)))
+    piped = _run(["--hyp", "-", "--ref", files["ref"], "-M", "bleu", "chrf", "ter"], capsys)
+    cli = _cli([files["ref"]], files["good"], "-m", "bleu", "chrf", "ter")
+    scores = piped["tests"][0]["systems"][0]["scores"]
+    assert [round(s["score"], 4) for s in scores.values()] == [c["score"] for c in cli]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text)))
+    with pytest.raises(SystemExit, match=r"- \(stdin\) is given more than once"):
+        main(["--hyp", "-", "--ref", "-"])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text[: len(text) // 2])))
+    with pytest.raises(SystemExit, match=r"<stdin> has \d+ lines but .*ref.de has 200 lines"):
+        main(["--hyp", "-", "--ref", files["ref"]])
+
+
+@pytest.mark.parametrize("flag,path", [("--json-out", "-"), ("--json-out", "/dev/stdout"),
+                                       ("--sentence-scores", "/dev/stdout")])
+def test_stdout_is_no_output_file(files, capsys, flag, path):
+    """stdout carries the table: a JSON object or sentence scores written there too made stdout
+    two documents in one (`--json-out -` gave the JSON, then the table), which no reader parses."""
+    with pytest.raises(SystemExit, match=f"{flag} {path}: stdout carries the results"):
+        main(["--hyp", files["good"], "--ref", files["ref"], flag, path])
+    assert capsys.readouterr().out == ""
