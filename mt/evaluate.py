@@ -14,7 +14,8 @@ resampling and approximate randomization tests and report a p-value per system a
 
 stdout carries the results only (a table, or one JSON object); logs and warnings go to stderr.
 This module runs the systems; ``mt.testsets`` finds and reads the test sets, ``mt.report``
-computes the scores and paired tests and draws the tables.
+computes the scores and paired tests and draws the tables, ``mt.evaluate_checks`` checks the
+files to write and the models' language pairs before any work.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import argparse
 import hashlib
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Iterable
@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mt.evaluate_args import build_parser
+from mt.evaluate_checks import check_direction, check_outputs, expand, members
 from mt.options import (
     flags_mistake,
     search_failure_said,
@@ -38,7 +39,7 @@ from mt.options import (
     unused_options,
     weights_mistake,
 )
-from mt.report import bleu_target, compare, make_metric, render, score_system, sentence_scores
+from mt.report import compare, make_metric, render, score_system, sentence_scores
 from mt.testsets import (
     EvalError,
     TestSet,
@@ -48,10 +49,8 @@ from mt.testsets import (
     read_text,
 )
 from mt.textio import (
-    STDOUT_NAMES,
     InputError,
     atomic_output,
-    nearest_existing,
     reader_left,
     text_list,
     utf8_stdout,
@@ -124,10 +123,6 @@ def translate_test(model, tokenizer, sources: list[str], opts, shortlist=None, *
 # ----------------------------------------------------------------------------- the run
 
 
-def _expand(pattern: str, test: TestSet, n: int) -> str:
-    return pattern.replace("{test}", test.name.replace("/", "_")).replace("{n}", str(n))
-
-
 def _target_lang(test: TestSet) -> str:
     return test.langpair.split("-")[1] if test.langpair else ""
 
@@ -150,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
     for s in systems:  # unique display names, in the order given
         seen[s.path] = seen.get(s.path, 0) + 1
         s.name = s.path if seen[s.path] == 1 else f"{s.path}#{seen[s.path]}"
-    _check_outputs(args, systems, tests)
+    check_outputs(args, systems, tests)
     for test in tests:  # a BLEU tokenizer that cannot load fails now, not after translating
         try:
             make_metric("bleu", trg_lang=_target_lang(test), tokenize=args.tokenize,
@@ -194,7 +189,7 @@ def _run_test(args: argparse.Namespace, test: TestSet, systems: list[System],
     for n, system in enumerate(systems, 1):
         record: dict = {"name": system.name, "kind": system.kind}
         if system.kind == "hyp":
-            record["hypotheses"] = _expand(system.path, test, n)
+            record["hypotheses"] = expand(system.path, test, n)
             hyps = read_text(record["hypotheses"])
             hyp_file = "<stdin>" if record["hypotheses"] == "-" else record["hypotheses"]
         else:  # only the kept lines are translated
@@ -213,7 +208,7 @@ def _run_test(args: argparse.Namespace, test: TestSet, systems: list[System],
                                    **metric_args))
         if args.sentence_scores:
             record["sentence_scores"] = _write_sentence_scores(
-                _expand(args.sentence_scores, test, n), hyps, refs, args.metrics,
+                expand(args.sentence_scores, test, n), hyps, refs, args.metrics,
                 test.keep, trg_lang=trg_lang, **metric_args)
         entry["systems"].append(record)
         named_hyps.append((system.name, hyps))
@@ -226,52 +221,6 @@ def _run_test(args: argparse.Namespace, test: TestSet, systems: list[System],
     elif asked:
         log.warning("a paired test needs two systems or more; only one was given")
     return entry
-
-
-def _check_outputs(args: argparse.Namespace, systems: list[System], tests: list[TestSet]) -> None:
-    """Before any work: every file mt-eval will write is one file of its own, can be written,
-    and is none of the files it reads (a --sentence-scores equal to --ref would overwrite the
-    references)."""
-    writes = [("--output", _expand(args.output, t, i)) for i, s in enumerate(systems, 1)
-              if args.output and s.kind == "model" for t in tests]
-    if args.sentence_scores == "-":
-        raise EvalError("--sentence-scores -: it writes a file per system and test set; give a "
-                        "path (with {test} and {n} where there are several)")
-    writes += [("--sentence-scores", _expand(args.sentence_scores, t, i))
-               for i in range(1, len(systems) + 1) if args.sentence_scores for t in tests]
-    writes += [("--json-out", args.json_out)] if args.json_out else []
-    reads = [("--hyp", _expand(s.path, t, i)) for i, s in enumerate(systems, 1)
-             if s.kind == "hyp" for t in tests]
-    reads += [(flag, f) for t in tests for flag, f in [("--src", t.src)] + [("--ref", r)
-                                                                          for r in t.refs] if f]
-    if any(s.kind == "model" for s in systems):  # (torch only where a model is loaded anyway)
-        from mt.checkpoint import resolved
-
-        reads += [("-m", str(file)) for s in systems if s.kind == "model"
-                  for m in _members(s.path) if (file := resolved(m))]
-    reads += [("--shortlist", args.shortlist)] if args.shortlist else []
-    seen: dict[str, str] = {}
-    for flag, path in writes:
-        if flag != "--output" and path in STDOUT_NAMES:  # where the table goes: two documents
-            raise EvalError(f"{flag} {path}: stdout carries the results; give a file"
-                            + (" (--json prints the JSON there)" if flag == "--json-out" else ""))
-        key = os.path.realpath(path)
-        if key in seen:
-            pattern, what = ((args.output, "translations") if flag == "--output" else
-                             (args.sentence_scores, "systems' or test sets' scores"))
-            raise EvalError(f"{flag} {pattern}: several {what} would go to one file; put "
-                            "{test} and/or {n} (the system's number) in it"
-                            if seen[key] == flag else f"{flag} {path} is also the {seen[key]} file")
-        seen[key] = flag
-        out = Path(path)
-        if out.is_dir():
-            raise EvalError(f"{flag} {path}: is a directory")
-        for what, read in reads:
-            if out.exists() and os.path.exists(read) and os.path.samefile(out, read):
-                raise EvalError(f"{flag} {path} is the {what} file; writing would overwrite it")
-        place = nearest_existing(out.parent.resolve())  # made when written
-        if not os.access(out if out.exists() else place, os.W_OK):
-            raise EvalError(f"{flag} {path}: cannot write there (permission denied)")
 
 
 def _write(flag: str, path: str, lines: Iterable[str]) -> str:
@@ -305,34 +254,6 @@ def _write_sentence_scores(path: str, hyps: list[str], refs: list[list[str]], me
                                                                       *rows]))
 
 
-def _check_direction(paths: list[str], test: TestSet, tokenize: str | None) -> None:
-    """Warns when a model was trained for another language pair than the test set's: a
-    de-en test scored with an en-de model gives BLEU near 0 and no other sign of the mix-up;
-    and when a test set without a langpair leaves a Chinese, Japanese or Korean target's BLEU
-    to 13a, where mt-train's test.json used that language's tokenizer (BLEU near 0 beside it)."""
-    from mt.checkpoint import load
-
-    for path in paths:
-        data = (load(path, mmap=True).get("config") or {}).get("data") or {}
-        pair, tgt = f"{data.get('src_lang')}-{data.get('tgt_lang')}", data.get("tgt_lang")
-        if not test.langpair and not tokenize and tgt and bleu_target(tgt) in ("zh", "ja", "ko"):
-            try:  # where MeCab is missing, mt-train took 13a too
-                make_metric("bleu", trg_lang=tgt)
-            except EvalError:
-                continue
-            log.warning("%s was trained for %s targets, but test set %s has no language pair, so "
-                        "BLEU tokenizes with 13a, not as for %s (as mt-train's test score did): "
-                        "pass --langpair %s", path, tgt, test.name, tgt, pair)
-        elif test.langpair and "src_lang" in data and tgt and pair != test.langpair:
-            log.warning("%s was trained for %s, test set %s is %s: check the direction "
-                        "(--langpair)", path, pair, test.name, test.langpair)
-
-
-def _members(path: str) -> list[str]:
-    """The checkpoints of one -m system: a,b,c is one system, the ensemble of the three."""
-    return [p for p in path.split(",") if p]
-
-
 def _translate(system: System, test: TestSet, sources: list[str] | None, n: int, loaded: dict,
                args: argparse.Namespace) -> tuple[list[str], dict]:
     from mt.workers import WorkerDied, default_workers
@@ -344,7 +265,7 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
         from mt.inference import load_models
 
         start = time.perf_counter()
-        paths = _members(system.path)
+        paths = members(system.path)
         from mt.shortlist import Shortlist
 
         try:
@@ -359,7 +280,7 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
         if mistake:
             raise EvalError(f"-m {system.path}: {mistake}")
         loaded[n] = (model, tokenizer, shortlist)
-        _check_direction(names, test, args.tokenize)
+        check_direction(names, test, args.tokenize)
         configs = [m.cfg for m in getattr(model, "models", [model])]
         system.info = {"model": ",".join(names),
                        "config_hash": ",".join(config_hash(dict(vars(c))) for c in configs),
@@ -385,7 +306,7 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
     log.info("%s: %.1f s, %.0f tokens/s", system.name, speed["decode_seconds"],
              speed["tokens_per_second"])
     if args.output:
-        speed["hypotheses"] = _write("--output", _expand(args.output, test, n),
+        speed["hypotheses"] = _write("--output", expand(args.output, test, n),
                                      (h + "\n" for h in hyps))
     return hyps, speed
 
@@ -409,8 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     if mistake:
         raise SystemExit(f"mt-eval: {mistake}")
     if args.weights is not None:  # one per member of each ensemble (-m a.pt,b.pt)
-        ensembles = [(v, len(_members(v))) for kind, v in args.systems
-                     if kind == "model" and len(_members(v)) > 1]
+        ensembles = [(v, len(members(v))) for kind, v in args.systems
+                     if kind == "model" and len(members(v)) > 1]
         if not ensembles:
             raise SystemExit("mt-eval: --weights weighs the members of an ensemble (-m "
                              "a.pt,b.pt), and no -m system here is one")
