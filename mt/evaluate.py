@@ -280,7 +280,6 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
         if mistake:
             raise EvalError(f"-m {system.path}: {mistake}")
         loaded[n] = (model, tokenizer, shortlist)
-        check_direction(names, test, args.tokenize)
         configs = [m.cfg for m in getattr(model, "models", [model])]
         system.info = {"model": ",".join(names),
                        "config_hash": ",".join(config_hash(dict(vars(c))) for c in configs),
@@ -291,6 +290,8 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
                        **({"shortlist": args.shortlist} if args.shortlist else {}),
                        **({"replace_unk": True, "alignment_layer": args.alignment_layer}
                           if args.replace_unk else {})}
+    # on every test set: each has its language pair (or none), not only the one loaded for
+    check_direction(system.info["model"].split(","), test, args.tokenize)
     model, tokenizer, shortlist = loaded[n]
     opts = search_options(args, args.workers or default_workers(args.device))
     log.info("translating %s (%d lines) with %s", test.name, len(sources), system.path)

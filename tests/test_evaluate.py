@@ -704,6 +704,24 @@ def test_a_chinese_target_without_a_langpair_is_said(tmp_path, capsys, caplog):
         assert "trained for" not in caplog.text
 
 
+def test_each_test_set_is_checked_against_the_models_direction(tmp_path, capsys, caplog,
+                                                                monkeypatch):
+    """The direction was checked only on the test set the model was loaded for: an en-de model
+    scored on an en-de and an en-fr set said nothing of the second."""
+    src_file, ref_file = _tiny_model_and_test_set(tmp_path)
+    conf = tmp_path / "testsets"
+    conf.mkdir()
+    for name, pair in (("same", "en-de"), ("other", "en-fr")):
+        (conf / f"{name}.yaml").write_text(f"langpair: {pair}\nsrc: {src_file}\nref: {ref_file}\n")
+    monkeypatch.setattr(testsets, "TESTSETS_DIR", conf)
+    monkeypatch.setattr(testsets, "REPO_ROOT", tmp_path)
+    with caplog.at_level("WARNING", logger="mt.evaluate"):
+        _run(["-m", str(tmp_path / "m.pt"), "--test", "same", "other", "--beam", "1",
+              "--max-len-b", "3"], capsys)
+    assert "m.pt was trained for en-de, test set other is en-fr" in caplog.text, caplog.text
+    assert "test set same" not in caplog.text
+
+
 def test_an_empty_test_set_is_one_line_with_a_model_or_a_file(tmp_path):
     """A model translated the 0 lines of an empty test set, then sacrebleu's corpus_score failed
     on no sentences: an IndexError traceback."""
