@@ -32,6 +32,21 @@ def test_a_split_appears_as_often_as_its_factor_says():
     assert sorted(whole[i] for i in range(4)) == [1, 1, 2, 2] and set(whole) == set(range(12))
 
 
+
+@pytest.mark.parametrize("factor, epochs", [(0.25, 4), (0.3, 10), (1.5, 2), (0.004, 250)])
+def test_a_fractional_share_goes_through_the_whole_split_before_any_pair_comes_again(factor,
+                                                                                    epochs):
+    """+data.upsample.bt=0.25: "a quarter of bt per epoch, another quarter each epoch". Drawn
+    anew each epoch, 4 epochs left about a third of bt unseen and gave another third twice."""
+    mix = Mix(np.arange(1000), [1000], [factor])
+    seen = Counter()
+    for epoch in range(epochs):
+        seen.update(mix.epoch(seed=5, epoch=epoch).tolist())
+        assert max(seen.values()) - min(seen[i] for i in range(1000)) <= 1  # none comes twice
+    assert set(seen.values()) == {round(factor * epochs)}  # before every pair came once
+    assert mix.epoch(5, 3).tolist() == Mix(np.arange(1000), [1000], [factor]).epoch(5, 3).tolist()
+
+
 def _sentence(rng: random.Random, suffix: str) -> str:
     return " ".join(rng.choice(WORDS) + suffix for _ in range(rng.randint(2, 8)))
 
