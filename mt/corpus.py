@@ -6,6 +6,7 @@ ranks find the caches it wrote.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -92,6 +93,7 @@ class Corpus:
                          "%.1f candidates per sentence on average (found in %.1f s)",
                          data.subword_alpha, data.subword_nbest,
                          len(self.pairs.src.scores) / len(self.pairs), time.perf_counter() - start)
+        self.digest = pairs_digest(self.pairs)
         self.mix = None
         if data.upsample:
             names = data.train.split("+")
@@ -156,6 +158,17 @@ class Corpus:
 
     def collate(self, batch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.pairs.collate(batch if self.mix is None else self._index[batch])
+
+
+def pairs_digest(pairs) -> str:
+    """A hash of which rows were kept and their (best-segmentation) lengths: what an epoch's
+    batches are cut from. A resumed run compares it with its last.pt's, since a position in the
+    middle of an epoch means nothing in a list cut from other pairs (a training file edited
+    since, say): the rest of the epoch would repeat some pairs and skip others."""
+    digest = hashlib.blake2b(digest_size=16)
+    for values in (pairs.rows, pairs.src_lens, pairs.tgt_lens):
+        digest.update(np.ascontiguousarray(values, dtype=np.int64).tobytes())
+    return digest.hexdigest()
 
 
 class Mix:
