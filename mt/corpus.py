@@ -198,7 +198,9 @@ class Mix:
         for index, (group, factor) in enumerate(zip(self.groups, self.factors, strict=True)):
             whole = int(factor)
             parts += [group] * whole
-            per_epoch = (factor - whole) * len(group)  # pairs of the share, on average
+            # pairs of the share, on average; rounded, as 2.3 - 2 is 0.2999...: 2 pairs of 10,
+            # not 3, in the first epoch
+            per_epoch = round((factor - whole) * len(group), 9)
             start, stop = (math.floor(e * per_epoch) for e in (epoch, epoch + 1))
             if stop > start:
                 parts.append(np.sort(self._passes(group, seed, index, start, stop)))

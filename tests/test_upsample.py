@@ -33,7 +33,8 @@ def test_a_split_appears_as_often_as_its_factor_says():
 
 
 
-@pytest.mark.parametrize("factor, epochs", [(0.25, 4), (0.3, 10), (1.5, 2), (0.004, 250)])
+@pytest.mark.parametrize("factor, epochs",
+                         [(0.25, 4), (0.3, 10), (1.5, 2), (2.3, 10), (0.004, 250)])
 def test_a_fractional_share_goes_through_the_whole_split_before_any_pair_comes_again(factor,
                                                                                     epochs):
     """+data.upsample.bt=0.25: "a quarter of bt per epoch, another quarter each epoch". Drawn
@@ -45,6 +46,7 @@ def test_a_fractional_share_goes_through_the_whole_split_before_any_pair_comes_a
         assert max(seen.values()) - min(seen[i] for i in range(1000)) <= 1  # none comes twice
     assert set(seen.values()) == {round(factor * epochs)}  # before every pair came once
     assert mix.epoch(5, 3).tolist() == Mix(np.arange(1000), [1000], [factor]).epoch(5, 3).tolist()
+    assert len(Mix(np.arange(10), [10], [2.3]).epoch(5, 0)) == 23  # not 22: 2.3 - 2 < 0.3
 
 
 def _sentence(rng: random.Random, suffix: str) -> str:
