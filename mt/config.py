@@ -139,8 +139,9 @@ class DataConfig:
     tag: str = "<BT>"
     # how often each pair of a split of data.train appears per epoch (fairseq's --upsample-primary,
     # OpenNMT-py's corpus weights), e.g. {train: 2} with train=train+bt: the real pairs twice,
-    # the synthetic ones once. A fraction is a fresh random share each epoch ({bt: 0.5}: half of
-    # bt, another half each epoch; 1.5: every pair, and half of them again). Unnamed splits: 1.
+    # the synthetic ones once. A fraction is the next share of a shuffled pass through the split
+    # ({bt: 0.5}: half of bt, the other half in the next epoch; 1.5: every pair, and half of them
+    # again, the other half the next epoch). Unnamed splits: 1.
     upsample: dict[str, float] = field(default_factory=dict)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)

@@ -6,7 +6,9 @@ ranks find the caches it wrote.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import time
 from array import array
 from pathlib import Path
@@ -91,6 +93,7 @@ class Corpus:
                          "%.1f candidates per sentence on average (found in %.1f s)",
                          data.subword_alpha, data.subword_nbest,
                          len(self.pairs.src.scores) / len(self.pairs), time.perf_counter() - start)
+        self.digest = pairs_digest(self.pairs)
         self.mix = None
         if data.upsample:
             names = data.train.split("+")
@@ -157,13 +160,29 @@ class Corpus:
         return self.pairs.collate(batch if self.mix is None else self._index[batch])
 
 
+def pairs_digest(pairs) -> str:
+    """A hash of which rows were kept and their (best-segmentation) lengths: what an epoch's
+    batches are cut from. A resumed run compares it with its last.pt's, since a position in the
+    middle of an epoch means nothing in a list cut from other pairs (a training file edited
+    since, say): the rest of the epoch would repeat some pairs and skip others."""
+    digest = hashlib.blake2b(digest_size=16)
+    for values in (pairs.rows, pairs.src_lens, pairs.tgt_lens):
+        digest.update(np.ascontiguousarray(values, dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
 class Mix:
     """The pairs of an epoch when ``data.upsample`` weighs the splits of ``data.train``.
 
-    A split's factor f puts each of its kept pairs int(f) times in the epoch, and a random
-    (f - int(f)) share of them once more, drawn again each epoch from (seed, epoch): over many
-    epochs every pair appears f times per epoch on average, and a resumed run sees the mix it
-    would have seen. Indices are those of the filtered pairs (``EncodedPairs``).
+    A split's factor f puts each of its kept pairs int(f) times in the epoch, and an
+    (f - int(f)) share of them once more: the epoch's stretch of an endless stream of shuffled
+    passes through the split, so that every pair of it comes once before any comes twice (0.25:
+    the whole split over 4 epochs, as a quarter a time). Independent draws each epoch left a
+    third of it unseen after those 4 epochs and gave another third twice. Each epoch takes
+    floor((e + 1) x share x n) - floor(e x share x n) of the n pairs: f pairs per epoch on
+    average, even where that is below one pair. Everything follows from (seed, epoch), so a
+    resumed run sees the mix it would have seen. Indices are those of the filtered pairs
+    (``EncodedPairs``).
     """
 
     def __init__(self, rows: np.ndarray, sizes: list[int], factors: list[float]) -> None:
@@ -175,15 +194,24 @@ class Mix:
 
     def epoch(self, seed: int, epoch: int) -> np.ndarray:
         """(N,) pair indices of the epoch, a pair repeated as its split's factor says."""
-        rng = np.random.default_rng([abs(seed), epoch, 2])  # not token_batches' stream
         parts = []
-        for group, factor in zip(self.groups, self.factors, strict=True):
+        for index, (group, factor) in enumerate(zip(self.groups, self.factors, strict=True)):
             whole = int(factor)
             parts += [group] * whole
-            # the share's size rounded up or down at random, so that over epochs its mean is
-            # exactly (f - int(f)) x the split, even when that is below one pair
-            exact = (factor - whole) * len(group)
-            share = int(exact) + int(rng.random() < exact - int(exact))
-            if share:
-                parts.append(np.sort(rng.choice(group, size=share, replace=False)))
+            # pairs of the share, on average; rounded, as 2.3 - 2 is 0.2999...: 2 pairs of 10,
+            # not 3, in the first epoch
+            per_epoch = round((factor - whole) * len(group), 9)
+            start, stop = (math.floor(e * per_epoch) for e in (epoch, epoch + 1))
+            if stop > start:
+                parts.append(np.sort(self._passes(group, seed, index, start, stop)))
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    @staticmethod
+    def _passes(group: np.ndarray, seed: int, split: int, start: int, stop: int) -> np.ndarray:
+        """Items ``start:stop`` of the stream of shuffled passes through ``group``: pass k is a
+        permutation drawn from (seed, split, k), apart from token_batches' stream."""
+        n, out = len(group), []
+        for k in range(start // n, (stop - 1) // n + 1):
+            order = np.random.default_rng([abs(seed), 2, split, k]).permutation(n)
+            out.append(group[order[max(start - k * n, 0) : min(stop - k * n, n)]])
+        return np.concatenate(out)

@@ -242,16 +242,19 @@ def tag_sources(ds, tag: str):
     """``ds`` with every non-empty source prefixed by ``tag`` and a space (cached Arrow).
 
     The fingerprint names the tag, so the encoding cache downstream (keyed by it) never serves
-    pairs tagged otherwise, or untagged.
+    pairs tagged otherwise, or untagged (2: a source tagged already is tagged once, not twice).
     """
     return ds.map(_prefix, batched=True, batch_size=10_000, fn_kwargs={"tag": tag},
-                  new_fingerprint=stable_hash([ds._fingerprint, "tag_sources", tag]),
+                  new_fingerprint=stable_hash([ds._fingerprint, "tag_sources", tag, 2]),
                   desc="tagging")
 
 
 def _prefix(batch: dict[str, list[str]], tag: str) -> dict[str, list[str]]:
     # An empty source stays empty: tagged, it would slip past the filter that drops empty pairs.
-    return {"src": [f"{tag} {s}" if s.strip() else s for s in batch["src"]]}
+    # One whose first word is the tag already (back-translations tagged before, as other
+    # toolkits want them) keeps its one tag: "<BT> <BT> ..." was another input than the tag's.
+    return {"src": [f"{tag} {s}" if s.strip() and s.split(None, 1)[0] != tag else s
+                    for s in batch["src"]]}
 
 
 def count_tagged(ds, tag: str) -> int:

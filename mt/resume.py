@@ -55,6 +55,7 @@ class Run(Protocol):
     window: Window
     seconds_before: float
     elapsed: float
+    corpus: object  # mt.corpus.Corpus: its ``digest`` of the pairs an epoch is cut from
 
     def seconds(self) -> float: ...
 
@@ -75,6 +76,7 @@ def trainer_state(trainer: Run, rng: list[dict]) -> dict:
         **ema,
         "trained": trained(trainer.model),
         "data": data_identity(trainer.cfg.data),
+        "pairs": trainer.corpus.digest,
         "optimizer": trainer.optimizer.state_dict(),
         "scheduler": trainer.scheduler.state_dict(),
         "scaler": trainer.scaler.state_dict(),
@@ -164,6 +166,9 @@ def restore(trainer: Run, path: Path) -> None:
     cutting = {k: getattr(trainer.cfg.trainer, k) for k in ("max_tokens", "seed")}
     cut = [f"trainer.{k}={v} (was {saver[k]})" for k, v in cutting.items()
            if saver.get(k) is not None and saver[k] != v]
+    if state.get("pairs", trainer.corpus.digest) != trainer.corpus.digest:
+        cut.append("other training pairs than the saved run's (a training file changed since, "
+                   "or a data setting)")
     if trainer.rank == 0 and trainer.step_in_epoch and cut:
         log.warning("resuming in the middle of epoch %d with %s: its batches are cut anew, so "
                     "the rest of it is not the rest of the saved one (some pairs come twice, "

@@ -116,6 +116,18 @@ def test_the_tag_is_one_piece_whatever_the_source_starts_with(model_type, joint)
     assert plain.symbol_id("<BT>") is None
 
 
+def test_a_source_tagged_beforehand_keeps_one_tag(tmp_path):
+    """Back-translations tagged by an earlier pipeline, named in data.tagged (the way to make
+    the tag one piece): they were tagged again, and the model trained on "<BT> <BT> ..."."""
+    src = ["<BT> green tree", "<BT>  river", "water <BT>", "<BT>green"]
+    _write(tmp_path / "d", "train", TRAIN[0][:3], TRAIN[1][:3])
+    _write(tmp_path / "d", "bt", src, ["a", "b", "c", "d"])
+    ds = load_train(_cfg(tmp_path / "d"), cache_dir=str(tmp_path / "cache"))
+    assert list(ds["src"][3:]) == ["<BT> green tree", "<BT>  river", "<BT> water <BT>",
+                                   "<BT> <BT>green"]
+    assert count_tagged(ds, "<BT>") == 4
+
+
 def test_a_change_of_tag_or_tagged_splits_is_not_served_a_stale_cache(data_dir, tmp_path):
     cache = str(tmp_path / "cache")
     tagged = load_train(_cfg(data_dir), cache_dir=cache)

@@ -1498,6 +1498,28 @@ def test_a_resume_mid_epoch_with_another_max_tokens_says_the_epoch_is_cut_anew(f
             "anew") in reseeded
 
 
+def test_a_resume_mid_epoch_on_an_edited_training_file_says_the_epoch_is_cut_anew(
+        fit_here, corpus_dir, tmp_path):
+    """The batches an epoch's position counts in are cut from the kept pairs: a training file
+    edited since the save (lines added, removed) made the rest of the epoch repeat some pairs
+    and skip others, and nothing said so. An edit that keeps them (and their lengths) is none."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(corpus_dir, data)
+    common = ["trainer.validate_every=100", "trainer.test_at_end=false"]
+    fit_here("run", *common, "trainer.max_steps=2", corpus=data)
+    again = fit_here("run", *common, "trainer.max_steps=3", corpus=data)
+    assert "cut anew" not in again
+    for lang in ("en", "zz"):  # one pair fewer
+        lines = (data / f"train.{lang}").read_text().splitlines(keepends=True)
+        (data / f"train.{lang}").write_text("".join(lines[1:]))
+    edited = fit_here("run", *common, "trainer.max_steps=4", corpus=data)
+    assert ("resuming in the middle of epoch 0 with other training pairs than the saved run's "
+            "(a training file changed since, or a data setting): its batches are cut anew"
+            ) in edited
+
+
 def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, corpus_dir,
                                                                      tokenizer_dir):
     common = ["trainer.max_steps=4", "trainer.validate_every=4", "trainer.test_at_end=false",

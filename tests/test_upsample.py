@@ -32,6 +32,23 @@ def test_a_split_appears_as_often_as_its_factor_says():
     assert sorted(whole[i] for i in range(4)) == [1, 1, 2, 2] and set(whole) == set(range(12))
 
 
+
+@pytest.mark.parametrize("factor, epochs",
+                         [(0.25, 4), (0.3, 10), (1.5, 2), (2.3, 10), (0.004, 250)])
+def test_a_fractional_share_goes_through_the_whole_split_before_any_pair_comes_again(factor,
+                                                                                    epochs):
+    """+data.upsample.bt=0.25: "a quarter of bt per epoch, another quarter each epoch". Drawn
+    anew each epoch, 4 epochs left about a third of bt unseen and gave another third twice."""
+    mix = Mix(np.arange(1000), [1000], [factor])
+    seen = Counter()
+    for epoch in range(epochs):
+        seen.update(mix.epoch(seed=5, epoch=epoch).tolist())
+        assert max(seen.values()) - min(seen[i] for i in range(1000)) <= 1  # none comes twice
+    assert set(seen.values()) == {round(factor * epochs)}  # before every pair came once
+    assert mix.epoch(5, 3).tolist() == Mix(np.arange(1000), [1000], [factor]).epoch(5, 3).tolist()
+    assert len(Mix(np.arange(10), [10], [2.3]).epoch(5, 0)) == 23  # not 22: 2.3 - 2 < 0.3
+
+
 def _sentence(rng: random.Random, suffix: str) -> str:
     return " ".join(rng.choice(WORDS) + suffix for _ in range(rng.randint(2, 8)))
 
@@ -79,3 +96,58 @@ def test_data_upsample_names_its_mistake(upsample, message):
     cfg.data.train, cfg.data.upsample = "train+bt", upsample
     with pytest.raises(ValueError, match=message):
         check_values(cfg)
+
+
+def test_the_training_loop_trains_each_kept_pair_as_often_as_its_split_says_in_every_epoch(
+        tmp_path, corpus_dir, fit_here, monkeypatch):
+    """What reaches the model, decoded back from the collated batches of two whole epochs: every
+    pair the filters keep, once per epoch (twice for data.upsample.bt=2), none they drop (empty
+    sides, a duplicate, a pair longer than model.max_positions allows), no batch above
+    trainer.max_tokens, padding included, and the loss divided by the step's target tokens."""
+    from mt.trainer import Trainer
+
+    en = (corpus_dir / "train.en").read_text().splitlines()
+    zz = (corpus_dir / "train.zz").read_text().splitlines()
+    train = list(zip(en[:120], zz[:120], strict=True))
+    bt = list(zip(en[200:230], zz[200:230], strict=True))
+    long = (" ".join(en[300:340]), " ".join(zz[300:340]))  # over model.max_positions - 1
+    dropped = [("", zz[340]), (en[341], "  "), long]
+    d = tmp_path / "data"
+    d.mkdir()
+    for split, pairs in (("train", train + [train[5]] + dropped), ("bt", bt + [train[7]])):
+        for side, lang in ((0, "en"), (1, "zz")):
+            (d / f"{split}.{lang}").write_text("".join(p[side] + "\n" for p in pairs))
+    for name in ("valid.en", "valid.zz", "test.en", "test.zz"):
+        (d / name).write_text((corpus_dir / name).read_text())
+    seen: list[tuple[int, str, str]] = []
+    tokenizers = []
+    step = Trainer.train_step
+
+    def recording(self, micro_batches, step_tokens):
+        tokenizers[:] = [self.corpus.tokenizer]
+        targets = 0
+        for batch in micro_batches:
+            src, _, tgt_out = self.corpus.collate(batch)
+            assert src.numel() <= 300 and tgt_out.numel() <= 300  # trainer.max_tokens
+            targets += int((tgt_out != PAD_ID).sum())
+            for s, t in zip(src.tolist(), tgt_out.tolist(), strict=True):
+                seen.append((self.epoch, self.corpus.tokenizer.src.decode(s),
+                             self.corpus.tokenizer.tgt.decode(t)))
+        assert step_tokens == targets
+        return step(self, micro_batches, step_tokens)
+
+    monkeypatch.setattr(Trainer, "train_step", recording)
+    log = fit_here("run", "data.train=train+bt", "+data.upsample.bt=2", "trainer.max_epochs=2",
+                   "trainer.max_steps=0", "trainer.max_minutes=0", "trainer.validate_every=1000",
+                   "trainer.test_at_end=false", corpus=d)
+    assert "kept 150 of 155 pairs (dropped: empty 2, too short 0, too long 1, length ratio 0, " \
+           "duplicate 2)" in log
+    [tok] = tokenizers
+
+    def read(pair: tuple[str, str]) -> tuple[str, str]:  # as the model sees it
+        return tok.src.decode(tok.src.encode(pair[0])), tok.tgt.decode(tok.tgt.encode(pair[1]))
+
+    wanted = Counter(map(read, train)) + Counter(map(read, bt + bt))
+    assert len(wanted) == 150 and read(long)[0] not in {s for s, _ in wanted}
+    for epoch in (0, 1):
+        assert Counter((s, t) for e, s, t in seen if e == epoch) == wanted
