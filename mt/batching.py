@@ -122,6 +122,11 @@ class FilterReport:
     too_long: int = 0
     ratio: int = 0
     duplicate: int = 0
+    # the limits the counts are of, said beside them: data.filter.max_tokens is lowered to
+    # model.max_positions - 1 where that is less, which "too long 1" alone did not say
+    min_tokens: int | None = None
+    max_tokens: int | None = None
+    max_ratio: float | None = None
 
     @property
     def kept(self) -> int:
@@ -129,9 +134,13 @@ class FilterReport:
         return self.total - dropped
 
     def __str__(self) -> str:
+        short = "" if self.min_tokens is None else f" (< {self.min_tokens} tokens)"
+        long_ = "" if self.max_tokens is None else f" (> {self.max_tokens} tokens)"
+        ratio = ("" if self.max_ratio is None else " (off)" if self.max_ratio <= 0
+                 else f" (> {self.max_ratio:g})")
         return (f"kept {self.kept:,} of {self.total:,} pairs (dropped: empty {self.empty:,}, "
-                f"too short {self.too_short:,}, too long {self.too_long:,}, length ratio "
-                f"{self.ratio:,}, duplicate {self.duplicate:,})")
+                f"too short{short} {self.too_short:,}, too long{long_} {self.too_long:,}, "
+                f"length ratio{ratio} {self.ratio:,}, duplicate {self.duplicate:,})")
 
 
 def filter_lengths(src_lens: np.ndarray, tgt_lens: np.ndarray, empty: np.ndarray,
@@ -150,7 +159,8 @@ def filter_lengths(src_lens: np.ndarray, tgt_lens: np.ndarray, empty: np.ndarray
     ls, lt = np.asarray(src_lens, np.int64), np.asarray(tgt_lens, np.int64)
     empty = np.asarray(empty, bool)
     short, long_ = np.minimum(ls, lt), np.maximum(ls, lt)
-    report = FilterReport(total=len(ls))
+    report = FilterReport(total=len(ls), min_tokens=cfg.min_tokens, max_tokens=cfg.max_tokens,
+                          max_ratio=cfg.max_ratio)
     alive = ~empty
     report.empty = int(empty.sum())
     for name, bad in (("too_short", short < cfg.min_tokens), ("too_long", long_ > cfg.max_tokens),

@@ -397,11 +397,14 @@ def test_filter_counts_are_exact():
     assert keep.tolist() == [0, 5, 8]
     assert (report.total, report.empty, report.too_short, report.too_long, report.ratio,
             report.duplicate, report.kept) == (10, 1, 1, 2, 1, 2, 3)
-    assert "kept 3 of 10 pairs" in str(report)
+    # each count with its limit: max_tokens may be the model's, lowered from data.filter's
+    assert str(report) == ("kept 3 of 10 pairs (dropped: empty 1, too short (< 2 tokens) 1, too "
+                           "long (> 10 tokens) 2, length ratio (> 2) 1, duplicate 2)")
     keep, report = filter_lengths(src, tgt, empty, hashes,
                                   FilterConfig(min_tokens=0, max_tokens=100, max_ratio=0,
                                                dedup=False))
     assert report.kept == 9 and report.empty == 1  # empty sides are always dropped
+    assert "length ratio (off) 0" in str(report)
     # a ratio of exactly max_ratio is kept even where max_ratio x short rounds below long
     # (1.15 x 100 = 114.99999999999999 < 115)
     for ratio, short, long_ in ((1.15, 100, 115), (2.3, 50, 115)):
