@@ -51,7 +51,12 @@ def in_words(err: BaseException) -> str | None:
     if within and isinstance(merging, OmegaConfBaseException) and merging.full_key:
         # a key or value of a config file (a recipe of the user's own in conf/experiment/)
         where = f"conf/{within.group(1)}.yaml: "
+        group = within.group(1).rpartition("/")[0]
         if isinstance(merging, ConfigAttributeError | ConfigKeyError):
+            if group and str(merging.full_key) == group:  # no '# @package _global_' line
+                return (f"{where}Hydra put its keys under '{group}.', which is not a config "
+                        f"key: a file of conf/{group}/ that sets the config's own keys starts "
+                        "with the line '# @package _global_' (as conf/experiment/demo.yaml)")
             return where + _unknown_key(str(merging.full_key), merging).partition(": ")[2]
         return f"{where}{merging.full_key}: {str(merging.msg or merging).splitlines()[0]}"
     there = re.match(r"Could not append to config\. An item is already at '([^']+)'\.\n"
