@@ -23,6 +23,8 @@ from typing import Any
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from mt.config import conf_dir
+
 
 def in_words(err: BaseException) -> str | None:
     """The one line for a command-line override that Hydra refused; None for any other error."""
@@ -67,6 +69,12 @@ def in_words(err: BaseException) -> str | None:
     ambiguous = re.match(r"Ambiguous value for argument '(([^=']+)=([^']*))'", text)
     if ambiguous:  # trainer.max_steps=1,2 without -m
         given, key, values = ambiguous.groups()
+        group = key.lstrip("+")
+        if "/" in group or (conf_dir() / group).is_dir():
+            # a list of a group's options merges them all into one config (the last wins),
+            # silently; a quoted text names an option that is not there
+            return (f"{given}: several options of a config group are a sweep, which runs only "
+                    "under -m (--multirun); without it, give one")
         return (f"{given}: several values sweep only under -m (--multirun); a list is written "
                 f"'{key}=[{values}]', a text with a comma quoted: '{key}=\"{values}\"'")
     twice = re.match(r"Multiple values for (\S+)\. To override a value use 'override \1: (.*)'",

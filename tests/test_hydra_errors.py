@@ -58,6 +58,12 @@ def fresh_hydra():
     (["trainer.max_steps=1,2"],  # a sweep without -m
      "trainer.max_steps=1,2: several values sweep only under -m (--multirun); a list is written "
      "'trainer.max_steps=[1,2]', a text with a comma quoted: 'trainer.max_steps=\"1,2\"'"),
+    (["model=transformer_tiny,transformer_base"],  # a group: a list merges both, silently
+     "model=transformer_tiny,transformer_base: several options of a config group are a sweep, "
+     "which runs only under -m (--multirun); without it, give one"),
+    (["hydra/launcher=basic,basic"],
+     "hydra/launcher=basic,basic: several options of a config group are a sweep, which runs "
+     "only under -m (--multirun)"),
     (["-m", "trainer.max_steps=5,abc"],  # a sweep's bad value, before any of its jobs runs
      "trainer.max_steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     (["-m", "model=transformer_tiny,transformer_bas"], "model=transformer_bas: there is no "),
