@@ -23,6 +23,8 @@ from typing import Any
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from mt.config import conf_dir
+
 
 def in_words(err: BaseException) -> str | None:
     """The one line for a command-line override that Hydra refused; None for any other error."""
@@ -51,7 +53,12 @@ def in_words(err: BaseException) -> str | None:
     if within and isinstance(merging, OmegaConfBaseException) and merging.full_key:
         # a key or value of a config file (a recipe of the user's own in conf/experiment/)
         where = f"conf/{within.group(1)}.yaml: "
+        group = within.group(1).rpartition("/")[0]
         if isinstance(merging, ConfigAttributeError | ConfigKeyError):
+            if group and str(merging.full_key) == group:  # no '# @package _global_' line
+                return (f"{where}Hydra put its keys under '{group}.', which is not a config "
+                        f"key: a file of conf/{group}/ that sets the config's own keys starts "
+                        "with the line '# @package _global_' (as conf/experiment/demo.yaml)")
             return where + _unknown_key(str(merging.full_key), merging).partition(": ")[2]
         return f"{where}{merging.full_key}: {str(merging.msg or merging).splitlines()[0]}"
     there = re.match(r"Could not append to config\. An item is already at '([^']+)'\.\n"
@@ -62,6 +69,12 @@ def in_words(err: BaseException) -> str | None:
     ambiguous = re.match(r"Ambiguous value for argument '(([^=']+)=([^']*))'", text)
     if ambiguous:  # trainer.max_steps=1,2 without -m
         given, key, values = ambiguous.groups()
+        group = key.lstrip("+")
+        if "/" in group or (conf_dir() / group).is_dir():
+            # a list of a group's options merges them all into one config (the last wins),
+            # silently; a quoted text names an option that is not there
+            return (f"{given}: several options of a config group are a sweep, which runs only "
+                    "under -m (--multirun); without it, give one")
         return (f"{given}: several values sweep only under -m (--multirun); a list is written "
                 f"'{key}=[{values}]', a text with a comma quoted: '{key}=\"{values}\"'")
     twice = re.match(r"Multiple values for (\S+)\. To override a value use 'override \1: (.*)'",

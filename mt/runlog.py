@@ -6,10 +6,12 @@ of ``best.pt`` and ``averaged.pt`` (``test.json``) with the command to run next.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -108,6 +110,43 @@ def write_lines(path: Path, lines: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_file(path, "".join(line.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
                                + "\n" for line in lines))
+
+
+class UnreadStderr:
+    """The progress bar's stream (stderr) where no one may read it any more: the terminal closed
+    (EIO) or, under ``mt-train 2>&1 | tee log``, tee ended by the same SIGHUP (EPIPE, which tqdm
+    raised in the training loop: the run ended in a traceback instead of saving the step it
+    stopped at). The descriptor is then pointed at /dev/null, so that this write, the logs' and
+    the one at exit all succeed; train.log keeps the logs."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as err:
+            self._unread(err)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as err:
+            self._unread(err)
+
+    def __getattr__(self, name: str):  # fileno, isatty, encoding: the stream's
+        return getattr(self.stream, name)
+
+    def _unread(self, err: OSError) -> None:
+        if err.errno not in (errno.EPIPE, errno.EIO):
+            raise err
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, self.stream.fileno())
+        finally:
+            os.close(null)
+        self.stream.flush()  # what the buffer held, into /dev/null
 
 
 class Metrics:

@@ -49,7 +49,7 @@ from mt.optim import (
     freeze,
     lr_lambda,
 )
-from mt.runlog import Metrics, Window, bleu_language, fitting, validate
+from mt.runlog import Metrics, UnreadStderr, Window, bleu_language, fitting, validate
 from mt.tokenizer import META_FILE, Tokenizer
 
 log = logging.getLogger("mt.train")
@@ -365,8 +365,8 @@ class Trainer:
         if self.rank == 0:
             from tqdm import tqdm
 
-            bar = tqdm(total=t.max_steps or None, initial=self.step, unit="step", file=sys.stderr,
-                       dynamic_ncols=True, mininterval=1.0)
+            bar = tqdm(total=t.max_steps or None, initial=self.step, unit="step",
+                       file=UnreadStderr(sys.stderr), dynamic_ncols=True, mininterval=1.0)
         window = self.window
         window.restart_clock()
         # and through the final validation: a SIGTERM there waits for its last.pt, as in the loop

@@ -58,6 +58,12 @@ def fresh_hydra():
     (["trainer.max_steps=1,2"],  # a sweep without -m
      "trainer.max_steps=1,2: several values sweep only under -m (--multirun); a list is written "
      "'trainer.max_steps=[1,2]', a text with a comma quoted: 'trainer.max_steps=\"1,2\"'"),
+    (["model=transformer_tiny,transformer_base"],  # a group: a list merges both, silently
+     "model=transformer_tiny,transformer_base: several options of a config group are a sweep, "
+     "which runs only under -m (--multirun); without it, give one"),
+    (["hydra/launcher=basic,basic"],
+     "hydra/launcher=basic,basic: several options of a config group are a sweep, which runs "
+     "only under -m (--multirun)"),
     (["-m", "trainer.max_steps=5,abc"],  # a sweep's bad value, before any of its jobs runs
      "trainer.max_steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     (["-m", "model=transformer_tiny,transformer_bas"], "model=transformer_bas: there is no "),
@@ -151,6 +157,29 @@ def test_a_typo_in_a_recipe_of_ones_own_names_the_file(body, line, tmp_path, fre
         with pytest.raises(ConfigCompositionException) as err:
             compose("train", overrides=["+experiment=mine"])
     assert in_words(err.value) == line
+
+
+def test_a_recipe_without_its_package_line_is_told_to_add_it(tmp_path, fresh_hydra):
+    """A recipe of one's own written without '# @package _global_' (conf/experiment/demo.yaml's
+    first line): Hydra reads its keys under 'experiment.', and the one line said "experiment is
+    not a config key; the config has data, ...", a key the user never wrote."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from mt.config import register_configs
+    from mt.hydra_errors import in_words
+
+    register_configs()
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("trainer:\n  max_steps: 5\n")
+    (tmp_path / "train.yaml").write_text("defaults:\n  - train_schema\n  - _self_\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        with pytest.raises(ConfigCompositionException) as err:
+            compose("train", overrides=["+experiment=mine"])
+    assert in_words(err.value) == (
+        "conf/experiment/mine.yaml: Hydra put its keys under 'experiment.', which is not a "
+        "config key: a file of conf/experiment/ that sets the config's own keys starts with the "
+        "line '# @package _global_' (as conf/experiment/demo.yaml)")
 
 
 @pytest.mark.parametrize("key, value, line", [

@@ -860,6 +860,43 @@ def test_a_sighup_in_the_loop_saves_the_step_it_stops_at(tmp_path, corpus_dir, t
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP here")
+def test_a_sighup_under_tee_saves_the_step_it_stops_at(tmp_path, corpus_dir, tokenizer_dir):
+    """`mt-train ... 2>&1 | tee log` in a terminal that closes: tee dies of the SIGHUP too, and
+    the progress bar's next write to the pipe raised BrokenPipeError in the training loop, so
+    the run ended in a traceback instead of saving the step it stopped at."""
+    marker = tmp_path / "marker"
+    patch = ("import os, time, mt.trainer as t\n"
+             "step = t.Trainer.train_step\n"
+             "def train_step(self, *args, **kwargs):\n"
+             "    if self.step == 2:  # in the third step: the terminal closes\n"
+             f"        open({str(marker)!r}, 'w').close()\n"
+             "        time.sleep(3)\n"
+             "    return step(self, *args, **kwargs)\n"
+             "t.Trainer.train_step = train_step\n")
+    script = f"import sys\n{patch}sys.argv[0] = 'mt-train'\nfrom mt.train import main\nmain()\n"
+    run_dir = tmp_path / "run"
+    cmd = [PYTHON, "-c", script, *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={run_dir}", "trainer.max_steps=6", "trainer.validate_every=100",
+           "optim.warmup_steps=2"]
+    proc = subprocess.Popen(cmd, env=cli_env(tmp_path), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), proc.stderr.read().decode()[-2000:]
+        proc.stderr.close()  # tee is gone: the pipe has no reader
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=120) == 129, (run_dir / "train.log").read_text()[-2000:]
+    finally:
+        proc.kill()
+    log = (run_dir / "train.log").read_text()
+    assert "terminated (SIGHUP) after step 3" in log and "Traceback" not in log, log[-2000:]
+    assert torch.load(run_dir / "checkpoints" / "last.pt",
+                      weights_only=False)["trainer"]["step"] == 3
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_while_worker_processes_encode_the_corpus_is_one_line(tmp_path, corpus_dir,
                                                                        tokenizer_dir, sig):
