@@ -91,6 +91,26 @@ def trainer_state(trainer: Run, rng: list[dict]) -> dict:
     }
 
 
+def mix_changes(saved: dict, data, digested: bool) -> list[str]:
+    """What changed since the save in the epoch's list of pairs (data.upsample) or their lengths
+    (data.subword_alpha, data.subword_nbest), which the kept pairs' digest does not see: the
+    batches are cut from them. ``digested``: the last.pt is one of a run that drew a fractional
+    share as the next stretch of shuffled passes (it holds a digest); before, at random."""
+    def weights(upsample) -> dict[str, float]:  # an unnamed split is 1
+        return {name: float(f) for name, f in dict(upsample or {}).items() if float(f) != 1.0}
+
+    now, was = weights(data.upsample), weights(saved.get("upsample"))
+    changes = [] if now == was else [f"data.upsample={now} (was {was})"]
+    changes += [f"data.{k}={getattr(data, k)} (was {saved[k]})"
+                for k in ("subword_alpha", "subword_nbest")
+                if saved.get(k) is not None and saved[k] != getattr(data, k)
+                and (k == "subword_alpha" or data.subword_alpha > 0)]
+    if not changes and not digested and any(f % 1 for f in now.values()):
+        changes.append("data.upsample's fractional shares drawn otherwise than by the version "
+                       "that saved it (a stretch of shuffled passes now, a random draw then)")
+    return changes
+
+
 def restore(trainer: Run, path: Path) -> None:
     """Puts the run that ``path`` (a last.pt) holds back into ``trainer``, built from this run's
     config: what changed since is said, what cannot change (the parameters trained) refused."""
@@ -169,6 +189,7 @@ def restore(trainer: Run, path: Path) -> None:
     if state.get("pairs", trainer.corpus.digest) != trainer.corpus.digest:
         cut.append("other training pairs than the saved run's (a training file changed since, "
                    "or a data setting)")
+    cut += mix_changes(saved_config.get("data") or {}, trainer.cfg.data, "pairs" in state)
     if trainer.rank == 0 and trainer.step_in_epoch and cut:
         log.warning("resuming in the middle of epoch %d with %s: its batches are cut anew, so "
                     "the rest of it is not the rest of the saved one (some pairs come twice, "

@@ -1995,3 +1995,35 @@ def test_scores_that_are_not_numbers_in_a_validation_are_one_line():
     assert _in_words(FloatingPointError(NOT_A_NUMBER)) == (
         f"{NOT_A_NUMBER} in a validation or the final test: with trainer.precision=fp16, bf16 "
         "or fp32 keeps activations finite; else the model diverged (lower optim.lr)")
+
+
+def test_a_resume_mid_epoch_with_another_upsample_or_sampling_says_the_epoch_is_cut_anew(
+        fit_here):
+    """data.upsample makes the epoch's list of pairs and data.subword_alpha their lengths, which
+    the batches are cut from: either changed since the save keeps the kept pairs (their digest)
+    the same, and the rest of the epoch repeated some pairs and skipped others unsaid."""
+    common = ["trainer.validate_every=100", "trainer.test_at_end=false"]
+    fit_here("run", *common, "trainer.max_steps=2", "+data.upsample.train=1.5")
+    again = fit_here("run", *common, "trainer.max_steps=3", "+data.upsample.train=1.5")
+    assert "cut anew" not in again
+    more = fit_here("run", *common, "trainer.max_steps=4", "+data.upsample.train=2")
+    assert ("resuming in the middle of epoch 0 with data.upsample={'train': 2.0} (was "
+            "{'train': 1.5}): its batches are cut anew") in more
+    sampled = fit_here("run", *common, "trainer.max_steps=5", "+data.upsample.train=2",
+                       "data.subword_alpha=0.5")
+    assert "with data.subword_alpha=0.5 (was 0.0)" in sampled
+
+
+def test_a_resume_mid_epoch_from_before_the_passes_says_a_fractional_share_is_drawn_anew(
+        fit_here, tmp_path):
+    """A last.pt saved before a fractional share became a stretch of shuffled passes (it holds no
+    digest of the pairs) drew its epoch's share at random: the rest of that epoch is not its."""
+    common = ["trainer.validate_every=100", "trainer.test_at_end=false", "+data.upsample.train=1.5"]
+    fit_here("run", *common, "trainer.max_steps=2")
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    ckpt = torch.load(last, weights_only=True)
+    del ckpt["trainer"]["pairs"]
+    torch.save(ckpt, last)
+    resumed = fit_here("run", *common, "trainer.max_steps=3")
+    assert ("with data.upsample's fractional shares drawn otherwise than by the version that "
+            "saved it") in resumed
