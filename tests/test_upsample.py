@@ -141,7 +141,7 @@ def test_the_training_loop_trains_each_kept_pair_as_often_as_its_split_says_in_e
                    "trainer.max_steps=0", "trainer.max_minutes=0", "trainer.validate_every=1000",
                    "trainer.test_at_end=false", corpus=d)
     assert "kept 150 of 155 pairs (dropped: empty 2, too short (< 1 tokens) 0, too long " \
-           "(> 63 tokens) 1, length ratio (> 3) 0, duplicate 2)" in log
+           "(> 127 tokens) 1, length ratio (> 3) 0, duplicate 2)" in log
     [tok] = tokenizers
 
     def read(pair: tuple[str, str]) -> tuple[str, str]:  # as the model sees it
