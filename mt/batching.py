@@ -22,7 +22,9 @@ from torch import Tensor
 from mt.config import BOS_ID, EOS_ID, PAD_ID, FilterConfig
 from mt.data import stable_hash
 
-ENCODE_VERSION = "mt-encode-1"  # bump when the encoded columns change, to invalidate old caches
+# bump when the encoded columns change, to invalidate old caches (2: ``empty`` is also a side
+# that encodes to nothing, or a source to the tag alone)
+ENCODE_VERSION = "mt-encode-2"
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -34,11 +36,23 @@ def pair_hash(src: str, tgt: str) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little", signed=True)
 
 
-def _filter_keys(src: list[str], tgt: list[str]) -> dict[str, list]:
-    """What the filters need of the text: ``empty`` (either side blank) and ``pair_hash``."""
-    pairs = list(zip(src, tgt, strict=True))
-    return {"empty": [not s.strip() or not t.strip() for s, t in pairs],
-            "pair_hash": [pair_hash(s, t) for s, t in pairs]}
+def _filter_keys(src: list[str], tgt: list[str], src_ids: list[list[int]],
+                 tgt_ids: list[list[int]], tag_id: int | None = None) -> dict[str, list]:
+    """What the filters need of a pair: ``empty`` and ``pair_hash``.
+
+    Empty is a side without a token of text: blank, or whatever the tokenizer's normalization
+    removes (a zero-width space, U+200B, which ``str.strip`` keeps), or a source that is the
+    back-translation tag ``tag_id`` alone ("<BT> " + such a text). Each was counted by no rule or
+    as too short, and the tagged one passed ``data.filter.min_tokens=1`` as one token: a pair
+    that taught the model to translate the tag into the target.
+    """
+    def blank(ids: list[int], tagged: bool) -> bool:  # ids without EOS
+        return not ids or (tagged and len(ids) == 1 and ids[0] == tag_id)
+
+    return {"empty": [not s.strip() or not t.strip() or blank(si[:-1], tag_id is not None)
+                      or blank(ti, False)
+                      for s, t, si, ti in zip(src, tgt, src_ids, tgt_ids, strict=True)],
+            "pair_hash": [pair_hash(s, t) for s, t in zip(src, tgt, strict=True)]}
 
 
 class EncodeBatch:
@@ -47,16 +61,20 @@ class EncodeBatch:
     Picklable for worker processes: it carries the serialized SentencePiece models and builds the
     processors lazily in each worker (a ``SentencePieceProcessor`` itself does not pickle).
     ``threads`` is SentencePiece's own parallelism per call (-1: all cores); with several worker
-    processes, one each avoids oversubscribing the cores.
+    processes, one each avoids oversubscribing the cores. ``tag_id``: the back-translation tag's
+    id where ``data.tagged`` is set: a source of it alone is empty (``_filter_keys``).
     """
 
-    def __init__(self, src_proto: bytes, tgt_proto: bytes | None, threads: int = -1) -> None:
+    def __init__(self, src_proto: bytes, tgt_proto: bytes | None, threads: int = -1,
+                 tag_id: int | None = None) -> None:
         self.protos = (src_proto, tgt_proto)
         self.threads = threads
+        self.tag_id = tag_id
         self._tokenizer = None
 
     def __getstate__(self) -> dict:
-        return {"protos": self.protos, "threads": self.threads, "_tokenizer": None}
+        return {"protos": self.protos, "threads": self.threads, "tag_id": self.tag_id,
+                "_tokenizer": None}
 
     def __call__(self, batch: dict[str, list[str]]) -> dict[str, list]:
         if self._tokenizer is None:
@@ -65,11 +83,10 @@ class EncodeBatch:
             self._tokenizer = Tokenizer(*self.protos)
         src, tgt = batch["src"], batch["tgt"]
         tok = self._tokenizer
-        return {
-            "src_ids": tok.src.encode(src, add_eos=True, num_threads=self.threads),
-            "tgt_ids": tok.tgt.encode(tgt, num_threads=self.threads),
-            **_filter_keys(src, tgt),
-        }
+        src_ids = tok.src.encode(src, add_eos=True, num_threads=self.threads)
+        tgt_ids = tok.tgt.encode(tgt, num_threads=self.threads)
+        return {"src_ids": src_ids, "tgt_ids": tgt_ids,
+                **_filter_keys(src, tgt, src_ids, tgt_ids, self.tag_id)}
 
 
 def default_num_proc(rows: int) -> int:
@@ -80,13 +97,14 @@ def default_num_proc(rows: int) -> int:
     return max(1, min(cores or 1, 16))
 
 
-def encode_split(ds, tokenizer, num_proc: int | None = None):
+def encode_split(ds, tokenizer, num_proc: int | None = None, tag_id: int | None = None):
     """Encodes a src/tgt dataset into cached columns src_ids, tgt_ids, empty, pair_hash.
 
     The text columns are dropped (the filters only need the lengths, the empty flags and the
     hashes). Ids are stored as uint16 when the vocabulary allows, else int32. The cache key is
-    derived from the input's fingerprint and the tokenizer's, so the same text and tokenizer are
-    encoded once, in whatever run comes first.
+    derived from the input's fingerprint, the tokenizer's and ``tag_id`` (the back-translation
+    tag's id where ``data.tagged`` is set: a source of it alone is empty), so the same text and
+    tokenizer are encoded once, in whatever run comes first.
     """
     import datasets
 
@@ -98,14 +116,16 @@ def encode_split(ds, tokenizer, num_proc: int | None = None):
                                   "pair_hash": datasets.Value("int64")})
     num_proc = default_num_proc(len(ds)) if num_proc is None else num_proc
     return ds.map(
-        EncodeBatch(tokenizer.src_proto, tokenizer.tgt_proto, threads=1 if num_proc > 1 else -1),
+        EncodeBatch(tokenizer.src_proto, tokenizer.tgt_proto, threads=1 if num_proc > 1 else -1,
+                    tag_id=tag_id),
         batched=True,
         batch_size=2000,
         writer_batch_size=10_000,  # fewer, larger record batches: faster row gathers later
         remove_columns=ds.column_names,
         features=features,
         num_proc=num_proc if num_proc > 1 else None,
-        new_fingerprint=stable_hash([ds._fingerprint, tokenizer.fingerprint, ENCODE_VERSION]),
+        new_fingerprint=stable_hash([ds._fingerprint, tokenizer.fingerprint, ENCODE_VERSION,
+                                     tag_id]),
         desc="encoding",
     )
 
@@ -150,7 +170,7 @@ def filter_lengths(src_lens: np.ndarray, tgt_lens: np.ndarray, empty: np.ndarray
     Args:
         src_lens: (N,) source lengths in subword tokens, without EOS.
         tgt_lens: (N,) target lengths in subword tokens.
-        empty: (N,) True where either side is empty or only whitespace.
+        empty: (N,) True where either side has no token of text (``_filter_keys``).
         hashes: (N,) ``pair_hash`` of each pair; None skips deduplication.
         cfg: the rules. They apply in order (empty side, min length, max length, length ratio,
             exact duplicate); a pair is counted by the first rule that drops it, and of duplicates
@@ -182,7 +202,7 @@ def filter_lengths(src_lens: np.ndarray, tgt_lens: np.ndarray, empty: np.ndarray
 def filter_pairs(src: list[str], tgt: list[str], src_ids: list[list[int]],
                  tgt_ids: list[list[int]], cfg: FilterConfig) -> tuple[list[int], FilterReport]:
     """``filter_lengths`` for pairs held in memory (source ids end with EOS)."""
-    keys = _filter_keys(src, tgt)
+    keys = _filter_keys(src, tgt, src_ids, tgt_ids)
     keep, report = filter_lengths(
         np.array([len(s) - 1 for s in src_ids], np.int64),
         np.array([len(t) for t in tgt_ids], np.int64),

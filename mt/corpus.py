@@ -19,7 +19,6 @@ import torch
 from mt.batching import EncodedPairs, encode_split, token_batches
 from mt.config import TokenizerConfig, TrainConfig
 from mt.data import (
-    count_tagged,
     data_identity,
     load_split,
     load_train,
@@ -59,20 +58,23 @@ class Corpus:
             write_demo_corpus(data.dir)
         tok_cfg = tokenizer_config(data)
         train, sizes = load_train(data, sizes=True)
-        if data.tagged and rank == 0:
-            log.info("data.tagged: %s of %s training pairs have sources tagged %s (splits %s)",
-                     f"{count_tagged(train, data.tag):,}", f"{len(train):,}", data.tag,
-                     ", ".join(data.tagged))
         self.tokenizer = self._tokenizer(cfg, tok_cfg, run_dir, train, tokenizer, origin, rank)
         rules = data.filter
         if rules.max_tokens >= cfg.model.max_positions:  # longer pairs would not fit the model
             rules = replace(rules, max_tokens=cfg.model.max_positions - 1)
         start = time.perf_counter()
-        self.pairs = EncodedPairs(encode_split(train, self.tokenizer, data.num_proc or None), rules)
+        tag_id = self.tokenizer.symbol_id(data.tag) if data.tagged else None
+        encoded = encode_split(train, self.tokenizer, data.num_proc or None, tag_id)
+        self.pairs = EncodedPairs(encoded, rules)
         if rank == 0:
             log.info("training data %s: %s (encoded and filtered in %.1f s)",
                      data.hub_name if data.source == "hub" else data.dir, self.pairs.report,
                      time.perf_counter() - start)
+            if tag_id is not None:  # of the pairs kept: counted before the filters, it was not
+                # the number trained on
+                log.info("data.tagged: %s of the %s training pairs kept have sources tagged %s "
+                         "(splits %s)", f"{count_tagged(encoded, self.pairs.rows, tag_id):,}",
+                         f"{len(self.pairs):,}", data.tag, ", ".join(data.tagged))
             barrier(world)
         if not len(self.pairs):
             capped = rules.max_tokens < data.filter.max_tokens and self.pairs.report.too_long
@@ -158,6 +160,15 @@ class Corpus:
 
     def collate(self, batch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.pairs.collate(batch if self.mix is None else self._index[batch])
+
+
+def count_tagged(encoded, rows: np.ndarray, tag_id: int) -> int:
+    """How many of the pairs ``rows`` of an encoded split (``encode_split``) have a source that
+    starts with the token ``tag_id``: one pass over the first ids in Arrow."""
+    import pyarrow.compute as pc
+
+    first = pc.list_element(encoded.data.column("src_ids"), 0).to_numpy()
+    return int(np.count_nonzero(first[rows] == tag_id))
 
 
 def pairs_digest(pairs) -> str:

@@ -242,26 +242,35 @@ def tag_sources(ds, tag: str):
     """``ds`` with every non-empty source prefixed by ``tag`` and a space (cached Arrow).
 
     The fingerprint names the tag, so the encoding cache downstream (keyed by it) never serves
-    pairs tagged otherwise, or untagged (2: a source tagged already is tagged once, not twice).
+    pairs tagged otherwise, or untagged (2: a source tagged already is tagged once, not twice;
+    3: also one whose tag is glued to the text, which gets the space).
     """
     return ds.map(_prefix, batched=True, batch_size=10_000, fn_kwargs={"tag": tag},
-                  new_fingerprint=stable_hash([ds._fingerprint, "tag_sources", tag, 2]),
+                  new_fingerprint=stable_hash([ds._fingerprint, "tag_sources", tag, 3]),
                   desc="tagging")
 
 
 def _prefix(batch: dict[str, list[str]], tag: str) -> dict[str, list[str]]:
-    # An empty source stays empty: tagged, it would slip past the filter that drops empty pairs.
-    # One whose first word is the tag already (back-translations tagged before, as other
-    # toolkits want them) keeps its one tag: "<BT> <BT> ..." was another input than the tag's.
-    return {"src": [f"{tag} {s}" if s.strip() and s.split(None, 1)[0] != tag else s
-                    for s in batch["src"]]}
+    return {"src": [_tagged(s, tag) for s in batch["src"]]}
 
 
-def count_tagged(ds, tag: str) -> int:
-    """How many pairs of ``ds`` have a source that starts with ``tag`` (one pass in Arrow)."""
-    import pyarrow.compute as pc
+def _tagged(src: str, tag: str) -> str:
+    """``src`` as ``tag``, a space and the text.
 
-    return pc.sum(pc.starts_with(ds.with_format("arrow")["src"], f"{tag} ")).as_py() or 0
+    An empty source stays empty: tagged, it would slip past the filter that drops empty pairs.
+    One whose first word starts with the tag is tagged already (back-translations tagged
+    before, as other toolkits want them) and keeps its one tag: "<BT> <BT> ..." was another
+    input than the tag's. That includes the tag glued to the text (``sed 's/^/<BT>/'``), since
+    the tokenizer reads "<BT>Hello" as the tag and "Hello" too; it gets the space, so that the
+    text after the tag encodes as it would untagged ("Hello" as a word, not as its middle).
+    """
+    text = src.lstrip()
+    if not text:
+        return src
+    if not text.startswith(tag):
+        return f"{tag} {src}"
+    rest = text[len(tag):]
+    return src if not rest or rest[0].isspace() else f"{tag} {rest}"
 
 
 def _load_one(cfg: DataConfig, split: str, cache_dir: str | None):

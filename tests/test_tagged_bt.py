@@ -4,6 +4,7 @@ data.tag, one piece of the source vocabulary that ordinary text never segments i
 import json
 import logging
 import random
+import re
 import shutil
 import subprocess
 
@@ -13,9 +14,15 @@ import torch
 from conftest import PYTHON, cli_env, tiny_train_args
 
 from mt.batching import encode_split
-from mt.config import EOS_ID, UNK_ID, DataConfig, TokenizerConfig, TrainConfig
+from mt.config import (
+    EOS_ID,
+    UNK_ID,
+    DataConfig,
+    FilterConfig,
+    TokenizerConfig,
+    TrainConfig,
+)
 from mt.data import (
-    count_tagged,
     load_split,
     load_train,
     sample_texts,
@@ -82,7 +89,7 @@ def test_tagged_sources_start_with_the_tag_id_and_untagged_ones_never_hold_it(
             assert ids[0] == tag and tag not in ids[1:]
         else:  # an empty source stays empty, so the filters still drop the pair
             assert ids == [EOS_ID]
-    assert count_tagged(ds, "<BT>") == sum(1 for s in BT[0] if s.strip())
+    assert _tagged(ds) == sum(1 for s in BT[0] if s.strip())
     valid = load_split(cfg, cfg.valid, cache_dir=str(tmp_path / "cache"))
     assert all(tag not in ids for ids in tok.encode_src(list(valid["src"])))
 
@@ -116,16 +123,28 @@ def test_the_tag_is_one_piece_whatever_the_source_starts_with(model_type, joint)
     assert plain.symbol_id("<BT>") is None
 
 
+def _tagged(ds) -> int:
+    return sum(1 for s in ds["src"] if s.startswith("<BT> "))
+
+
 def test_a_source_tagged_beforehand_keeps_one_tag(tmp_path):
     """Back-translations tagged by an earlier pipeline, named in data.tagged (the way to make
-    the tag one piece): they were tagged again, and the model trained on "<BT> <BT> ..."."""
-    src = ["<BT> green tree", "<BT>  river", "water <BT>", "<BT>green"]
+    the tag one piece): they were tagged again, and the model trained on "<BT> <BT> ...". So
+    was one whose tag is glued to the text (``sed 's/^/<BT>/'``), which the tokenizer reads as
+    the tag and the text: it gets the space, and its text encodes as it would untagged."""
+    src = ["<BT> green tree", "<BT>  river", "water <BT>", "<BT>green", " <BT>Light.", "<BT>",
+           "x<BT>"]
     _write(tmp_path / "d", "train", TRAIN[0][:3], TRAIN[1][:3])
-    _write(tmp_path / "d", "bt", src, ["a", "b", "c", "d"])
-    ds = load_train(_cfg(tmp_path / "d"), cache_dir=str(tmp_path / "cache"))
+    _write(tmp_path / "d", "bt", src, list("abcdefg"))
+    cfg = _cfg(tmp_path / "d", tokenizer=TokenizerConfig(vocab_size=60))
+    ds = load_train(cfg, cache_dir=str(tmp_path / "cache"))
     assert list(ds["src"][3:]) == ["<BT> green tree", "<BT>  river", "<BT> water <BT>",
-                                   "<BT> <BT>green"]
-    assert count_tagged(ds, "<BT>") == 4
+                                   "<BT> green", "<BT> Light.", "<BT>", "<BT> x<BT>"]
+    tok = train_tokenizer([*TRAIN[0], *src], TRAIN[1], tokenizer_config(cfg), seed=0)
+    tag = tok.symbol_id("<BT>")
+    for row, text in ((6, "green"), (7, "Light.")):
+        assert tok.src.encode(src[row - 3])[0] == tag  # as the tokenizer reads it: tagged
+        assert tok.src.encode(ds["src"][row]) == [tag, *tok.src.encode(text)]
 
 
 def test_a_change_of_tag_or_tagged_splits_is_not_served_a_stale_cache(data_dir, tmp_path):
@@ -140,11 +159,14 @@ def test_a_change_of_tag_or_tagged_splits_is_not_served_a_stale_cache(data_dir, 
     n = len(TRAIN[0])
     assert list(other_tag["src"][n:n + 2]) == ["<SYN> " + s for s in BT[0][:2]]
     assert list(untagged["src"]) == TRAIN[0] + BT[0]
-    assert count_tagged(both, "<BT>") == sum(1 for s in TRAIN[0] + BT[0] if s.strip())
+    assert _tagged(both) == sum(1 for s in TRAIN[0] + BT[0] if s.strip())
     tok = train_tokenizer(TRAIN[0], TRAIN[1], TokenizerConfig(vocab_size=60, user_symbols=["<BT>"]))
     encoded = [encode_split(d, tok, num_proc=1) for d in (tagged, other_tag, untagged)]
     assert len({e._fingerprint for e in encoded}) == 3
     assert encoded[0]["src_ids"][n][0] == tok.symbol_id("<BT>")
+    # the tag's id decides which sources are empty (the tag alone): part of the key too
+    with_tag = encode_split(tagged, tok, num_proc=1, tag_id=tok.symbol_id("<BT>"))
+    assert with_tag._fingerprint != encoded[0]._fingerprint
     assert encoded[2]["src_ids"][n][0] != tok.symbol_id("<BT>")
 
 
@@ -179,9 +201,9 @@ def test_a_reused_tokenizer_without_the_tag_fails_at_start_up(data_dir, tmp_path
     cfg.data.tokenizer.path = str(tmp_path / "tagged")
     with caplog.at_level(logging.INFO, logger="mt.train"):
         corpus = Corpus(cfg, tmp_path / "run", rank=0, world=1)
-    tagged_pairs = sum(1 for s in BT[0] if s.strip())
-    assert f"data.tagged: {tagged_pairs} of {len(TRAIN[0]) + len(BT[0])} training pairs" in (
-        caplog.text)
+    tagged_pairs = sum(1 for row in corpus.pairs.rows if row >= len(TRAIN[0]))  # bt's kept
+    assert f"data.tagged: {tagged_pairs} of the {len(corpus.pairs)} training pairs kept have " \
+           "sources tagged <BT> (splits bt)" in caplog.text
     assert corpus.tokenizer.symbol_id("<BT>") is not None
     assert corpus.valid["valid"][0] == TRAIN[0][:5]  # valid stays untagged
     meta = json.loads((tmp_path / "tagged" / META_FILE).read_text())
@@ -192,6 +214,37 @@ def test_a_reused_tokenizer_without_the_tag_fails_at_start_up(data_dir, tmp_path
                               TokenizerConfig(vocab_size=60), seed=cfg.trainer.seed)
     assert again.fingerprint == corpus.tokenizer.fingerprint
     assert "different settings" not in caplog.text  # an unused extra symbol is no change
+
+
+def test_a_tagged_source_without_text_is_dropped_as_empty_and_the_log_counts_what_is_kept(
+        tmp_path, monkeypatch, caplog):
+    """A source that encodes to nothing (a zero-width space, blanks, the tag alone) in a tagged
+    split trained as the tag alone, "<BT>" -> target: one token passed data.filter.min_tokens=1.
+    And the log counted tagged pairs before the filters, not the ones trained on."""
+    from mt.corpus import Corpus
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    blank = ["\u200b", "<BT>", "<BT> \u200b", "\u200b\u200b ", "<BT>\u200b", "   "]
+    src, tgt = _sentences(40, 7), _sentences(40, 8, "en")
+    _write(tmp_path / "d", "train", ["\u200b", *TRAIN[0][:60]], ["a b", *TRAIN[1][:60]])
+    _write(tmp_path / "d", "bt", [*blank, *src], [*_sentences(len(blank), 9, "en"), *tgt])
+    _write(tmp_path / "d", "valid", TRAIN[0][:5], TRAIN[1][:5])
+    cfg = TrainConfig()
+    cfg.data = _cfg(tmp_path / "d", tokenizer=TokenizerConfig(vocab_size=60),
+                    filter=FilterConfig(max_ratio=0, dedup=False))
+    with caplog.at_level(logging.INFO, logger="mt.train"):
+        corpus = Corpus(cfg, tmp_path / "run", rank=0, world=1)
+    report = corpus.pairs.report
+    assert (report.empty, report.too_short) == (1 + len(blank), 0)  # "\u200b" in train too
+    assert report.kept == 60 + len(src) == len(corpus.pairs)
+    first_bt = 61 + len(blank)
+    assert corpus.pairs.rows.tolist() == [*range(1, 61), *range(first_bt, first_bt + len(src))]
+    tag = corpus.tokenizer.symbol_id("<BT>")
+    for i in range(60, len(corpus.pairs)):
+        ids = corpus.collate([i])[0][0].tolist()
+        assert ids[0] == tag and ids[1] not in (tag, EOS_ID)
+    assert (f"data.tagged: {len(src)} of the {60 + len(src)} training pairs kept have sources "
+            "tagged <BT> (splits bt)") in caplog.text
 
 
 def test_fine_tuning_a_model_without_the_tag_on_tagged_data_fails_at_start_up(data_dir, tmp_path,
@@ -224,7 +277,10 @@ def test_mt_train_with_tagged_back_translation(tmp_path, corpus_dir, tokenizer_d
     result = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "data.tagged: 100 of 500 training pairs have sources tagged <BT>" in result.stderr
+    kept = re.search(r"kept ([\d,]+) of 500 pairs", result.stderr).group(1)
+    tagged = re.search(rf"data\.tagged: (\d+) of the {kept} training pairs kept have sources "
+                       r"tagged <BT> \(splits bt\)", result.stderr)
+    assert tagged and 90 <= int(tagged.group(1)) <= 100, result.stderr[-3000:]
     ckpt = torch.load(run / "checkpoints" / "last.pt", weights_only=False)
     tok = Tokenizer.from_state(ckpt["tokenizer"])
     assert tok.symbol_id("<BT>") is not None
