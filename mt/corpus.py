@@ -101,10 +101,10 @@ class Corpus:
             names = data.train.split("+")
             self.mix = Mix(self.pairs.rows, sizes, [data.upsample.get(s, 1.0) for s in names])
             if rank == 0:
-                log.info("data.upsample: %s; %s pairs an epoch", ", ".join(
+                log.info("data.upsample: %s; %s", ", ".join(
                     f"{s} x{f:g} ({n:,} pairs)" for s, f, n in zip(
                         names, self.mix.factors, self.mix.kept, strict=True)),
-                    f"{len(self.mix.epoch(cfg.trainer.seed, 0)):,}")
+                    self.mix.describe_size())
         # (sources, targets) of data.valid, then of each of data.extra_valid's splits
         self.valid: dict[str, tuple[list[str], list[str]]] = {}
         for split in [data.valid, *data.extra_valid]:
@@ -203,15 +203,31 @@ class Mix:
         self.factors = factors
         self.kept = [len(g) for g in self.groups]
 
+    @staticmethod
+    def _share(group: np.ndarray, factor: float) -> float:
+        """Pairs of ``group`` an epoch's fractional share takes on average; rounded, as 2.3 - 2
+        is 0.2999...: 2 pairs of 10, not 3, in the first epoch."""
+        return round((factor - int(factor)) * len(group), 9)
+
+    def describe_size(self) -> str:
+        """The pairs an epoch holds, for the log: a fractional factor's share takes the floor or
+        the ceiling of its average, so the count varies by epoch; epoch 0's, which the log gave,
+        was not the count of the others."""
+        whole = sum(int(f) * len(g) for g, f in zip(self.groups, self.factors, strict=True))
+        shares = [self._share(g, f) for g, f in zip(self.groups, self.factors, strict=True)]
+        low = whole + sum(math.floor(s) for s in shares)
+        high = whole + sum(math.ceil(s) for s in shares)
+        if low == high:
+            return f"{low:,} pairs an epoch"
+        return (f"{whole + sum(shares):,.2f} pairs an epoch on average (between {low:,} and "
+                f"{high:,})")
+
     def epoch(self, seed: int, epoch: int) -> np.ndarray:
         """(N,) pair indices of the epoch, a pair repeated as its split's factor says."""
         parts = []
         for index, (group, factor) in enumerate(zip(self.groups, self.factors, strict=True)):
-            whole = int(factor)
-            parts += [group] * whole
-            # pairs of the share, on average; rounded, as 2.3 - 2 is 0.2999...: 2 pairs of 10,
-            # not 3, in the first epoch
-            per_epoch = round((factor - whole) * len(group), 9)
+            parts += [group] * int(factor)
+            per_epoch = self._share(group, factor)
             start, stop = (math.floor(e * per_epoch) for e in (epoch, epoch + 1))
             if stop > start:
                 parts.append(np.sort(self._passes(group, seed, index, start, stop)))

@@ -1,5 +1,6 @@
 """data.upsample: how often each split of data.train appears per epoch (mt.corpus.Mix)."""
 
+import logging
 import random
 from collections import Counter
 
@@ -85,6 +86,33 @@ def test_an_epoch_of_the_corpus_holds_each_split_as_often_as_data_upsample_says(
     assert len(train) == kept_train and set(train.values()) == {2}
     assert len(bt) in (kept_bt // 2, (kept_bt + 1) // 2) and set(bt.values()) == {1}
     assert corpus.batches(300, seed=1, epoch=0) == batches
+
+
+def test_the_log_says_how_many_pairs_an_epoch_holds_when_a_share_varies(tmp_path, monkeypatch,
+                                                                       caplog):
+    """+data.upsample.bt=0.3 of 25 kept pairs: 7 or 8 of them an epoch. The log gave epoch 0's
+    count as that of every epoch."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    rng = random.Random(1)
+    d = tmp_path / "d"
+    d.mkdir()
+    for split, n, suffix in [("train", 40, ""), ("bt", 25, "s"), ("valid", 5, "")]:
+        src = [_sentence(rng, suffix) for _ in range(n)]
+        (d / f"{split}.en").write_text("".join(s + "\n" for s in src))
+        (d / f"{split}.de").write_text("".join(s.upper() + "\n" for s in src))
+    cfg = TrainConfig()
+    cfg.data = DataConfig(source="files", dir=str(d), src_lang="en", tgt_lang="de",
+                          train="train+bt", upsample={"bt": 0.3},
+                          tokenizer=TokenizerConfig(vocab_size=100),
+                          filter=FilterConfig(max_ratio=0, dedup=False))
+    with caplog.at_level(logging.INFO, logger="mt.train"):
+        corpus = Corpus(cfg, tmp_path / "run", rank=0, world=1)
+    assert corpus.mix.kept == [40, 25]
+    sizes = [len(corpus.mix.epoch(cfg.trainer.seed, e)) for e in range(20)]
+    assert set(sizes) == {47, 48} and sum(sizes) / 20 == 47.5
+    assert ("data.upsample: train x1 (40 pairs), bt x0.3 (25 pairs); 47.50 pairs an epoch on "
+            "average (between 47 and 48)") in caplog.text
+    assert Mix(np.arange(10), [10], [2.3]).describe_size() == "23 pairs an epoch"  # 2.3 - 2 < 0.3
 
 
 @pytest.mark.parametrize("upsample, message", [
