@@ -45,6 +45,17 @@ def in_words(err: BaseException) -> str | None:
         return _not_an_override(err.override)
     if isinstance(err, MissingConfigException):
         return _missing_option(err)
+    if isinstance(err, ValueError) and str(err).startswith("Config group override must be"):
+        # +extra=null for a group of a --config-dir (mt.train._null_group knows conf/'s only):
+        # Hydra's traceback ended in "must be a string or a list. Got NoneType"
+        from hydra.core.override_parser.types import Override
+
+        given = _hydra_local(err, Override)
+        if given is None or not given.key_or_group:
+            return None
+        group = given.key_or_group
+        return (f"{given.input_line}: a config group takes one of its names "
+                f"({' or '.join(_folders(_repository(err), group))}); '~{group}' drops it")
     if not isinstance(err, ConfigCompositionException):
         return None
     text, cause = str(err), err.__cause__

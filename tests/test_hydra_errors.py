@@ -260,6 +260,9 @@ def _own_config_dir(root):
                         "you mean trainer.max_steps?"),
     ("experiment=sub/nope", "experiment=sub/nope: there is no sub/nope.yaml in "
                             "conf/experiment/ or mine/experiment/"),
+    # a traceback ("Config group override must be a string or a list. Got NoneType")
+    ("+extra=null", "+extra=null: a config group takes one of its names (mine/extra/); '~extra' "
+                    "drops it"),
 ])
 def test_a_config_dir_of_ones_own_is_named(arg, line, tmp_path, fresh_hydra, monkeypatch,
                                            capsys):
