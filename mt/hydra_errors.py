@@ -38,9 +38,14 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from mt.config import conf_dir
 
+# conf/testsets/ is a folder of conf/, hence a group to Hydra, but its files are mt-eval's
+TESTSETS = ("conf/testsets/ holds mt-eval's named test sets (mt-eval --test NAME), not a config "
+            "group of mt-train")
+
 
 def in_words(err: BaseException) -> str | None:
-    """The one line for a command-line override that Hydra refused; None for any other error."""
+    """The one line for a command-line override, or a config file, that Hydra refused; None for
+    any other error."""
     if isinstance(err, OverrideParseException):
         return _not_an_override(err.override)
     if isinstance(err, MissingConfigException):
@@ -82,6 +87,8 @@ def in_words(err: BaseException) -> str | None:
         shown = _file(repo, within.group(1))
         where = f"{shown}: "
         group, top = within.group(1).rpartition("/")[0], str(merging.full_key)
+        if group == "testsets":  # +testsets=x: no package line would make it one of mt-train's
+            return f"+{group}={within.group(1).partition('/')[2]}: {TESTSETS}"
         if isinstance(merging, ConfigAttributeError | ConfigKeyError):
             # The file's keys put under its package, which is its group's path (with '.' for
             # '/') or a part of it: experiment=sub/x reads conf/experiment/sub/x.yaml into
@@ -93,6 +100,20 @@ def in_words(err: BaseException) -> str | None:
                         "conf/experiment/demo.yaml)")
             return where + _unknown_key(top, merging).partition(": ")[2]
         return f"{where}{top}: {str(merging.msg or merging).splitlines()[0]}"
+    gone = re.match(r"Could not delete from config\. '([^']+)' does not exist", text)
+    if gone:  # ~foo
+        return f"~{gone.group(1)}: the config has no {gone.group(1)} to drop"
+    unlisted = re.match(r"Could not (override|delete) '([^']+)'\. No match in the defaults list"
+                        r"(?:\.\nTo append to your default list use \+(\S*))?", text)
+    if unlisted and unlisted.group(2):  # a group that the root config's defaults do not choose
+        how, group, given = unlisted.groups()
+        if group == "testsets":  # '+testsets=x adds it' would not help: see TESTSETS
+            return f"{given or '~' + group}: {TESTSETS}"
+        if how == "delete":
+            return (f"~{group}: {group} is not in the defaults list (conf/train.yaml's), so there "
+                    "is nothing to drop")
+        return (f"{given}: {group} is not in the defaults list (conf/train.yaml's); +{given} "
+                "adds it")
     there = re.match(r"Could not append to config\. An item is already at '([^']+)'\.\n"
                      r"Either remove \+ prefix: '([^']*)'", text)
     if there:  # +trainer.max_steps=5

@@ -79,6 +79,13 @@ def fresh_hydra():
                                 "with spaces, brackets, commas or '=' in it is quoted"),
     (["trainer max_steps=2"], "trainer max_steps=2: 'trainer max_steps' is not a key"),
     (["-m", "trainer.max_steps=[1,"], "trainer.max_steps=[1,: its '[' is not closed"),
+    (["~foo"], "~foo: the config has no foo to drop"),
+    # conf/testsets/ is mt-eval's: Hydra's advice (+testsets=..., then '# @package _global_')
+    # would make its files keys that mt-train refuses
+    (["testsets=multi30k_valid"], "testsets=multi30k_valid: conf/testsets/ holds mt-eval's named "
+                                  "test sets (mt-eval --test NAME), not a config group of "
+                                  "mt-train"),
+    (["+testsets=multi30k_valid"], "+testsets=multi30k_valid: conf/testsets/ holds mt-eval's"),
 ])
 def test_a_typo_on_the_command_line_is_one_line_naming_it(args, line, fresh_hydra, tmp_path,
                                                           monkeypatch, capsys):
@@ -260,6 +267,11 @@ def _own_config_dir(root):
                         "you mean trainer.max_steps?"),
     ("experiment=sub/nope", "experiment=sub/nope: there is no sub/nope.yaml in "
                             "conf/experiment/ or mine/experiment/"),
+    # a group that the defaults list does not choose: three lines of Hydra's
+    ("extra=one", "extra=one: extra is not in the defaults list (conf/train.yaml's); +extra=one "
+                  "adds it"),
+    ("~extra", "~extra: extra is not in the defaults list (conf/train.yaml's), so there is "
+               "nothing to drop"),
     # a traceback ("Config group override must be a string or a list. Got NoneType")
     ("+extra=null", "+extra=null: a config group takes one of its names (mine/extra/); '~extra' "
                     "drops it"),
