@@ -371,7 +371,8 @@ def _unmade_on_refusal() -> Iterator[None]:
         try:
             return original(self, arguments)
         except REFUSALS:
-            if made and sorted(os.listdir(folder)) == ["multirun.yaml"]:
+            # (refused before the sweeper made it, or with more in it by now: left as it is)
+            if made and folder.is_dir() and sorted(os.listdir(folder)) == ["multirun.yaml"]:
                 (folder / "multirun.yaml").unlink()
                 for place in made:
                     try:
