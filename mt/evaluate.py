@@ -34,6 +34,8 @@ from mt.evaluate_args import build_parser
 from mt.evaluate_checks import check_direction, check_outputs, expand, members
 from mt.options import (
     flags_mistake,
+    min_len_budget_warning,
+    min_len_model_warning,
     search_failure_said,
     search_options,
     unused_options,
@@ -279,6 +281,10 @@ def _translate(system: System, test: TestSet, sources: list[str] | None, n: int,
         mistake = layer_mistake(model, args.alignment_layer)
         if mistake:
             raise EvalError(f"-m {system.path}: {mistake}")
+        from mt.incremental import max_positions
+
+        if warning := min_len_model_warning(args, max_positions(model)):
+            log.warning("-m %s: %s", system.path, warning)
         loaded[n] = (model, tokenizer, shortlist)
         configs = [m.cfg for m in getattr(model, "models", [model])]
         system.info = {"model": ",".join(names),
@@ -341,8 +347,11 @@ def main(argv: list[str] | None = None) -> None:
             if mistake:
                 raise SystemExit(f"mt-eval: {mistake}")
     if any(kind == "model" for kind, _ in args.systems):
-        for warning in unused_options(args, parser):
-            log.warning(warning)
+        # the warnings translate gives of the same flags (a --min-len no translation can stop
+        # before is said again once a model is loaded: _translate)
+        for warning in [*unused_options(args, parser), min_len_budget_warning(args)]:
+            if warning:
+                log.warning(warning)
         from mt.inference import cap_kernel_caches, device_mistake, keep_freed_memory
 
         mistake = device_mistake(args.device)

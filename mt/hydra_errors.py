@@ -6,30 +6,61 @@ for an unknown key, "To append to your config use +trainer.max_step=5", is wrong
 has no such key, so ``+`` only adds one that nothing reads (``mt.config_checks.check_keys``
 refuses it a step later). ``one_line_refusals`` puts these in words, with the nearest name where
 there is one (and the same mistakes in a config file, a recipe of the user's own, with its
-name); anything else (a bug, or an error this module does not know) keeps Hydra's report, and
-``HYDRA_FULL_ERROR=1`` keeps Hydra's full traceback for everything.
+name), as it does an override that is not ``key=value`` at all (Hydra's grammar report, two or
+three lines, or a traceback for ``=3``); anything else (a bug, or an error this module does not
+know) keeps Hydra's report, and ``HYDRA_FULL_ERROR=1`` keeps Hydra's full traceback for
+everything.
+
+Which file a mistake is in, and which folders a config group has, come from Hydra's config
+repository (its search path: ``conf/``, ``--config-dir``, ``hydra.searchpath``), found among the
+locals of Hydra's frames in the error's traceback; should a later Hydra lack them, the lines fall
+back to ``conf/``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
 import os
 import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
+from pathlib import Path
 from typing import Any
 
-from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.errors import (
+    ConfigCompositionException,
+    MissingConfigException,
+    OverrideParseException,
+)
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from mt.config import conf_dir
 
+# conf/testsets/ is a folder of conf/, hence a group to Hydra, but its files are mt-eval's
+TESTSETS = ("conf/testsets/ holds mt-eval's named test sets (mt-eval --test NAME), not a config "
+            "group of mt-train")
+
 
 def in_words(err: BaseException) -> str | None:
-    """The one line for a command-line override that Hydra refused; None for any other error."""
+    """The one line for a command-line override, or a config file, that Hydra refused; None for
+    any other error."""
+    if isinstance(err, OverrideParseException):
+        return _not_an_override(err.override)
     if isinstance(err, MissingConfigException):
         return _missing_option(err)
+    if isinstance(err, ValueError) and str(err).startswith("Config group override must be"):
+        # +extra=null for a group of a --config-dir (mt.train._null_group knows conf/'s only):
+        # Hydra's traceback ended in "must be a string or a list. Got NoneType"
+        from hydra.core.override_parser.types import Override
+
+        given = _hydra_local(err, Override)
+        if given is None or not given.key_or_group:
+            return None
+        group = given.key_or_group
+        return (f"{given.input_line}: a config group takes one of its names "
+                f"({' or '.join(_folders(_repository(err), group))}); '~{group}' drops it")
     if not isinstance(err, ConfigCompositionException):
         return None
     text, cause = str(err), err.__cause__
@@ -52,15 +83,37 @@ def in_words(err: BaseException) -> str | None:
     merging = err.__context__  # Hydra raises this one without 'from'
     if within and isinstance(merging, OmegaConfBaseException) and merging.full_key:
         # a key or value of a config file (a recipe of the user's own in conf/experiment/)
-        where = f"conf/{within.group(1)}.yaml: "
-        group = within.group(1).rpartition("/")[0]
+        repo = _repository(err)
+        shown = _file(repo, within.group(1))
+        where = f"{shown}: "
+        group, top = within.group(1).rpartition("/")[0], str(merging.full_key)
+        if group == "testsets":  # +testsets=x: no package line would make it one of mt-train's
+            return f"+{group}={within.group(1).partition('/')[2]}: {TESTSETS}"
         if isinstance(merging, ConfigAttributeError | ConfigKeyError):
-            if group and str(merging.full_key) == group:  # no '# @package _global_' line
-                return (f"{where}Hydra put its keys under '{group}.', which is not a config "
-                        f"key: a file of conf/{group}/ that sets the config's own keys starts "
-                        "with the line '# @package _global_' (as conf/experiment/demo.yaml)")
-            return where + _unknown_key(str(merging.full_key), merging).partition(": ")[2]
-        return f"{where}{merging.full_key}: {str(merging.msg or merging).splitlines()[0]}"
+            # The file's keys put under its package, which is its group's path (with '.' for
+            # '/') or a part of it: experiment=sub/x reads conf/experiment/sub/x.yaml into
+            # 'experiment.'; the schema then lacks the first key of the package.
+            if group and f"{group.replace('/', '.')}.".startswith(f"{top}."):
+                return (f"{where}Hydra put its keys under '{top}.', which is not a config "
+                        f"key: a file of {shown.rpartition('/')[0]}/ that sets the config's "
+                        "own keys starts with the line '# @package _global_' (as "
+                        "conf/experiment/demo.yaml)")
+            return where + _unknown_key(top, merging).partition(": ")[2]
+        return f"{where}{top}: {str(merging.msg or merging).splitlines()[0]}"
+    gone = re.match(r"Could not delete from config\. '([^']+)' does not exist", text)
+    if gone:  # ~foo
+        return f"~{gone.group(1)}: the config has no {gone.group(1)} to drop"
+    unlisted = re.match(r"Could not (override|delete) '([^']+)'\. No match in the defaults list"
+                        r"(?:\.\nTo append to your default list use \+(\S*))?", text)
+    if unlisted and unlisted.group(2):  # a group that the root config's defaults do not choose
+        how, group, given = unlisted.groups()
+        if group == "testsets":  # '+testsets=x adds it' would not help: see TESTSETS
+            return f"{given or '~' + group}: {TESTSETS}"
+        if how == "delete":
+            return (f"~{group}: {group} is not in the defaults list (conf/train.yaml's), so there "
+                    "is nothing to drop")
+        return (f"{given}: {group} is not in the defaults list (conf/train.yaml's); +{given} "
+                "adds it")
     there = re.match(r"Could not append to config\. An item is already at '([^']+)'\.\n"
                      r"Either remove \+ prefix: '([^']*)'", text)
     if there:  # +trainer.max_steps=5
@@ -70,7 +123,8 @@ def in_words(err: BaseException) -> str | None:
     if ambiguous:  # trainer.max_steps=1,2 without -m
         given, key, values = ambiguous.groups()
         group = key.lstrip("+")
-        if "/" in group or (conf_dir() / group).is_dir():
+        repo = _repository(err)
+        if "/" in group or (repo.group_exists(group) if repo else (conf_dir() / group).is_dir()):
             # a list of a group's options merges them all into one config (the last wins),
             # silently; a quoted text names an option that is not there
             return (f"{given}: several options of a config group are a sweep, which runs only "
@@ -106,33 +160,146 @@ def _unknown_key(given: str, cause: OmegaConfBaseException) -> str:
 
 
 def _missing_option(err: MissingConfigException) -> str | None:
-    """A config group option (model=transformer_bas, experiment=nope) with no file in conf/."""
+    """A config group option (model=transformer_bas, experiment=nope) with no file for it; where
+    a config file chose it (a recipe's "override /model: nope"), that file is named first:
+    Hydra's report named the root config ('In train') for a recipe's override."""
     found = re.search(r"Available options in '([^']+)'", str(err))
     if not found or not err.options:
         return None
     group = found.group(1)
     name = str(err.missing_cfg_file).removeprefix(f"{group}/")
+    repo = _repository(err)
+    chooser = _chosen_in(err, group, name)
+    # a file writes "group: name" in its defaults list; the command line, group=name
+    given = f"{group}: {name}" if chooser else f"{group}={name}"
     # experiment=conf/experiment/x.yaml: an option is a file's name without folder or .yaml
     near = difflib.get_close_matches(name.rpartition("/")[2].removesuffix(".yaml"), err.options,
                                      n=1)
-    hint = f"did you mean {group}={near[0]}? " if near else ""
-    # Hydra's own groups (hydra/launcher=...) have no folder in conf/. The choice may come from
-    # a config file (an experiment's "override /model: ..."): Hydra's report does not say which
-    # either, and the file is found by the name.
-    if group.startswith("hydra/"):
+    hint = (f"did you mean {near[0] if chooser else f'{group}={near[0]}'}? " if near else "")
+    folder = name.rpartition("/")[0]
+    if group.startswith("hydra/"):  # Hydra's own groups (hydra/launcher=...) have no folder
         missing = f"{group} has no {name}"
-    elif "/" in name:
-        missing = (f"an option of {group} is the name of a file in conf/{group}/, without "
-                   "folder or .yaml")
+    elif folder and not (repo and repo.group_exists(f"{group}/{folder}")):
+        # (experiment=sub/x is a file of a subfolder, conf/experiment/sub/: an option too)
+        missing = (f"an option of {group} is the name of a file in "
+                   f"{' or '.join(_folders(repo, group))}, without folder or .yaml")
     else:
-        missing = f"there is no conf/{group}/{name}.yaml"
-    return f"{group}={name}: {missing}; {hint}the options are {', '.join(err.options)}"
+        places = _folders(repo, group)
+        missing = (f"there is no {places[0]}{name}.yaml" if len(places) == 1
+                   else f"there is no {name}.yaml in {' or '.join(places)}")
+    where = f"{_file(repo, chooser)}: " if chooser else ""
+    return f"{where}{given}: {missing}; {hint}the options are {', '.join(err.options)}"
+
+
+def _chosen_in(err: MissingConfigException, group: str, name: str) -> str | None:
+    """The config (its path in the search path: 'experiment/x', 'train') whose defaults list
+    chose ``group``'s missing option ``name``; None where the command line chose it, or where
+    Hydra's state does not say."""
+    from hydra._internal.defaults_list import Overrides
+
+    overrides = _hydra_local(err, Overrides)
+    if overrides is None:
+        return None
+    for key, meta in overrides.override_metadata.items():
+        if key.partition("@")[0] == group and overrides.override_choices.get(key) == name:
+            return None if meta.external_override else meta.containing_config_path
+    if any(d.group == group for d in overrides.append_group_defaults):  # +group=name
+        return None
+    parent = re.match(r"In '([^']+)': ", str(err))  # a plain default of that config's own
+    return parent.group(1) if parent else None
+
+
+def _hydra_local(err: BaseException, kind: type) -> Any | None:
+    """The innermost local variable of type ``kind`` among the frames of ``err``'s traceback
+    (Hydra's config repository, its overrides): what Hydra knew where it raised."""
+    found, tb = None, err.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, kind):
+                found = value
+        tb = tb.tb_next
+    return found
+
+
+def _repository(err: BaseException) -> Any | None:
+    """Hydra's config repository (the search path's sources) where ``err`` was raised."""
+    try:
+        from hydra._internal.config_repository import IConfigRepository
+    except ImportError:
+        return None
+    return _hydra_local(err, IConfigRepository)
+
+
+def _shown(path: Path) -> str:
+    """A file of the search path as a user finds it: conf/... for mt's own, else relative to
+    the working directory where it is under it, else absolute."""
+    for base, prefix in ((conf_dir(), "conf/"), (Path.cwd(), "")):
+        try:
+            return prefix + path.relative_to(base).as_posix()
+        except ValueError:
+            continue
+    return str(path)
+
+
+def _file(repo: Any | None, config_path: str) -> str:
+    """The file of a config ('experiment/x'): in conf/, a --config-dir or hydra.searchpath."""
+    for source in repo.get_sources() if repo else []:
+        if source.scheme() == "file" and source.is_config(config_path):
+            return _shown(Path(source.path) / f"{config_path}.yaml")
+    return f"conf/{config_path}.yaml"
+
+
+def _folders(repo: Any | None, group: str) -> list[str]:
+    """The folders of a config group in the search path: ['conf/model/'], or with a
+    --config-dir that has a model/ folder too, ['conf/model/', 'mine/model/']."""
+    found = [_shown(Path(source.path) / group) + "/"
+             for source in (repo.get_sources() if repo else [])
+             if source.scheme() == "file" and source.is_group(group)]
+    return found or [f"conf/{group}/"]
+
+
+def _not_an_override(given: str) -> str:
+    """An argument that Hydra's override grammar cannot read, said as what is expected: Hydra
+    printed its parser's words ("no viable alternative at input '[1,'", "missing EQUAL at
+    '<EOF>'") and a link, over two or three lines."""
+    key, eq, value = given.partition("=")
+    if not eq:
+        return (f"{given}: an override is key=value ({given}=...), or +key=value to add a key, "
+                "~key to drop one")
+    if re.search(r"[^\w.@/+~-]", key):
+        return (f"{given}: '{key}' is not a key (letters, digits and _ - . / @, no spaces); an "
+                "override is key=value")
+    for opens, closes, example in (("[", "]", f" ({key}=[a,b] for a list)"),
+                                   ("{", "}", f" ({key}={{a:1}} for a dict)"), ("(", ")", "")):
+        if value.count(opens) != value.count(closes):
+            wrong = (f"its '{opens}' is not closed" if value.count(opens) > value.count(closes)
+                     else f"its '{closes}' closes nothing")
+            return f"{given}: {wrong}; an override is key=value{example}"
+    for quote in "'\"":
+        if value.count(quote) % 2:
+            return f"{given}: its quote ({quote}) is not closed; an override is key=value"
+    return (f"{given}: not key=value as Hydra reads it: a value with spaces, brackets, commas or "
+            f"'=' in it is quoted (\"{key}='...'\")")
+
+
+def _no_key(overrides: list[str]) -> str | None:
+    """The first override without a key ('=3', '+=3', '@pkg=1', '~'), in words: Hydra took the
+    empty key for the root config group and failed with a traceback ('Config group override
+    must be a string or a list. Got int') or a line about the defaults list."""
+    for given in overrides:
+        key = given.lstrip("+~").partition("=")[0].partition("@")[0]
+        if not key:
+            split = (" (the shell splits 'key =value' into two words)"
+                     if given.lstrip("+").startswith("=") else "")
+            return f"{given}: an override is key=value, and this one has no key{split}"
+    return None
 
 
 @contextmanager
 def one_line_refusals(prog: str) -> Iterator[None]:
     """Within it, Hydra's command-line refusals that ``in_words`` knows end the program with
-    ``prog: <the line>`` (exit status 1, as Hydra's own) instead of Hydra's report.
+    ``prog: <the line>`` (exit status 1, as Hydra's own) instead of Hydra's report, and a ``-m``
+    sweep that Hydra refuses leaves no sweep directory behind (``_unmade_on_refusal``).
 
     Hydra prints its errors inside ``hydra._internal.utils.run_and_report``, which wraps each
     stage of a run (composing the config, ``--cfg``, a sweep); the wrapper is put in its place for
@@ -140,24 +307,82 @@ def one_line_refusals(prog: str) -> Iterator[None]:
     """
     from hydra._internal import utils
 
-    original: Callable[[Any], Any] | None = getattr(utils, "run_and_report", None)
-    if original is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+    with _unmade_on_refusal():
+        original: Callable[[Any], Any] | None = getattr(utils, "run_and_report", None)
+        if original is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            yield
+            return
+
+        def run_and_report(func: Callable[[], Any]) -> Any:
+            def said() -> Any:
+                try:
+                    return func()
+                except (ConfigCompositionException, MissingConfigException,
+                        OverrideParseException, ValueError) as err:
+                    line = _no_key(_overrides()) or in_words(err)
+                    if line is None:
+                        raise
+                    raise SystemExit(f"{prog}: {line}") from None
+            return original(said)
+
+        utils.run_and_report = run_and_report
+        try:
+            yield
+        finally:
+            utils.run_and_report = original
+
+
+def _overrides() -> list[str]:
+    """The overrides as Hydra's main() read them, from the same sys.argv (none where its parser
+    refuses sys.argv: a caller's own, under a test runner)."""
+    from hydra._internal import utils
+
+    try:
+        with redirect_stderr(io.StringIO()):  # its usage lines: Hydra's main() said them first
+            return list(utils.get_args_parser().parse_args().overrides)
+    except SystemExit:
+        return []
+
+
+REFUSALS = (ConfigCompositionException, MissingConfigException, OverrideParseException)
+
+
+@contextmanager
+def _unmade_on_refusal() -> Iterator[None]:
+    """Hydra's sweeper makes the sweep directory (multirun/DATE_TIME/, with multirun.yaml) before
+    it composes the jobs' configs: a sweep refused for a bad value (``-m
+    trainer.max_steps=5,abc``) left an empty sweep behind at each try. Within this block, such a
+    refusal takes away what the sweeper made, where it holds nothing but multirun.yaml."""
+    from hydra.core.plugins import Plugins
+
+    # Hydra loads its plugins anew from their files: the class it instantiates is its registry's,
+    # not the one `import hydra._internal.core_plugins.basic_sweeper` gives.
+    sweeper: Any = Plugins.instance().class_name_to_class.get(
+        "hydra._internal.core_plugins.basic_sweeper.BasicSweeper")
+    if sweeper is None:  # a later Hydra: its sweeps as they are
         yield
         return
+    original = sweeper.sweep
 
-    def run_and_report(func: Callable[[], Any]) -> Any:
-        def said() -> Any:
-            try:
-                return func()
-            except (ConfigCompositionException, MissingConfigException) as err:
-                line = in_words(err)
-                if line is None:
-                    raise
-                raise SystemExit(f"{prog}: {line}") from None
-        return original(said)
+    def sweep(self: Any, arguments: list[str]) -> Any:
+        folder = Path(self.config.hydra.sweep.dir)  # ${now:...} resolves once (cached)
+        made = [folder, *folder.parents]
+        made = made[:next(i for i, d in enumerate(made) if d.exists())]  # mkdir's, deepest first
+        try:
+            return original(self, arguments)
+        except REFUSALS:
+            # (refused before the sweeper made it, or with more in it by now: left as it is)
+            if made and folder.is_dir() and sorted(os.listdir(folder)) == ["multirun.yaml"]:
+                (folder / "multirun.yaml").unlink()
+                for place in made:
+                    try:
+                        place.rmdir()
+                    except OSError:  # something else is in it now
+                        break
+            raise
 
-    utils.run_and_report = run_and_report
+    sweeper.sweep = sweep
     try:
         yield
     finally:
-        utils.run_and_report = original
+        sweeper.sweep = original

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 def export_main(argv: list[str] | None = None) -> None:
     """``mt-export -m MODEL --format hf|ctranslate2 --out DIR [--quantization int8]``."""
-    from mt.textio import file_in_the_way, terminate_as_interrupt
+    from mt.textio import blank_name_mistake, file_in_the_way, terminate_as_interrupt
 
     p = argparse.ArgumentParser(prog="mt-export", description=(
         "Export an mt model to a Hugging Face Marian directory or a CTranslate2 model."))
@@ -50,8 +50,8 @@ def export_main(argv: list[str] | None = None) -> None:
     for option in ("quantization", "shortlist"):
         if getattr(args, option) and args.format != "ctranslate2":
             p.error(f"--{option} applies to --format ctranslate2 only")
-    if not args.out.strip():  # --out "$UNSET": the working directory, "mt-export:  exists"
-        p.error("--out is empty; name the directory to write")
+    if blank := blank_name_mistake("--out", args.out, "directory"):  # else "mt-export:  exists"
+        p.error(blank)
     if blocker := file_in_the_way(args.out):  # else "cannot write ... (File exists)"
         sys.exit(f"mt-export: --out {args.out}: {blocker} is a file, not a directory")
     # Resolved: '.' and '..' become the directories they name, and a symlink keeps pointing at

@@ -217,6 +217,28 @@ def unused_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     return [f"{flag} has no effect {why}" for flag, why, on in unused if on]
 
 
+def min_len_budget_warning(args: argparse.Namespace) -> str | None:
+    """A ``--min-len`` at or past a fixed budget (``--max-len-a 0 --max-len-b N``), in words:
+    no translation may stop before the budget ends it, so every one runs to the budget. None
+    where it can stop sooner, or under translate's ``--score`` (nothing is searched)."""
+    if getattr(args, "score", None) is not None or not (args.max_len_a == 0
+                                                        and args.min_len >= args.max_len_b):
+        return None
+    return (f"--min-len {args.min_len} is not below the budget of --max-len-a 0 --max-len-b "
+            f"{args.max_len_b} (EOS included): every translation runs to the budget")
+
+
+def min_len_model_warning(args: argparse.Namespace, max_positions: int) -> str | None:
+    """A ``--min-len`` at or past the model's maximum length (``max_positions``, known once it
+    is loaded), in words: every translation runs to that maximum, whatever the budget. None
+    where ``min_len_budget_warning`` has said so already, or under ``--score``."""
+    if (getattr(args, "score", None) is not None or args.min_len < max_positions
+            or min_len_budget_warning(args)):
+        return None
+    return (f"--min-len {args.min_len} is not below the model's maximum of {max_positions} "
+            "tokens (EOS included): every translation runs to it")
+
+
 def search_options(args: argparse.Namespace, workers: int) -> SearchOptions:
     """SearchOptions from the flags of ``add_search_arguments`` and ``add_worker_arguments``."""
     return SearchOptions(

@@ -58,6 +58,23 @@ def bleu_target(lang: str) -> str:
     return primary if primary in BLEU._TOKENIZER_MAP else lang
 
 
+def model_bleu(path: str):
+    """sacreBLEU's BLEU for a checkpoint's translations, tokenized for its target language
+    (``data.tgt_lang`` of its training config) as mt-train's valid and test BLEU and mt-eval's
+    (by the test set's) are: zh, ja-mecab or ko-mecab where sacrebleu has one, else 13a. The
+    evaluation scripts scored every language with 13a, which keeps a Chinese or Japanese line
+    (no spaces) as one token: BLEU near 0 beside mt-eval's for the same translations.
+
+    Raises:
+        EvalError: where the tokenizer cannot load (ja-mecab and ko-mecab need sacrebleu's
+        [ja] / [ko] extras), before any translation is made.
+    """
+    from mt.checkpoint import load
+
+    data = (load(path, mmap=True).get("config") or {}).get("data") or {}
+    return make_metric("bleu", trg_lang=data.get("tgt_lang") or "")
+
+
 def _bleu(*, tokenize: str | None, lowercase: bool, trg_lang: str,
           references: list[list[str]] | None, effective_order: bool = False):
     """sacreBLEU's BLEU, with a tokenizer that cannot be loaded said in one line.

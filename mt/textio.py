@@ -87,6 +87,20 @@ def file_in_the_way(path: str | os.PathLike) -> Path | None:
     return None
 
 
+def blank_name_mistake(flag: str, path: str | os.PathLike, what: str = "file") -> str | None:
+    """An output name that is empty (``--out "$UNSET"``: the working directory, said as
+    "--out  is a directory") or only whitespace, in words; None for any other. A name of spaces
+    is a legal name, but one that no listing shows and seldom one meant (it was called empty):
+    it is said as what it is, with the way to write it all the same (``./`` before it)."""
+    if not str(path):
+        return f"{flag} is empty; name the {what} to write"
+    if not str(path).strip():
+        return (f"{flag} {str(path)!r} is only whitespace (an unset shell variable between "
+                f"spaces?); name the {what} to write, or give {flag} {'./' + str(path)!r} for "
+                "one of that name")
+    return None
+
+
 def output_mistake(flag: str, path: str, force: bool, reads: Iterable[str | os.PathLike] = (),
                    read_as: str = "a file it reads", what: str = "file",
                    folder_made: bool = True) -> str | None:
@@ -95,8 +109,8 @@ def output_mistake(flag: str, path: str, force: bool, reads: Iterable[str | os.P
     does not exist, where the command does not make it (``folder_made=False``); one of the
     files it ``reads`` (said as ``read_as``), even with ``force``; any other existing file
     without ``force``."""
-    if not str(path).strip():  # --out "$UNSET": the working directory, said as "--out  is a"
-        return f"{flag} is empty; name the {what} to write"
+    if blank := blank_name_mistake(flag, path, what):
+        return blank
     out = Path(path)
     if out.is_dir() or str(path).endswith(os.sep):
         return f"{flag} {path} is a directory; name the {what} to write"

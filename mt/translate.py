@@ -55,6 +55,7 @@ from mt.options import (
     add_device_arguments,
     add_search_arguments,
     add_worker_arguments,
+    min_len_model_warning,
     search_failure_said,
     search_options,
 )
@@ -286,10 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     mistake = layer_mistake(model, args.alignment_layer)
     if mistake:
         raise SystemExit(f"translate: {mistake}")
-    if (args.score is None and args.min_len >= max_positions(model)  # any --max-len-a/-b
-            and not (args.max_len_a == 0 and args.min_len >= args.max_len_b)):  # said already
-        log.warning("--min-len %d is not below the model's maximum of %d tokens (EOS included): "
-                    "every translation runs to it", args.min_len, max_positions(model))
+    if warning := min_len_model_warning(args, max_positions(model)):  # any --max-len-a/-b
+        log.warning(warning)
     opts = search_options(args, args.workers or default_workers(args.device))
     if interactive:
         try:

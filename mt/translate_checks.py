@@ -14,7 +14,12 @@ import sys
 
 from mt.checkpoint import resolved
 from mt.inference import device_mistake
-from mt.options import flags_mistake, unused_options, weights_mistake
+from mt.options import (
+    flags_mistake,
+    min_len_budget_warning,
+    unused_options,
+    weights_mistake,
+)
 from mt.textio import InputError, count_lines
 
 log = logging.getLogger("mt.translate")
@@ -57,10 +62,8 @@ def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
                       "float32 and bfloat16 layers on a CPU are packed)")
     for warning in unused:
         log.warning(warning)
-    if args.score is None and args.max_len_a == 0 and args.min_len >= args.max_len_b:
-        log.warning("--min-len %d is not below the budget of --max-len-a 0 --max-len-b %d (EOS "
-                    "included): every translation runs to the budget",
-                    args.min_len, args.max_len_b)
+    if warning := min_len_budget_warning(args):
+        log.warning(warning)
     if args.constraints_file and (args.sampling or args.beam < 2):
         raise SystemExit("translate: --constraints-file needs beam search with --beam 2 or more "
                          "(a beam of 1 has no room for a hypothesis that places a phrase)")

@@ -19,7 +19,8 @@ With ``--shortlist FILE`` (``mt-shortlist``) a system named with ``+sl`` (``mt-b
 through the same lists as its vocabulary map (``use_vmap``).
 
 It reports seconds, sentences and whitespace words per second (model loading excluded), and BLEU
-when a reference is given, as JSON. Rounds are interleaved across systems and the best counts.
+when a reference is given (tokenized for the model's target language, as mt-eval does), as
+JSON. Rounds are interleaved across systems and the best counts.
 Each system's first pass, before the rounds, is reported apart (``first_pass_seconds``): it is
 what one ``translate`` makes, with every kernel built and every page touched the first time
 (bfloat16 on one thread of the AMX machine: 5.98 s against 5.06 s for the next pass on test2016
@@ -38,7 +39,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import sacrebleu
 import torch
 from bench_decode import (  # this folder is on sys.path
     report_mistake,
@@ -52,7 +52,9 @@ from mt.export import export_ctranslate2
 from mt.inference import load_models
 from mt.lines import translate_ids
 from mt.options import SearchOptions
+from mt.report import model_bleu
 from mt.shortlist import Shortlist
+from mt.testsets import EvalError
 from mt.textio import InputError, read_lines
 from mt.tokenizer import Tokenizer
 from mt.workers import balanced_batches
@@ -99,7 +101,10 @@ def main(argv: list[str] | None = None) -> None:
         # is one line, not a traceback after the mt systems have loaded
         shortlist = (Shortlist.load(args.shortlist, Tokenizer.from_state(
             load(args.model, mmap=True)["tokenizer"])) if args.shortlist else None)
-    except (InputError, OSError, ValueError, KeyError, RuntimeError, TypeError) as err:
+        # tokenized for the model's target language, as mt-eval and mt-train's test score are
+        bleu = model_bleu(str(resolve(args.model))) if args.reference else None
+    except (InputError, OSError, ValueError, KeyError, RuntimeError, TypeError,
+            EvalError) as err:
         p.error(str(err))
     if not lines:  # every system would time nothing, and the ratios compare noise
         p.error(f"{args.input}: no lines to translate")
@@ -197,8 +202,8 @@ def main(argv: list[str] | None = None) -> None:
                  "first_pass_seconds": round(first[name], 3),
                  "sentences_per_s": round(len(lines) / best, 1),
                  "words_per_s": round(tokens / best, 1)}
-        if refs is not None:
-            entry["bleu"] = round(sacrebleu.corpus_bleu(out, [refs]).score, 2)
+        if bleu is not None:
+            entry["bleu"] = round(bleu.corpus_score(out, [refs]).score, 2)
         if "mt-float32" in outputs:
             same = sum(a == b for a, b in zip(out, outputs["mt-float32"], strict=True))
             entry["same_as_mt_float32"] = round(same / max(len(out), 1), 3)
@@ -214,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         if a in times and b in times:
             ratios[f"{a} / {b}"] = round(min(times[b]) / min(times[a]), 2)
     report["ratios"] = ratios  # speed ratios (> 1: mt faster)
+    if bleu is not None:  # the tokenizer (tok:zh for a Chinese target): known once it has scored
+        report["bleu_signature"] = str(bleu.get_signature())
     write_report(report, args.out, "bench_translate.py")
     tmp.cleanup()
 

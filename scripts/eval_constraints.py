@@ -3,8 +3,9 @@
 The usual check of a constrained search (Hokamp & Liu, 2017; Post & Vilar, 2018): phrases are
 drawn from each reference (``--phrases`` per line, ``--words`` words at most each, seeded), as a
 terminology list would give them, and the test set is translated without and with them through
-the code ``translate`` runs. Prints JSON: BLEU and chrF of both, the share of lines whose
-translation holds every phrase, and the seconds each took.
+the code ``translate`` runs. Prints JSON: BLEU (tokenized for the model's target language, as
+mt-eval's) and chrF of both, the share of lines whose translation holds every phrase, and the
+seconds each took.
 
     python scripts/eval_constraints.py -m runs/m30k/checkpoints/averaged.pt \\
         --src ../shared/data/multi30k/test2016.en --ref ../shared/data/multi30k/test2016.de
@@ -58,7 +59,7 @@ def main() -> None:
     args = p.parse_args()
     if args.beam < 2:
         p.error("--beam must be 2 or more: a beam of 1 has no room for a constrained hypothesis")
-    model, tok, src, ref = model_and_pair(p, args.model, args.src, args.ref)
+    model, tok, src, ref, bleu = model_and_pair(p, args.model, args.src, args.ref)
     rng = random.Random(args.seed)
     constraints = [draw(r, args.phrases, args.words, rng) for r in ref]
     opts = SearchOptions(beam=args.beam, workers=args.workers)
@@ -71,10 +72,11 @@ def main() -> None:
         hyps = best_translations(model, tok, src, opts, constraints=given)
         seconds = time.perf_counter() - start
         held = sum(all(c in h for c in cs) for h, cs in zip(hyps, constraints, strict=True))
-        result[name] = {"bleu": round(sacrebleu.corpus_bleu(hyps, [ref]).score, 2),
+        result[name] = {"bleu": round(bleu.corpus_score(hyps, [ref]).score, 2),
                         "chrf": round(sacrebleu.corpus_chrf(hyps, [ref]).score, 2),
                         "lines_holding_every_phrase": round(held / len(src), 4),
                         "seconds": round(seconds, 1)}
+    result["bleu_signature"] = str(bleu.get_signature())  # known once it has scored
     print(json.dumps(result, indent=2))
 
 

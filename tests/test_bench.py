@@ -155,6 +155,44 @@ def test_evaluation_scripts_say_a_mistake_in_one_line(tmp_path, script, args, sa
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("script", ["eval_constraints", "eval_long_lines"])
+def test_evaluation_scripts_tokenize_bleu_for_the_target_language(script, tmp_path,
+                                                                   tokenizer_dir, monkeypatch,
+                                                                   capsys):
+    """They scored every language with sacrebleu's 13a, which keeps a Chinese line (no spaces)
+    as one token: BLEU 0 for translations that mt-eval, by the target language, scores high."""
+    from sacrebleu.metrics import BLEU
+
+    from mt.checkpoint import model_state, save_atomic
+    from mt.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tokenizer_dir)
+    model = build_model(ModelConfig(encoder_layers=1, decoder_layers=1, d_model=16, ffn_dim=32,
+                                    heads=2, max_positions=64, src_vocab_size=tok.src_vocab_size,
+                                    tgt_vocab_size=tok.tgt_vocab_size))
+    save_atomic(model_state(model, tok, {"data": {"src_lang": "en", "tgt_lang": "zh"}}),
+                tmp_path / "m.pt")
+    refs = ["我爱你们", "猫在这里"]
+    (tmp_path / "src").write_text("the dog\nthe cat\n")
+    (tmp_path / "ref").write_text("".join(r + "\n" for r in refs))
+    module = _script(script)
+    hyps = ["我爱你", "猫在这里"]  # what the search gave, fixed: the scoring is under test
+    monkeypatch.setattr(module, "best_translations", lambda model, tok, lines, *a, **k:
+                        hyps[:len(lines)])
+    monkeypatch.setattr(sys, "argv", [script, "-m", str(tmp_path / "m.pt"), "--src",
+                                      str(tmp_path / "src"), "--ref", str(tmp_path / "ref"),
+                                      *(["--join", "1"] if script == "eval_long_lines" else []),
+                                      "--workers", "1"])
+    module.main()
+    result = json.loads(capsys.readouterr().out)
+    want = round(BLEU(trg_lang="zh").corpus_score(hyps, [refs]).score, 2)
+    assert want > 0 == BLEU().corpus_score(hyps, [refs]).score
+    for name in ("free", "constrained") if script == "eval_constraints" else (
+            "at_the_limit", "between_sentences"):
+        assert result[name]["bleu"] == want, name
+    assert "tok:zh" in result["bleu_signature"]
+
+
 def test_a_report_that_cannot_be_written_is_printed_not_lost(tmp_path, capsys):
     """--out that fails after the measuring (a full disk, a folder removed meanwhile) ended in a
     traceback, and the minutes of measurements with it."""
@@ -183,10 +221,12 @@ def test_bench_translate_gives_empty_lines_empty_outputs_and_refuses_a_short_ref
                                     heads=2, dropout=0.0, max_positions=64,
                                     src_vocab_size=tok.src_vocab_size,
                                     tgt_vocab_size=tok.tgt_vocab_size)).eval()
-    save_atomic(model_state(model, tok, None), tmp_path / "m.pt")
+    # a Chinese target: BLEU tokenized for it, as mt-eval and mt-train's test score do
+    save_atomic(model_state(model, tok, {"data": {"src_lang": "en", "tgt_lang": "zh"}}),
+                tmp_path / "m.pt")
     src, ref, short = tmp_path / "in.en", tmp_path / "ref.zz", tmp_path / "short.zz"
     src.write_text("the dog sees a cat\n\nthe cat\n")
-    ref.write_text("a\nb\nc\n")
+    ref.write_text("我爱你\nb\n猫在这里\n")
     short.write_text("a\n")
     common = ["-m", str(tmp_path / "m.pt"), "-i", str(src), "--threads", "1", "--repeat", "1",
               "--beam", "2", "--systems", "mt-float32", "--out", str(tmp_path / "r.json")]
@@ -195,15 +235,25 @@ def test_bench_translate_gives_empty_lines_empty_outputs_and_refuses_a_short_ref
     assert stop.value.code == 2
     assert f"{src} has 3 lines but {short} has 1" in capsys.readouterr().err
     scored = []
+    real = bench.model_bleu
 
-    class Score:
-        score = 0.0
+    def recorded(path):
+        metric = real(path)
+        score = metric.corpus_score
+        metric.corpus_score = lambda hyps, refs: scored.append(list(hyps)) or score(hyps, refs)
+        return metric
 
-    monkeypatch.setattr(bench.sacrebleu, "corpus_bleu",
-                        lambda hyps, refs: scored.append(list(hyps)) or Score())
+    monkeypatch.setattr(bench, "model_bleu", recorded)
     bench.main([*common, "-r", str(ref)])
     (hyps,) = scored
     assert len(hyps) == 3 and hyps[1] == "" and hyps[0] and hyps[2]
+    from sacrebleu.metrics import BLEU
+
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert "tok:zh" in report["bleu_signature"]
+    refs = ref.read_text().splitlines()
+    assert report["systems"]["mt-float32"]["bleu"] == round(
+        BLEU(trg_lang="zh").corpus_score(hyps, [refs]).score, 2)
 
 
 def test_bench_translate_says_a_bad_shortlist_or_an_empty_input_before_any_work(

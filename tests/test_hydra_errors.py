@@ -67,6 +67,25 @@ def fresh_hydra():
     (["-m", "trainer.max_steps=5,abc"],  # a sweep's bad value, before any of its jobs runs
      "trainer.max_steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     (["-m", "model=transformer_tiny,transformer_bas"], "model=transformer_bas: there is no "),
+    # not key=value at all: Hydra's grammar report (2-3 lines) or, for '=3', a traceback
+    (["model.name"], "model.name: an override is key=value (model.name=...)"),
+    (["trainer.max_steps=[1,"], "trainer.max_steps=[1,: its '[' is not closed; an override is "
+                                "key=value (trainer.max_steps=[a,b] for a list)"),
+    (["=3"], "=3: an override is key=value, and this one has no key (the shell splits "
+             "'key =value' into two words)"),
+    (["=abc"], "=abc: an override is key=value, and this one has no key"),
+    (["~"], "~: an override is key=value, and this one has no key"),
+    (["trainer.max_steps=1=2"], "trainer.max_steps=1=2: not key=value as Hydra reads it: a value "
+                                "with spaces, brackets, commas or '=' in it is quoted"),
+    (["trainer max_steps=2"], "trainer max_steps=2: 'trainer max_steps' is not a key"),
+    (["-m", "trainer.max_steps=[1,"], "trainer.max_steps=[1,: its '[' is not closed"),
+    (["~foo"], "~foo: the config has no foo to drop"),
+    # conf/testsets/ is mt-eval's: Hydra's advice (+testsets=..., then '# @package _global_')
+    # would make its files keys that mt-train refuses
+    (["testsets=multi30k_valid"], "testsets=multi30k_valid: conf/testsets/ holds mt-eval's named "
+                                  "test sets (mt-eval --test NAME), not a config group of "
+                                  "mt-train"),
+    (["+testsets=multi30k_valid"], "+testsets=multi30k_valid: conf/testsets/ holds mt-eval's"),
 ])
 def test_a_typo_on_the_command_line_is_one_line_naming_it(args, line, fresh_hydra, tmp_path,
                                                           monkeypatch, capsys):
@@ -80,6 +99,9 @@ def test_a_typo_on_the_command_line_is_one_line_naming_it(args, line, fresh_hydr
         train.main()
     assert "\n" not in str(stop.value.code)
     assert capsys.readouterr().err == ""  # nothing of Hydra's report besides
+    # a refused sweep leaves no sweep directory (the sweeper made it, multirun.yaml in it,
+    # before it composed the jobs' configs)
+    assert not (tmp_path / "sweep").exists()
 
 
 def test_hydra_full_error_keeps_hydras_traceback(fresh_hydra, monkeypatch):
@@ -93,25 +115,32 @@ def test_hydra_full_error_keeps_hydras_traceback(fresh_hydra, monkeypatch):
         train.main()
 
 
-def test_a_bad_choice_inside_a_config_file_is_named(tmp_path, fresh_hydra):
-    """An experiment that names a missing model: the choice, which the file holds, is named."""
+def test_a_bad_choice_inside_a_config_file_is_named(tmp_path, fresh_hydra, monkeypatch):
+    """An experiment that names a missing model: the file that holds the choice is named (Hydra
+    named the root config, 'In train'), and the choice as the file writes it."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import MissingConfigException
 
     from mt.hydra_errors import in_words
 
-    (tmp_path / "model").mkdir()
-    (tmp_path / "experiment").mkdir()
-    (tmp_path / "model" / "small.yaml").write_text("width: 1\n")
-    (tmp_path / "experiment" / "mine.yaml").write_text(
+    monkeypatch.chdir(tmp_path)
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "experiment").mkdir()
+    (conf / "model" / "small.yaml").write_text("width: 1\n")
+    (conf / "experiment" / "mine.yaml").write_text(
         "# @package _global_\ndefaults:\n  - override /model: smal\n")
-    (tmp_path / "train.yaml").write_text("defaults:\n  - model: small\n  - _self_\n")
-    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+    (conf / "train.yaml").write_text("defaults:\n  - model: small\n  - _self_\n")
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
         with pytest.raises(MissingConfigException) as err:
             compose("train", overrides=["+experiment=mine"])
     assert in_words(err.value) == (
-        "model=smal: there is no conf/model/smal.yaml; did you mean "
-        "model=small? the options are small")
+        "conf/experiment/mine.yaml: model: smal: there is no conf/model/smal.yaml; did you mean "
+        "small? the options are small")
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        with pytest.raises(MissingConfigException) as err:  # the command line's: no file
+            compose("train", overrides=["model=smal"])
+    assert in_words(err.value).startswith("model=smal: there is no conf/model/smal.yaml; ")
 
 
 def test_other_errors_keep_hydras_report(monkeypatch, capsys):
@@ -141,7 +170,8 @@ def test_other_errors_keep_hydras_report(monkeypatch, capsys):
                                   "key; did you mean trainer.max_steps?"),
     ("trainer:\n  max_steps: abc\n", "conf/experiment/mine.yaml: trainer.max_steps: Value 'abc' "
                                      "of type 'str' could not be converted to Integer")])
-def test_a_typo_in_a_recipe_of_ones_own_names_the_file(body, line, tmp_path, fresh_hydra):
+def test_a_typo_in_a_recipe_of_ones_own_names_the_file(body, line, tmp_path, fresh_hydra,
+                                                       monkeypatch):
     """A recipe written into conf/experiment/: Hydra named the file, but in six lines."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException
@@ -150,7 +180,9 @@ def test_a_typo_in_a_recipe_of_ones_own_names_the_file(body, line, tmp_path, fre
     from mt.hydra_errors import in_words
 
     register_configs()
-    (tmp_path / "experiment").mkdir()
+    monkeypatch.chdir(tmp_path)  # the file is named as the user finds it: conf/experiment/...
+    tmp_path = tmp_path / "conf"
+    (tmp_path / "experiment").mkdir(parents=True)
     (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\n" + body)
     (tmp_path / "train.yaml").write_text("defaults:\n  - train_schema\n  - _self_\n")
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
@@ -159,7 +191,7 @@ def test_a_typo_in_a_recipe_of_ones_own_names_the_file(body, line, tmp_path, fre
     assert in_words(err.value) == line
 
 
-def test_a_recipe_without_its_package_line_is_told_to_add_it(tmp_path, fresh_hydra):
+def test_a_recipe_without_its_package_line_is_told_to_add_it(tmp_path, fresh_hydra, monkeypatch):
     """A recipe of one's own written without '# @package _global_' (conf/experiment/demo.yaml's
     first line): Hydra reads its keys under 'experiment.', and the one line said "experiment is
     not a config key; the config has data, ...", a key the user never wrote."""
@@ -170,7 +202,9 @@ def test_a_recipe_without_its_package_line_is_told_to_add_it(tmp_path, fresh_hyd
     from mt.hydra_errors import in_words
 
     register_configs()
-    (tmp_path / "experiment").mkdir()
+    monkeypatch.chdir(tmp_path)  # the file is named as the user finds it: conf/experiment/...
+    tmp_path = tmp_path / "conf"
+    (tmp_path / "experiment").mkdir(parents=True)
     (tmp_path / "experiment" / "mine.yaml").write_text("trainer:\n  max_steps: 5\n")
     (tmp_path / "train.yaml").write_text("defaults:\n  - train_schema\n  - _self_\n")
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
@@ -201,3 +235,58 @@ def test_an_interpolation_that_cannot_resolve_is_one_line(key, value, line, monk
     with pytest.raises(ValueError) as err:
         OmegaConf.to_object(cfg)
     assert train._in_words(err.value) == line
+
+
+def _own_config_dir(root):
+    """A --config-dir of one's own: a group conf/ lacks, recipes in a subfolder, recipes that
+    list other recipes."""
+    files = {
+        "extra/one.yaml": "a: 1\n", "extra/two.yaml": "a: 2\n", "model/mine.yaml": "name: m\n",
+        "recipes/r.yaml": "trainer:\n  max_steps: 5\n",  # no '# @package _global_'
+        "experiment/sub/x.yaml": "trainer:\n  max_steps: 5\n",
+        "experiment/outer.yaml": "# @package _global_\ndefaults:\n  - /recipes/r\n",
+        "experiment/inner.yaml": "# @package _global_\ndefaults:\n  - override /model: nope\n",
+        "experiment/outer2.yaml": "# @package _global_\ndefaults:\n  - inner\n",
+        "experiment/typo.yaml": "# @package _global_\ntrainer:\n  max_stepz: 5\n"}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+@pytest.mark.parametrize("arg, line", [
+    # the group is mine/extra/, not conf/'s: its options are not values to write as a list
+    ("extra=one,two", "extra=one,two: several options of a config group are a sweep"),
+    ("experiment=sub/x", "mine/experiment/sub/x.yaml: Hydra put its keys under 'experiment.', "
+                         "which is not a config key: a file of mine/experiment/sub/ that sets "
+                         "the config's own keys starts with the line '# @package _global_'"),
+    ("experiment=outer", "mine/recipes/r.yaml: Hydra put its keys under 'recipes.', which is "
+                         "not a config key: a file of mine/recipes/ that sets"),
+    ("experiment=outer2", "mine/experiment/inner.yaml: model: nope: there is no nope.yaml in "
+                          "conf/model/ or mine/model/; the options are mine, transformer_base"),
+    ("experiment=typo", "mine/experiment/typo.yaml: trainer.max_stepz is not a config key; did "
+                        "you mean trainer.max_steps?"),
+    ("experiment=sub/nope", "experiment=sub/nope: there is no sub/nope.yaml in "
+                            "conf/experiment/ or mine/experiment/"),
+    # a group that the defaults list does not choose: three lines of Hydra's
+    ("extra=one", "extra=one: extra is not in the defaults list (conf/train.yaml's); +extra=one "
+                  "adds it"),
+    ("~extra", "~extra: extra is not in the defaults list (conf/train.yaml's), so there is "
+               "nothing to drop"),
+    # a traceback ("Config group override must be a string or a list. Got NoneType")
+    ("+extra=null", "+extra=null: a config group takes one of its names (mine/extra/); '~extra' "
+                    "drops it"),
+])
+def test_a_config_dir_of_ones_own_is_named(arg, line, tmp_path, fresh_hydra, monkeypatch,
+                                           capsys):
+    """Groups and recipes of a --config-dir (Hydra's search path): the lines named conf/ for
+    every file, took its groups' options for values, and said that a recipe in a subfolder
+    (experiment=sub/x) without its package line had an unknown key 'experiment'."""
+    from mt import train
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    _own_config_dir(tmp_path / "mine")
+    monkeypatch.setattr(sys, "argv", ["mt-train", "--config-dir", "mine", arg, "--cfg", "job"])
+    with pytest.raises(SystemExit, match="^" + re.escape(f"mt-train: {line}")):
+        train.main()
+    assert capsys.readouterr().err == ""

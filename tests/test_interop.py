@@ -363,7 +363,8 @@ def test_an_unwritable_export_names_out_not_its_temporary_folder(tmp_path, token
                                    "nothing there was changed")
 
 
-def test_an_out_under_a_file_says_the_file_is_in_the_way(tmp_path, tokenizer_dir, capsys):
+def test_an_out_under_a_file_says_the_file_is_in_the_way(tmp_path, tokenizer_dir, capsys,
+                                                          monkeypatch):
     """--out notes.txt/export: both commands said "cannot write ... (File exists)", which reads
     as if --out itself existed."""
     tok = Tokenizer.load(tokenizer_dir)
@@ -386,6 +387,20 @@ def test_an_out_under_a_file_says_the_file_is_in_the_way(tmp_path, tokenizer_dir
     with pytest.raises(SystemExit):
         export_main(["-m", ckpt, "--format", "hf", "--out", ""])
     assert capsys.readouterr().err.endswith("error: --out is empty; name the directory to write\n")
+    # a name of spaces is not empty: it is a legal name, said as what it is, with the way to it
+    with pytest.raises(SystemExit) as stop:
+        import_main(["--from", "hf", str(tmp_path), "--out", " "])
+    assert stop.value.code == (
+        "mt-import: --out ' ' is only whitespace (an unset shell variable between spaces?); name "
+        "the checkpoint file to write, or give --out './ ' for one of that name")
+    with pytest.raises(SystemExit):
+        export_main(["-m", ckpt, "--format", "hf", "--out", "\t"])
+    assert capsys.readouterr().err.endswith(
+        "error: --out '\\t' is only whitespace (an unset shell variable between spaces?); name "
+        "the directory to write, or give --out './\\t' for one of that name\n")
+    monkeypatch.chdir(tmp_path)  # the way it gives writes a directory of that name
+    export_main(["-m", ckpt, "--format", "hf", "--out", "./ "])
+    assert (tmp_path / " " / "config.json").is_file()
 
 
 def test_export_and_import_stopped_by_sigterm_leave_nothing_behind(tmp_path, tokenizer_dir,

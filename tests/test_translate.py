@@ -1331,6 +1331,31 @@ def test_a_min_len_the_model_cannot_hold_is_warned_about(models, tmp_path, caplo
     assert not caplog.records
 
 
+def test_mt_eval_warns_of_a_min_len_as_translate_does(models, tmp_path, caplog, capsys):
+    """mt-eval translates with translate's search flags, and a --min-len at or past the budget
+    or the model's maximum made each of its translations run to that length too, without the
+    warning translate gives (the score alone, far lower, was the sign)."""
+    from mt import evaluate
+
+    most = load_model(models["a"])[0].cfg.max_positions
+    src = _write(tmp_path / "src.txt", ["a dog", "the red ball"])
+    ref = _write(tmp_path / "ref.txt", ["a dog", "the red ball"])
+    base = ["-m", models["a"], "--src", src, "--ref", ref, "--beam", "1", "--json", "-q"]
+    for flags, said in (
+            (["--max-len-a", "0", "--max-len-b", "4", "--min-len", "4"],
+             "--min-len 4 is not below the budget of --max-len-a 0 --max-len-b 4 (EOS "
+             "included): every translation runs to the budget"),
+            (["--min-len", str(most)],
+             f"-m {models['a']}: --min-len {most} is not below the model's maximum of {most} "
+             "tokens (EOS included): every translation runs to it"),
+            (["--min-len", str(most - 1)], None)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mt.evaluate"):
+            evaluate.main([*base, *flags])
+        capsys.readouterr()
+        assert [r.getMessage() for r in caplog.records] == ([said] if said else []), flags
+
+
 @pytest.mark.parametrize("flags, warned", [
     (["--seed", "3"], ["--seed has no effect without --sampling"]),
     (["--mbr-candidates", "8"], ["--mbr-candidates has no effect without --mbr"]),
