@@ -195,8 +195,10 @@ def _chosen_in(err: MissingConfigException, group: str, name: str) -> str | None
     """The config (its path in the search path: 'experiment/x', 'train') whose defaults list
     chose ``group``'s missing option ``name``; None where the command line chose it, or where
     Hydra's state does not say."""
-    from hydra._internal.defaults_list import Overrides
-
+    try:
+        from hydra._internal.defaults_list import Overrides
+    except ImportError:  # a later Hydra: the line names no file
+        return None
     overrides = _hydra_local(err, Overrides)
     if overrides is None:
         return None
