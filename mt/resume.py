@@ -12,6 +12,7 @@ of batches per step the epoch goes on from the same batch, with new random strea
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shlex
 import shutil
@@ -272,3 +273,40 @@ def set_aside(run_dir: Path) -> None:
         shutil.move(path, earlier / path.name)
     log.warning("%s held %s but no last.pt: moved to %s, and this run starts afresh",
                 ckpt_dir, ", ".join(p.name for p in found), earlier)
+
+
+# mt.textio.replace_file's temporary name: the file's, between a dot and the writer's process id
+_TEMPORARY = re.compile(r"\..+\.(\d+)\.tmp")
+
+
+def remove_killed_writes(run_dir: Path) -> None:
+    """Deletes what writes killed by SIGKILL (or a machine that went down) left in ``run_dir``,
+    which nothing else removes: the unfinished checkpoints (``checkpoint.remove_unfinished``)
+    and the hidden temporaries of ``replace_file`` (``valid/.step_N.hyp.PID.tmp``,
+    ``tokenizer/.spm.model.PID.tmp``, ``.metrics.jsonl.PID.tmp``, ...) whose process has
+    ended. For rank 0 as the run starts, holding the directory (``run_dir_lock``): the other
+    ranks write nothing there, and a temporary of a process still running stays all the same
+    (a tokenizer folder that another run shares lies outside ``run_dir``: not looked at)."""
+    ckpt_dir = run_dir / "checkpoints"
+    if removed := checkpoint.remove_unfinished(ckpt_dir):
+        log.info("removed %d unfinished checkpoint write(s) from %s (a killed run's)",
+                 removed, ckpt_dir)
+    stale = [Path(folder, name) for folder, _, names in os.walk(run_dir) for name in names
+             if (m := _TEMPORARY.fullmatch(name)) and not _running(int(m[1]))]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d temporary file(s) of killed writes from %s: %s", len(stale),
+                 run_dir, ", ".join(str(p.relative_to(run_dir)) for p in stale[:5])
+                 + (", ..." if len(stale) > 5 else ""))
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (this one included; another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):  # another user's, or past asking: kept
+        return True
+    return True

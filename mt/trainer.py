@@ -95,9 +95,8 @@ class Trainer:
         torch.manual_seed(seed)
         random.seed(seed)
         self.ckpt_dir = run_dir / "checkpoints"
-        if self.rank == 0 and (removed := checkpoint.remove_unfinished(self.ckpt_dir)):
-            log.info("removed %d unfinished checkpoint write(s) from %s (a killed run's)",
-                     removed, self.ckpt_dir)
+        if self.rank == 0:  # what writes killed by SIGKILL left: temporaries, half checkpoints
+            resume.remove_killed_writes(run_dir)
         last = self.ckpt_dir / "last.pt"
         resuming = last.exists()
         if not resuming and cfg.init_from and self.ckpt_dir.resolve() in (

@@ -1301,6 +1301,37 @@ def test_extra_valid_splits_are_scored_beside_valid_and_change_nothing_else(
         assert len(test) == 8  # data.max_valid_sentences cuts each split alike
 
 
+def test_a_run_removes_the_temporaries_of_killed_writes_but_not_a_running_writers(
+        trainer_factory, tmp_path, caplog):
+    """A SIGKILL in the middle of a small file's write (a valid/step_N.hyp, the tokenizer,
+    metrics.jsonl) left its hidden .NAME.PID.tmp in the run directory for good; checkpoints'
+    were removed at the next start, these never. Now those of a process that has ended go
+    when the run starts or resumes; one of a process still running stays, as do other files."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    run_dir = tmp_path / "run"
+    killed = [run_dir / "valid" / f".step_4.hyp.{ended.pid}.tmp",
+              run_dir / "valid" / "dev2" / f".step_4.hyp.{ended.pid}.tmp",
+              run_dir / "tokenizer" / f".spm.model.{ended.pid}.tmp",
+              run_dir / f".metrics.jsonl.{ended.pid}.tmp"]
+    kept = [run_dir / "valid" / f".step_8.hyp.{running.pid}.tmp",
+            run_dir / f".test.json.{os.getpid()}.tmp", run_dir / "notes.123.tmp",
+            run_dir / "valid" / "step_4.hyp"]
+    try:
+        for path in killed + kept:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("x\n")
+        with caplog.at_level(logging.INFO, logger="mt.train"):
+            trainer_factory("run")
+    finally:
+        running.kill()
+        running.wait()
+    assert [p for p in killed if p.exists()] == []
+    assert [p for p in kept if not p.exists()] == []
+    assert f"removed 4 temporary file(s) of killed writes from {run_dir}: " in caplog.text
+
+
 @pytest.mark.parametrize("victim", ["best.pt", "last.pt"])
 def test_a_kill_between_the_files_of_a_validation_loses_none_of_them(tmp_path, corpus_dir,
                                                                      tokenizer_dir, victim,
