@@ -397,6 +397,7 @@ class Trainer:
                 and self.validated_step != self.step):
             self._validate_and_save()  # resumed after a stop signal cut the validation of this step
             window.restart_clock()
+            stopped = self.stop_reason()  # trainer.patience may have run out at it
         while not stopped:
             batches = self.corpus.batches(t.max_tokens, t.seed, self.epoch)
             steps_in_epoch = len(batches) // per_step

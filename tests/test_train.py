@@ -1097,6 +1097,36 @@ def test_a_sigterm_in_a_long_validation_stops_within_a_batch_and_resumes_exactly
     assert [r["step"] for r in records(full) if "valid_loss" in r] == [3, 5]
 
 
+def test_the_validation_a_sigterm_cut_is_done_first_on_resume_and_can_end_the_run(
+        trainer_factory, monkeypatch):
+    """The resumed run validates the step whose validation a SIGTERM cut short before it trains
+    on, and stops there if that validation ends trainer.patience, as the run never stopped
+    does (it trained on to the next validation first)."""
+    from mt.distributed import Terminated
+    from mt.trainer import Trainer
+
+    bleu = {3: 5.0}  # worse after step 3 (1.0): trainer.patience=1 ends the run at step 6
+    real, cut = Trainer.validate, []
+
+    def validate(self):
+        if self.step == 6 and not cut:  # the real validation, a SIGTERM come as it starts
+            cut.append(os.kill(os.getpid(), signal.SIGTERM))
+            return real(self)
+        return {"valid_loss": 2.0, "valid_ppl": math.exp(2),
+                "valid_bleu": bleu.get(self.step, 1.0), "valid_chrf": 1.0}
+
+    monkeypatch.setattr(Trainer, "validate", validate)
+    args = ("trainer.max_steps=12", "trainer.validate_every=3", "trainer.patience=1")
+    with pytest.raises(Terminated) as stopped:
+        trainer_factory("run", *args).fit()
+    assert stopped.value.step == 6 and cut
+    resumed = trainer_factory("run", *args)
+    assert resumed.step == 6 and [r["step"] for r in resumed.history] == [3]
+    resumed.fit()
+    assert resumed.step == 6 and [r["step"] for r in resumed.history] == [3, 6]
+    assert resumed.stop_reason().startswith("trainer.patience=1")
+
+
 def test_a_run_with_stderr_closed_trains_and_logs_to_its_file(tmp_path, corpus_dir,
                                                              tokenizer_dir):
     """`mt-train ... 2>&-` (a service, a cron line) died silently inside Hydra, exit status 1:
