@@ -212,6 +212,10 @@ def restore(trainer: Run, path: Path) -> None:
         checkpoint.set_rng_state(ranks[trainer.rank])
     log.info("resumed %s at step %d (epoch %d, step %d of it)", path, trainer.step, trainer.epoch,
              trainer.step_in_epoch)
+    if (trainer.rank == 0 and trainer.step and trainer.step % t.validate_every == 0
+            and not any(r["step"] == trainer.step for r in trainer.history)):
+        log.info("step %d is not validated yet (a SIGTERM or SIGHUP cut its validation short, "
+                 "or trainer.validate_every is new): it is validated first", trainer.step)
 
 
 def resume_override(run_dir: Path) -> str:

@@ -1084,6 +1084,8 @@ def test_a_sigterm_in_a_long_validation_stops_within_a_batch_and_resumes_exactly
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed" in resumed.stderr and "step 3: valid loss" in resumed.stderr
+    assert ("step 3 is not validated yet (a SIGTERM or SIGHUP cut its validation short, or "
+            "trainer.validate_every is new): it is validated first") in resumed.stderr
     a, b = weights(full), weights(killed)
     for name in a:
         assert torch.equal(a[name], b[name]), name
