@@ -289,14 +289,18 @@ def remove_killed_writes(run_dir: Path) -> None:
     and the hidden temporaries of ``replace_file`` (``valid/.step_N.hyp.PID.tmp``,
     ``tokenizer/.spm.model.PID.tmp``, ``.metrics.jsonl.PID.tmp``, ...) whose process has
     ended. For rank 0 as the run starts, holding the directory (``run_dir_lock``): the other
-    ranks write nothing there, and a temporary of a process still running stays all the same
-    (a tokenizer folder that another run shares lies outside ``run_dir``: not looked at)."""
+    ranks write nothing there, and a temporary of a process still running stays all the same.
+    Only the folders mt-train writes are looked in (``hydra.run.dir=.`` makes the run directory
+    a folder of the user's; a tokenizer folder that other runs share lies outside it)."""
     ckpt_dir = run_dir / "checkpoints"
     if removed := checkpoint.remove_unfinished(ckpt_dir):
         log.info("removed %d unfinished checkpoint write(s) from %s (a killed run's)",
                  removed, ckpt_dir)
-    stale = [Path(folder, name) for folder, _, names in os.walk(run_dir) for name in names
-             if (m := _TEMPORARY.fullmatch(name)) and not _running(int(m[1]))]
+    valid = run_dir / "valid"  # and a folder per data.extra_valid split in it
+    folders = [run_dir, run_dir / "tokenizer", run_dir / "data", valid,
+               *(valid.iterdir() if valid.is_dir() else [])]
+    stale = [path for folder in folders if folder.is_dir() for path in folder.glob(".*.tmp")
+             if (m := _TEMPORARY.fullmatch(path.name)) and not _running(int(m[1]))]
     for path in stale:
         path.unlink(missing_ok=True)
     if stale:
