@@ -167,6 +167,11 @@ class Terminated(Exception):  # noqa: N818 - named for the signal, as KeyboardIn
         self.step, self.signal = step, signum
 
 
+class ValidationCut(Exception):  # noqa: N818 - an event, as Terminated
+    """A SIGTERM or SIGHUP reached rank 0 while it validated: the validation ends between two of
+    its batches, unfinished and unrecorded (``SigtermWatch.between_batches``)."""
+
+
 # What ends a run as a scheduler's notice does: SIGTERM, and SIGHUP where there is one (not on
 # Windows): a closed terminal killed the run at once, losing every step since the last save.
 STOP_SIGNALS: tuple[int, ...] = (signal.SIGTERM, *HANGUP)
@@ -198,6 +203,15 @@ class SigtermWatch:
         finally:  # a handler set outside Python reads as None: put back the default then
             for s, handler in previous.items():
                 signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+    def between_batches(self) -> None:
+        """Raises ValidationCut where a stop signal has come: called between the batches of a
+        validation (its loss, then its search), which on a large valid set takes minutes, far
+        past a scheduler's grace period (SLURM's 30 s), so that the run saves last.pt and ends
+        within a batch. The ranks above 0 wait for rank 0 meanwhile; they learn of the cut from
+        its broadcast of the validation (``Trainer._validate_and_save``)."""
+        if self.signal:
+            raise ValidationCut
 
     def _note(self, signum, frame) -> None:
         self.signal = self.signal or signum

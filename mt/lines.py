@@ -406,15 +406,15 @@ def nbest_texts(model, tokenizer, results: list[LineResult], replace_unk: bool =
 def best_translations(model, tokenizer, lines: list[str], opts: SearchOptions | None = None, *,
                       constraints: list[list[str]] | None = None,
                       shortlist: Shortlist | None = None, replace_unk: bool = False,
-                      layer: int | None = None) -> list[str]:
+                      layer: int | None = None, progress: bool | Any = False) -> list[str]:
     """Each line's best translation (the first of its ``translate_lines`` n-best), searched under
     ``torch.inference_mode``: what validation, the final test and ``mt-eval`` score.
     ``replace_unk``: each <unk> copied from the source, as ``translate --replace-unk`` (reading
     the cross-attention of decoder ``layer``). ``opts``: None for the defaults, as
-    ``translate_lines``."""
+    ``translate_lines``. ``progress``: as ``search_lines``'s."""
     opts = opts or SearchOptions()
     with torch.inference_mode():
-        results = search_lines(model, tokenizer, lines, opts, constraints=constraints,
+        results = search_lines(model, tokenizer, lines, opts, progress, constraints=constraints,
                                shortlist=shortlist)
         texts = nbest_texts(model, tokenizer, results, replace_unk, layer, opts.batch_tokens)
     return [nbest[0][0] for nbest in texts]

@@ -12,6 +12,7 @@ of batches per step the epoch goes on from the same batch, with new random strea
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shlex
 import shutil
@@ -211,6 +212,10 @@ def restore(trainer: Run, path: Path) -> None:
         checkpoint.set_rng_state(ranks[trainer.rank])
     log.info("resumed %s at step %d (epoch %d, step %d of it)", path, trainer.step, trainer.epoch,
              trainer.step_in_epoch)
+    if (trainer.rank == 0 and trainer.step and trainer.step % t.validate_every == 0
+            and not any(r["step"] == trainer.step for r in trainer.history)):
+        log.info("step %d is not validated yet (a SIGTERM or SIGHUP cut its validation short, "
+                 "or trainer.validate_every is new): it is validated first", trainer.step)
 
 
 def resume_override(run_dir: Path) -> str:
@@ -272,3 +277,44 @@ def set_aside(run_dir: Path) -> None:
         shutil.move(path, earlier / path.name)
     log.warning("%s held %s but no last.pt: moved to %s, and this run starts afresh",
                 ckpt_dir, ", ".join(p.name for p in found), earlier)
+
+
+# mt.textio.replace_file's temporary name: the file's, between a dot and the writer's process id
+_TEMPORARY = re.compile(r"\..+\.(\d+)\.tmp")
+
+
+def remove_killed_writes(run_dir: Path) -> None:
+    """Deletes what writes killed by SIGKILL (or a machine that went down) left in ``run_dir``,
+    which nothing else removes: the unfinished checkpoints (``checkpoint.remove_unfinished``)
+    and the hidden temporaries of ``replace_file`` (``valid/.step_N.hyp.PID.tmp``,
+    ``tokenizer/.spm.model.PID.tmp``, ``.metrics.jsonl.PID.tmp``, ...) whose process has
+    ended. For rank 0 as the run starts, holding the directory (``run_dir_lock``): the other
+    ranks write nothing there, and a temporary of a process still running stays all the same.
+    Only the folders mt-train writes are looked in (``hydra.run.dir=.`` makes the run directory
+    a folder of the user's; a tokenizer folder that other runs share lies outside it)."""
+    ckpt_dir = run_dir / "checkpoints"
+    if removed := checkpoint.remove_unfinished(ckpt_dir):
+        log.info("removed %d unfinished checkpoint write(s) from %s (a killed run's)",
+                 removed, ckpt_dir)
+    valid = run_dir / "valid"  # and a folder per data.extra_valid split in it
+    folders = [run_dir, run_dir / "tokenizer", run_dir / "data", valid,
+               *(valid.iterdir() if valid.is_dir() else [])]
+    stale = [path for folder in folders if folder.is_dir() for path in folder.glob(".*.tmp")
+             if (m := _TEMPORARY.fullmatch(path.name)) and not _running(int(m[1]))]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d temporary file(s) of killed writes from %s: %s", len(stale),
+                 run_dir, ", ".join(str(p.relative_to(run_dir)) for p in stale[:5])
+                 + (", ..." if len(stale) > 5 else ""))
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (this one included; another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):  # another user's, or past asking: kept
+        return True
+    return True

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,7 +54,8 @@ def bleu_language(tgt_lang: str) -> str:
 
 def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
              trainer: TrainerConfig, device: torch.device, hyp_file: Path | None = None,
-             split: str = "valid", trg_lang: str = "") -> dict:
+             split: str = "valid", trg_lang: str = "",
+             between_batches: Callable[[], None] | None = None) -> dict:
     """Loss and perplexity on the valid pairs (teacher forced, without label smoothing, so runs
     with different smoothing compare), and BLEU and chrF of the search the test at the end uses.
 
@@ -61,7 +63,9 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
     ``hyp_file``: where to write the translations scored, one line per source line
     (``write_lines``), so that a score can be read against what the model produced.
     ``split``: the pairs' name, for the warning about pairs too long. ``trg_lang``: BLEU's
-    target language (``bleu_language``).
+    target language (``bleu_language``). ``between_batches``: called after each batch of the loss
+    and of the search; an exception it raises ends the validation there (a stop signal:
+    ``mt.distributed.SigtermWatch.between_batches``).
     """
     from mt.evaluate import score
     from mt.lines import best_translations
@@ -85,14 +89,28 @@ def validate(model: torch.nn.Module, tokenizer, src: list[str], tgt: list[str],
         _, nll = label_smoothed_nll(model(src_t, tgt_in), tgt_out, 0.0)
         loss_sum += float(nll)
         tokens += int((tgt_out != PAD_ID).sum())
+        if between_batches is not None:
+            between_batches()
     opts = SearchOptions(beam=trainer.beam_size, lenpen=trainer.lenpen)
-    hyps = best_translations(model, tokenizer, src, opts)
+    hyps = best_translations(model, tokenizer, src, opts,
+                             progress=_EachBatch(between_batches) if between_batches else False)
     if hyp_file is not None:
         write_lines(hyp_file, hyps)
     scores = score(hyps, tgt, trg_lang=trg_lang)
     loss = loss_sum / tokens if tokens else math.nan  # no pair fits: no loss, not a perfect 0
     return {"valid_loss": loss, "valid_ppl": perplexity(loss),
             "valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
+
+
+class _EachBatch:
+    """The progress bar ``search_lines`` advances after each batch it searched (``total``: what
+    it adds its pieces to), calling ``call`` there instead."""
+
+    def __init__(self, call: Callable[[], None]) -> None:
+        self.call, self.total = call, 0
+
+    def update(self, _done: int) -> None:
+        self.call()
 
 
 def fitting(src_ids: list[list[int]], tgt_ids: list[list[int]], limit: int) -> list[int]:

@@ -37,7 +37,14 @@ from mt.config import (
 )
 from mt.corpus import Corpus
 from mt.data import check_splits, tokenizer_config, tokenizer_dir
-from mt.distributed import SigtermWatch, Terminated, barrier, rank_seed, setup_distributed
+from mt.distributed import (
+    SigtermWatch,
+    Terminated,
+    ValidationCut,
+    barrier,
+    rank_seed,
+    setup_distributed,
+)
 from mt.divergence import BadSteps, check_weights
 from mt.loss import label_smoothed_nll
 from mt.model import avoid_cudnn_attention, build_model, count_parameters
@@ -50,6 +57,7 @@ from mt.optim import (
     lr_lambda,
 )
 from mt.runlog import Metrics, UnreadStderr, Window, bleu_language, fitting, validate
+from mt.stopping import budget_spent
 from mt.tokenizer import META_FILE, Tokenizer
 
 log = logging.getLogger("mt.train")
@@ -87,9 +95,8 @@ class Trainer:
         torch.manual_seed(seed)
         random.seed(seed)
         self.ckpt_dir = run_dir / "checkpoints"
-        if self.rank == 0 and (removed := checkpoint.remove_unfinished(self.ckpt_dir)):
-            log.info("removed %d unfinished checkpoint write(s) from %s (a killed run's)",
-                     removed, self.ckpt_dir)
+        if self.rank == 0:  # what writes killed by SIGKILL left: temporaries, half checkpoints
+            resume.remove_killed_writes(run_dir)
         last = self.ckpt_dir / "last.pt"
         resuming = last.exists()
         if not resuming and cfg.init_from and self.ckpt_dir.resolve() in (
@@ -250,21 +257,27 @@ class Trainer:
         """The EMA's weights in the model (trainer.ema_decay), or the model as it is."""
         return self.ema.applied() if self.ema is not None else nullcontext()
 
-    def validate(self) -> dict:
+    def validate(self) -> dict | None:
         """The scores on data.valid (valid_loss, ...) and on each of data.extra_valid's splits
-        (SPLIT/loss, ...); the translations in valid/step_N.hyp and valid/SPLIT/step_N.hyp."""
+        (SPLIT/loss, ...); the translations in valid/step_N.hyp and valid/SPLIT/step_N.hyp.
+        None where a SIGTERM or SIGHUP cut it short (``SigtermWatch.between_batches``)."""
         self.model.eval()
-        c, metrics = self.corpus, {}
-        with self._averaged(), torch.inference_mode(), self._autocast():
-            for split, (src, tgt) in c.valid.items():
-                extra = split != self.cfg.data.valid
-                hyps = self.run_dir / "valid" / (split if extra else "") / f"step_{self.step}.hyp"
-                scores = validate(self.model, c.tokenizer, src, tgt, self.cfg.trainer, self.device,
-                                  hyps if self.cfg.trainer.save_valid_hyps else None, split,
-                                  self.bleu_lang)
-                metrics.update({f"{split}/{key.removeprefix('valid_')}": v
-                                for key, v in scores.items()} if extra else scores)
-        self.model.train()
+        c, metrics, t = self.corpus, {}, self.cfg.trainer
+        try:
+            with self._averaged(), torch.inference_mode(), self._autocast():
+                for split, (src, tgt) in c.valid.items():
+                    extra = split != self.cfg.data.valid
+                    folder = self.run_dir / "valid" / (split if extra else "")
+                    hyps = folder / f"step_{self.step}.hyp"
+                    scores = validate(self.model, c.tokenizer, src, tgt, t, self.device,
+                                      hyps if t.save_valid_hyps else None, split, self.bleu_lang,
+                                      self.sigterm.between_batches)
+                    metrics.update({f"{split}/{key.removeprefix('valid_')}": v
+                                    for key, v in scores.items()} if extra else scores)
+        except ValidationCut:
+            return None
+        finally:
+            self.model.train()
         return metrics
 
     def _autocast(self):
@@ -323,28 +336,8 @@ class Trainer:
         return self.seconds_before + running
 
     def stop_reason(self) -> str:
-        """Why training ends now, for the log ("" while it goes on): a run that ends before the
-        bar's total (a time budget, patience) says which budget ended it."""
-        t = self.cfg.trainer
-        if t.max_steps and self.step >= t.max_steps:
-            return f"trainer.max_steps={t.max_steps} reached"
-        if t.max_epochs and self.epoch >= t.max_epochs:
-            return f"trainer.max_epochs={t.max_epochs} reached"
-        if t.patience and self.bad_validations >= t.patience:
-            by = (f" (by more than trainer.min_improvement={t.min_improvement:g})"
-                  if t.min_improvement else "")
-            return (f"trainer.patience={t.patience}: no better valid {t.best_metric}{by} in "
-                    f"{self.bad_validations} validations")
-        elapsed = self.seconds()
-        if self.world > 1:  # every rank must see the same clock: same stop step, same lr
-            clock = torch.tensor([elapsed], dtype=torch.float64, device=self.device)
-            dist.all_reduce(clock, op=dist.ReduceOp.MAX)
-            elapsed = clock.item()
-        self.elapsed = elapsed
-        if t.max_minutes and elapsed / 60 >= t.max_minutes:
-            return (f"trainer.max_minutes={t.max_minutes:g} reached "
-                    f"({elapsed / 60:.1f} minutes of training)")
-        return ""
+        """Why training ends now, "" while it goes on (``mt.stopping.budget_spent``)."""
+        return budget_spent(self)
 
     def fit(self) -> float | None:
         t = self.cfg.trainer
@@ -369,7 +362,7 @@ class Trainer:
                        file=UnreadStderr(sys.stderr), dynamic_ncols=True, mininterval=1.0)
         window = self.window
         window.restart_clock()
-        # and through the final validation: a SIGTERM there waits for its last.pt, as in the loop
+        # and through the final validation: a SIGTERM there cuts it, saves last.pt, as in the loop
         with self.sigterm.watching():
             try:
                 stopped = self._epochs(bar, per_step)
@@ -400,6 +393,11 @@ class Trainer:
         t = self.cfg.trainer
         window = self.window
         stopped = self.stop_reason()
+        if (not stopped and self.step and self.step % t.validate_every == 0
+                and self.validated_step != self.step):
+            self._validate_and_save()  # resumed after a stop signal cut the validation of this step
+            window.restart_clock()
+            stopped = self.stop_reason()  # trainer.patience may have run out at it
         while not stopped:
             batches = self.corpus.batches(t.max_tokens, t.seed, self.epoch)
             steps_in_epoch = len(batches) // per_step
@@ -459,10 +457,8 @@ class Trainer:
         # Non-finite weights (a blow-up fewer than trainer.max_bad_steps steps ago) stop the run
         # in the words of a divergence, not inside the search that validation runs.
         check_weights(self.model, self.ckpt_dir / "last.pt")  # on every rank
-        self.validated_step = self.step
         improved, record = False, None
-        if self.rank == 0:
-            metrics = self.validate()
+        if self.rank == 0 and (metrics := self.validate()) is not None:  # None: cut short
             t = self.cfg.trainer
             value = metrics[BEST_METRICS[t.best_metric][0]]
             improved = improves(value, self.best, t.best_metric, t.min_improvement)
@@ -481,10 +477,14 @@ class Trainer:
                          f"; {split}: loss {metrics[f'{split}/loss']:.3f}, BLEU "
                          f"{metrics[f'{split}/bleu']:.2f}, chrF {metrics[f'{split}/chrf']:.2f}"
                          for split in self.cfg.data.extra_valid))
-        if self.world > 1:  # early stopping and the plateau cuts must agree on every rank
-            state = [self.bad_validations, self.best, record]
+        if self.world > 1:  # early stopping, the plateau cuts and a cut must agree on every rank
+            state = [self.bad_validations, self.best, record, self.sigterm.signal]
             dist.broadcast_object_list(state, src=0)
-            self.bad_validations, self.best, record = state
+            self.bad_validations, self.best, record, signum = state
+            self.sigterm.signal = self.sigterm.signal or signum
+        if record is None:  # a stop signal cut it: last.pt at this step, which a resume validates
+            self._stop_for_sigterm()
+        self.validated_step = self.step
         self.history.append(record)
         cut = cut_on_plateau(self.optimizer, self.scheduler, self.history, self.cfg)
         if cut and self.rank == 0:

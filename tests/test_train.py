@@ -980,8 +980,9 @@ def test_a_sigterm_after_the_loops_last_look_stops_before_the_final_test(tmp_pat
 def test_a_sigterm_in_the_final_validation_saves_its_step(tmp_path, corpus_dir, tokenizer_dir):
     """A budget that ends between validations (trainer.max_minutes, max_epochs) validates once
     more after the loop. A SIGTERM there was a KeyboardInterrupt: last.pt stayed at the last
-    save and the steps since were lost. Now the validation ends, last.pt holds its step, and
-    the same command goes straight to the test."""
+    save and the steps since were lost. Now the validation stops at its next batch, last.pt
+    holds its step (not the unfinished validation), and the same command validates that step
+    and goes on to the test."""
     term_in_final = ("import os, signal, mt.trainer as t\n"
                      "validate = t.Trainer.validate\n"
                      "def validate_once_more(self):\n"
@@ -996,12 +997,136 @@ def test_a_sigterm_in_the_final_validation_saves_its_step(tmp_path, corpus_dir, 
     assert (f"terminated (SIGTERM) after step 3, which {run_dir}/checkpoints/last.pt holds"
             in result.stderr), result.stderr[-2000:]
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)["trainer"]
-    assert state["step"] == 3 and [r["step"] for r in state["history"]] == [2, 3]
+    assert state["step"] == 3 and [r["step"] for r in state["history"]] == [2]
     assert not (run_dir / "test.json").exists()
-    result = patched_train(tmp_path, corpus_dir, tokenizer_dir, term_in_final, *budget)
+    result = patched_train(tmp_path, corpus_dir, tokenizer_dir, "", *budget)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "resumed" in result.stderr and "step 3: valid loss" not in result.stderr
+    assert "resumed" in result.stderr and "step 3: valid loss" in result.stderr
     assert "bleu" in json.loads((run_dir / "test.json").read_text())
+
+
+# mt-train with a validation search of many small batches, as a large valid set has, each
+# counted in the file $SEARCHES (by rank 0, which validates) and taking 4 s while the file $SLOW
+# exists: a validation of minutes, in a test of seconds.
+SLOW_VALIDATION = """\
+import os, sys, time
+import mt.lines, mt.options
+options = mt.options.SearchOptions
+mt.options.SearchOptions = lambda **kw: options(**{"batch_tokens": 40, **kw})
+greedy = mt.lines.greedy_search
+def counted(*args, **kwargs):
+    if os.environ.get("RANK", "0") == "0":
+        with open(os.environ["SEARCHES"], "a") as f:
+            f.write("batch\\n")
+        if os.path.exists(os.environ["SLOW"]):
+            time.sleep(4)
+    return greedy(*args, **kwargs)
+mt.lines.greedy_search = counted
+sys.argv[0] = "mt-train"
+from mt.train import main
+main()
+"""
+
+
+@pytest.mark.parametrize("processes", [1, 2], ids=["one-process", "torchrun"])
+def test_a_sigterm_in_a_long_validation_stops_within_a_batch_and_resumes_exactly(
+        tmp_path, corpus_dir, tokenizer_dir, processes):
+    """A SIGTERM waited for the validation under way to end: on a large valid set minutes, past
+    the 30 s a scheduler (SLURM's KillWait, torchrun's own) waits before its SIGKILL, which then
+    lost every step since the last save. The validation now ends at its next batch: last.pt
+    holds the step, without the unfinished validation, which the resumed run does first; it
+    ends as a run never stopped does, weights and curves alike. Under torchrun the launcher
+    passes the SIGTERM on; rank 1, waiting for rank 0's scores, learns of the cut from them."""
+    script = tmp_path / "slow_validation.py"
+    script.write_text(SLOW_VALIDATION)
+    searches, slow = tmp_path / "searches", tmp_path / "slow"
+    env = {**cli_env(tmp_path), "SEARCHES": str(searches), "SLOW": str(slow)}
+    launcher = ([PYTHON, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc_per_node={processes}"] if processes > 1 else [PYTHON])
+    steps = ["trainer.max_steps=5", "trainer.validate_every=3", "trainer.test_at_end=false",
+             "data.max_valid_sentences=30", "trainer.log_every=1"]
+
+    def command(run_dir: Path) -> list[str]:
+        return [*launcher, str(script), *tiny_train_args(corpus_dir, tokenizer_dir),
+                f"hydra.run.dir={run_dir}", *steps]
+
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    done = subprocess.run(command(full), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    per_validation = len(searches.read_text().splitlines()) // 2  # steps 3 and 5
+    assert per_validation >= 10  # slowed: 40 s or more, 4 s per batch
+    searches.unlink()
+
+    slow.touch()
+    err = open(tmp_path / "killed.err", "w+")  # noqa: SIM115 (read after the process ends)
+    proc = subprocess.Popen(command(killed), env=env, stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None and not searches.exists():
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before its validation"
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    took = time.monotonic() - sent
+    err.seek(0)
+    said = err.read()
+    err.close()
+    assert proc.returncode != 0 and "terminated (SIGTERM) after step 3" in said, said[-3000:]
+    # the batch under way, last.pt and the exit (Python's and torchrun's take seconds on a busy
+    # machine), not the 36 s and more left
+    assert took < 20, (took, said[-3000:])
+    assert len(searches.read_text().splitlines()) < per_validation
+    state = torch.load(killed / "checkpoints" / "last.pt", weights_only=False)["trainer"]
+    assert state["step"] == 3 and state["history"] == []  # step 3 not validated
+    slow.unlink()
+
+    resumed = subprocess.run(command(killed), env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed" in resumed.stderr and "step 3: valid loss" in resumed.stderr
+    assert ("step 3 is not validated yet (a SIGTERM or SIGHUP cut its validation short, or "
+            "trainer.validate_every is new): it is validated first") in resumed.stderr
+    a, b = weights(full), weights(killed)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+    def records(run_dir: Path) -> list[dict]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if not k.endswith("_per_s")}
+                for x in lines]
+
+    assert records(killed) == records(full)
+    assert [r["step"] for r in records(full) if "valid_loss" in r] == [3, 5]
+
+
+def test_the_validation_a_sigterm_cut_is_done_first_on_resume_and_can_end_the_run(
+        trainer_factory, monkeypatch):
+    """The resumed run validates the step whose validation a SIGTERM cut short before it trains
+    on, and stops there if that validation ends trainer.patience, as the run never stopped
+    does (it trained on to the next validation first)."""
+    from mt.distributed import Terminated
+    from mt.trainer import Trainer
+
+    bleu = {3: 5.0}  # worse after step 3 (1.0): trainer.patience=1 ends the run at step 6
+    real, cut = Trainer.validate, []
+
+    def validate(self):
+        if self.step == 6 and not cut:  # the real validation, a SIGTERM come as it starts
+            cut.append(os.kill(os.getpid(), signal.SIGTERM))
+            return real(self)
+        return {"valid_loss": 2.0, "valid_ppl": math.exp(2),
+                "valid_bleu": bleu.get(self.step, 1.0), "valid_chrf": 1.0}
+
+    monkeypatch.setattr(Trainer, "validate", validate)
+    args = ("trainer.max_steps=12", "trainer.validate_every=3", "trainer.patience=1")
+    with pytest.raises(Terminated) as stopped:
+        trainer_factory("run", *args).fit()
+    assert stopped.value.step == 6 and cut
+    resumed = trainer_factory("run", *args)
+    assert resumed.step == 6 and [r["step"] for r in resumed.history] == [3]
+    resumed.fit()
+    assert resumed.step == 6 and [r["step"] for r in resumed.history] == [3, 6]
+    assert resumed.stop_reason().startswith("trainer.patience=1")
 
 
 def test_a_run_with_stderr_closed_trains_and_logs_to_its_file(tmp_path, corpus_dir,
@@ -1206,6 +1331,38 @@ def test_extra_valid_splits_are_scored_beside_valid_and_change_nothing_else(
         assert (extra / "valid" / "dev2" / f"step_{step}.hyp").read_text() == hyps
         test = (extra / "valid" / "test" / f"step_{step}.hyp").read_text().splitlines()
         assert len(test) == 8  # data.max_valid_sentences cuts each split alike
+
+
+def test_a_run_removes_the_temporaries_of_killed_writes_but_not_a_running_writers(
+        trainer_factory, tmp_path, caplog):
+    """A SIGKILL in the middle of a small file's write (a valid/step_N.hyp, the tokenizer,
+    metrics.jsonl) left its hidden .NAME.PID.tmp in the run directory for good; checkpoints'
+    were removed at the next start, these never. Now those of a process that has ended go
+    when the run starts or resumes; one of a process still running stays, as do other files."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    run_dir = tmp_path / "run"
+    killed = [run_dir / "valid" / f".step_4.hyp.{ended.pid}.tmp",
+              run_dir / "valid" / "dev2" / f".step_4.hyp.{ended.pid}.tmp",
+              run_dir / "tokenizer" / f".spm.model.{ended.pid}.tmp",
+              run_dir / f".metrics.jsonl.{ended.pid}.tmp"]
+    kept = [run_dir / "valid" / f".step_8.hyp.{running.pid}.tmp",
+            run_dir / f".test.json.{os.getpid()}.tmp", run_dir / "notes.123.tmp",
+            run_dir / "valid" / "step_4.hyp",
+            run_dir / "src" / f".mine.{ended.pid}.tmp"]  # a folder mt-train does not write
+    try:
+        for path in killed + kept:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("x\n")
+        with caplog.at_level(logging.INFO, logger="mt.train"):
+            trainer_factory("run")
+    finally:
+        running.kill()
+        running.wait()
+    assert [p for p in killed if p.exists()] == []
+    assert [p for p in kept if not p.exists()] == []
+    assert f"removed 4 temporary file(s) of killed writes from {run_dir}: " in caplog.text
 
 
 @pytest.mark.parametrize("victim", ["best.pt", "last.pt"])
