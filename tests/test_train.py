@@ -445,6 +445,10 @@ def test_empty_valid_or_test_files_are_refused_at_start_naming_them(trainer_fact
                                          r"on both sides \(of \d+\), so nothing to "
                                          r"validate on$"):
         trainer_factory("blank_valid", f"data.dir={data}")
+    # or only what the tokenizer's normalization removes (a zero-width space): as blank
+    (data / "valid.zz").write_text("\u200b\n" * len((data / "valid.en").read_text().splitlines()))
+    with pytest.raises(ValueError, match=r"^data.valid: split 'valid' has no pair with text "):
+        trainer_factory("invisible_valid", f"data.dir={data}")
     shutil.copy(corpus_dir / "valid.zz", data / "valid.zz")
     # an empty data.test means no test at the end (it was a path '.en' beside the data)
     trainer_factory("no_test", "trainer.test_at_end=true", "data.test=")
