@@ -406,7 +406,8 @@ class Trainer:
             if steps_in_epoch == 0:
                 shrunk = {s: f for s, f in self.cfg.data.upsample.items() if f < 1}
                 why = (f" (data.upsample {', '.join(f'{s}={f:g}' for s, f in shrunk.items())} "
-                       "draws a share of its pairs per epoch, at random: here too few)"
+                       "trains a share of its pairs per epoch, the next stretch of a shuffled "
+                       "pass: here too few)"
                        if shrunk else "")
                 raise ValueError(f"epoch {self.epoch} has {len(batches)} batches, fewer than "
                                  f"trainer.accumulation x processes = {per_step}{why}")

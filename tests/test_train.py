@@ -1982,11 +1982,13 @@ def test_non_finite_weights_at_a_validation_stop_as_a_divergence(trainer_factory
 
 
 def test_an_epoch_too_small_for_a_step_names_the_upsample_that_shrank_it(fit_here):
-    """data.upsample.train=0.001 draws a share of the pairs each epoch: an epoch without a batch
-    stopped the run with a line that did not name data.upsample."""
+    """data.upsample.train=0.001 trains a share of the pairs each epoch: an epoch without a batch
+    stopped the run with a line that did not name data.upsample. The line said the share was
+    drawn at random; it is the next stretch of a shuffled pass."""
     with pytest.raises(ValueError, match=r"^epoch \d+ has 0 batches, fewer than "
                                          r"trainer.accumulation x processes = 1 \(data.upsample "
-                                         r"train=0.001 draws a share of its pairs"):
+                                         r"train=0.001 trains a share of its pairs per epoch, the "
+                                         r"next stretch of a shuffled pass: here too few\)$"):
         fit_here("run", "+data.upsample.train=0.001", "trainer.max_steps=50")
 
 
