@@ -158,9 +158,10 @@ class Trainer:
         corpus = Corpus(cfg, self.run_dir, self.rank, self.world,
                         Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
         tok = corpus.tokenizer
-        if cfg.model.tie_embeddings == "all" and not tok.joint:
-            # Two vocabularies of one size pass the model's size check, but id 11 would be
-            # "▁The" in one and "s" in the other, sharing one embedding.
+        if cfg.model.tie_embeddings == "all" and not tok.joint and start is None:
+            # Two vocabularies of one size pass the model's size check, but id 11 would be "▁The"
+            # in one and "s" in the other, sharing one embedding. A checkpoint's tie and tokenizer
+            # came together (mt-import: two SentencePiece models over one vocab.json's rows).
             raise ValueError(TIED_NEEDS_JOINT)
         cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
         if cfg.trainer.best_metric == "loss":  # a loss over no pair would be NaN at every check

@@ -122,3 +122,30 @@ def test_freezing_every_parameter_is_refused_with_the_key():
     with pytest.raises(ValueError, match=r"trainer.freeze: \* freezes all \d+ parameter tensors"):
         freeze(model, ["*"])
     assert freeze(model, ["encoder_layers.*"])  # part of them is fine
+
+
+def test_init_from_an_imported_model_with_one_vocabulary_over_two_sentencepiece_models(
+        tmp_path, tokenizer_dir, fit_here):
+    """mt-import writes an OPUS-MT model of one vocab.json (tied embeddings) with two
+    SentencePiece models over the same rows: translate took it, fine-tuning it stopped at
+    start-up with 'tie_embeddings=all needs a joint vocabulary' and two fixes that could not
+    apply (the model's tokenizer and shape are the checkpoint's, whatever data.tokenizer.joint
+    or model.tie_embeddings say)."""
+    from mt.checkpoint import model_state, save_atomic
+    from mt.model import build_model
+
+    proto = Tokenizer.load(tokenizer_dir).src_proto
+    tok = Tokenizer(proto, proto)  # as mt-import makes it: not joint, the same pieces
+    model = build_model(ModelConfig(d_model=32, ffn_dim=64, heads=2, encoder_layers=1,
+                                    decoder_layers=1, max_positions=128, tie_embeddings="all",
+                                    src_vocab_size=tok.src_vocab_size,
+                                    tgt_vocab_size=tok.tgt_vocab_size))
+    save_atomic(model_state(model, tok, {"imported_from": "opus-mt-en-zz"}), tmp_path / "opus.pt")
+    fit_here("tuned", f"init_from={tmp_path / 'opus.pt'}", "data.tokenizer.path=null",
+             "trainer.max_steps=2", "trainer.test_at_end=false")
+    saved = torch.load(tmp_path / "tuned" / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["model_config"]["tie_embeddings"] == "all"
+    assert Tokenizer.from_state(saved["tokenizer"]).fingerprint == tok.fingerprint
+    trained = saved["model"]["src_embed.weight"]  # trained on from the imported weights
+    assert torch.equal(trained, saved["model"]["tgt_embed.weight"])  # and still tied
+    assert not torch.equal(trained, model.state_dict()["src_embed.weight"])
