@@ -160,8 +160,7 @@ class Trainer:
         tok = corpus.tokenizer
         if cfg.model.tie_embeddings == "all" and not tok.joint and start is None:
             # Two vocabularies of one size pass the model's size check, but id 11 would be "▁The"
-            # in one and "s" in the other, sharing one embedding. A checkpoint's tie and tokenizer
-            # came together (mt-import: two SentencePiece models over one vocab.json's rows).
+            # in one, "s" in the other; a checkpoint's came with its tie (mt-import: one vocab)
             raise ValueError(TIED_NEEDS_JOINT)
         cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
         if cfg.trainer.best_metric == "loss":  # a loss over no pair would be NaN at every check
@@ -407,8 +406,7 @@ class Trainer:
             if steps_in_epoch == 0:
                 shrunk = {s: f for s, f in self.cfg.data.upsample.items() if f < 1}
                 why = (f" (data.upsample {', '.join(f'{s}={f:g}' for s, f in shrunk.items())} "
-                       "trains a share of its pairs per epoch, the next stretch of a shuffled "
-                       "pass: here too few)"
+                       "trains the next share of a shuffled pass each epoch: here too few)"
                        if shrunk else "")
                 raise ValueError(f"epoch {self.epoch} has {len(batches)} batches, fewer than "
                                  f"trainer.accumulation x processes = {per_step}{why}")

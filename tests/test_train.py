@@ -1987,8 +1987,8 @@ def test_an_epoch_too_small_for_a_step_names_the_upsample_that_shrank_it(fit_her
     drawn at random; it is the next stretch of a shuffled pass."""
     with pytest.raises(ValueError, match=r"^epoch \d+ has 0 batches, fewer than "
                                          r"trainer.accumulation x processes = 1 \(data.upsample "
-                                         r"train=0.001 trains a share of its pairs per epoch, the "
-                                         r"next stretch of a shuffled pass: here too few\)$"):
+                                         r"train=0.001 trains the next share of a shuffled pass "
+                                         r"each epoch: here too few\)$"):
         fit_here("run", "+data.upsample.train=0.001", "trainer.max_steps=50")
 
 
