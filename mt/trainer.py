@@ -98,7 +98,7 @@ class Trainer:
                              "a fresh run sets aside and fills anew; copy it elsewhere, or "
                              "start in another run directory")
         start, origin = self._start(last if resuming else None)
-        self.started_from = str(Path(start["path"]).resolve()) if cfg.init_from and start else None
+        self.started_from = None if resuming or not start else str(Path(start["path"]).resolve())
         if not resuming and self.rank == 0:
             resume.set_aside(run_dir)
         self.corpus = self._corpus(start, origin)
