@@ -55,6 +55,13 @@ def _filter_keys(src: list[str], tgt: list[str], src_ids: list[list[int]],
             "pair_hash": [pair_hash(s, t) for s, t in zip(src, tgt, strict=True)]}
 
 
+def empty_pairs(tokenizer, src: list[str], tgt: list[str]) -> list[bool]:
+    """Which pairs have a side without a token of text, as the encoding finds them
+    (``_filter_keys``): data.valid checks that it has a pair with text by this, since a split
+    of zero-width spaces passed ``str.strip`` and validated a BLEU of 0 every time."""
+    return _filter_keys(src, tgt, tokenizer.encode_src(src), tokenizer.encode_tgt(tgt))["empty"]
+
+
 class EncodeBatch:
     """``Dataset.map`` function: text to ids, plus what the filters need.
 

@@ -372,7 +372,8 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
 
     Returns:
         an inference checkpoint (the first one's config, dropouts included, and tokenizer;
-        averaged weights; where they came from, and their digests).
+        averaged weights, each of the widest type it has in the files (float32 beside a
+        bfloat16 copy); where they came from, and their digests).
     """
     if not paths:
         raise ValueError("no checkpoints to average")
@@ -388,6 +389,8 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
     digests = [weights_digest(base["model"])]
     made_of = {paths[0]: base.get("averaged_digests") or []}
     total = {k: v.double() for k, v in base["model"].items()}
+    # the widest of the files' types: a bfloat16 copy named first rounded the others to it
+    dtypes = {k: v.dtype for k, v in base["model"].items()}
     for p in paths[1:]:
         ckpt = load(p)
         require(ckpt)
@@ -414,13 +417,14 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
                              "in one only, or of another shape); cannot average")
         for k, v in weights.items():
             total[k] += v.double()
+            dtypes[k] = torch.promote_types(dtypes[k], v.dtype)
     for p, sources in made_of.items():
         if inside := [str(q) for q, d in zip(paths, digests, strict=True)
                       if d in sources and q is not p]:
             raise ValueError(f"{p}: an average of {', '.join(inside)} among others, which are "
                              "averaged too: they would weigh twice; name the step checkpoints "
                              "alone")
-    avg = {k: (v / len(paths)).to(base["model"][k].dtype) for k, v in total.items()}
+    avg = {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}
     out = {k: base.get(k) for k in ("format", "model_config", "tokenizer", "config")}
     out["model"] = avg
     out["averaged_from"] = [str(resolve(p).absolute()) for p in paths]

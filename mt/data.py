@@ -182,7 +182,8 @@ def load_split(cfg: DataConfig, split: str, cache_dir: str | None = None,
     loaded = []
     for part in parts:
         ds = _load_one(cfg, part, cache_dir)
-        loaded.append(tag_sources(ds, cfg.tag) if part in tagged else ds)
+        loaded.append(tag_sources(ds, cfg.tag, cfg.tokenizer.normalization.endswith("_cf"))
+                      if part in tagged else ds)
     joined = loaded[0] if len(loaded) == 1 else datasets.concatenate_datasets(loaded)
     return (joined, [len(ds) for ds in loaded]) if sizes else joined
 
@@ -238,23 +239,26 @@ def tokenizer_dir(tok_cfg: TokenizerConfig, run_dir: Path) -> Path:
     return Path(tok_cfg.path or run_dir / "tokenizer")
 
 
-def tag_sources(ds, tag: str):
+def tag_sources(ds, tag: str, fold: bool = False):
     """``ds`` with every non-empty source prefixed by ``tag`` and a space (cached Arrow).
 
+    ``fold``: the tokenizer folds case (``data.tokenizer.normalization`` ``*_cf``), so a source
+    tagged beforehand in another case ("<BT> ..." for the ``data.tag`` "<bt>" that such a
+    tokenizer needs) is tagged already: the tokenizer reads it as the tag.
     The fingerprint names the tag, so the encoding cache downstream (keyed by it) never serves
     pairs tagged otherwise, or untagged (2: a source tagged already is tagged once, not twice;
-    3: also one whose tag is glued to the text, which gets the space).
+    3: also one whose tag is glued to the text, which gets the space; 4: ``fold``).
     """
-    return ds.map(_prefix, batched=True, batch_size=10_000, fn_kwargs={"tag": tag},
-                  new_fingerprint=stable_hash([ds._fingerprint, "tag_sources", tag, 3]),
+    return ds.map(_prefix, batched=True, batch_size=10_000, fn_kwargs={"tag": tag, "fold": fold},
+                  new_fingerprint=stable_hash([ds._fingerprint, "tag_sources", tag, 4, fold]),
                   desc="tagging")
 
 
-def _prefix(batch: dict[str, list[str]], tag: str) -> dict[str, list[str]]:
-    return {"src": [_tagged(s, tag) for s in batch["src"]]}
+def _prefix(batch: dict[str, list[str]], tag: str, fold: bool) -> dict[str, list[str]]:
+    return {"src": [_tagged(s, tag, fold) for s in batch["src"]]}
 
 
-def _tagged(src: str, tag: str) -> str:
+def _tagged(src: str, tag: str, fold: bool = False) -> str:
     """``src`` as ``tag``, a space and the text.
 
     An empty source stays empty: tagged, it would slip past the filter that drops empty pairs.
@@ -263,11 +267,14 @@ def _tagged(src: str, tag: str) -> str:
     input than the tag's. That includes the tag glued to the text (``sed 's/^/<BT>/'``), since
     the tokenizer reads "<BT>Hello" as the tag and "Hello" too; it gets the space, so that the
     text after the tag encodes as it would untagged ("Hello" as a word, not as its middle).
+    With ``fold`` (a case-folding tokenizer) the tag is found in any case: "<BT>" and "<Bt>"
+    read as the tag "<bt>" there, and tagging them again gave the model two tags.
     """
     text = src.lstrip()
     if not text:
         return src
-    if not text.startswith(tag):
+    head = text[:len(tag)]
+    if (head.casefold() != tag.casefold()) if fold else head != tag:
         return f"{tag} {src}"
     rest = text[len(tag):]
     return src if not rest or rest[0].isspace() else f"{tag} {rest}"

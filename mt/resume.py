@@ -57,6 +57,7 @@ class Run(Protocol):
     seconds_before: float
     elapsed: float
     corpus: object  # mt.corpus.Corpus: its ``digest`` of the pairs an epoch is cut from
+    started_from: str | None  # the init_from file the run started from (absolute), or None
 
     def seconds(self) -> float: ...
 
@@ -89,6 +90,7 @@ def trainer_state(trainer: Run, rng: list[dict]) -> dict:
         "rng": rng[0], "rng_ranks": rng,  # "rng": rank 0's, as checkpoints before rng_ranks
         "world_size": trainer.world,
         "window": trainer.window.state(),
+        "started_from": trainer.started_from,
     }
 
 
@@ -127,6 +129,7 @@ def restore(trainer: Run, path: Path) -> None:
                          "imported model?), so the run cannot resume from it; move it away "
                          "and give it as init_from=... to start from its weights")
     state = ckpt["trainer"]
+    trainer.started_from = _check_init_from(trainer, state, saved_config, path)
     was, now = state.get("data"), data_identity(trainer.cfg.data)
     if trainer.rank == 0 and was is not None and was != now:  # louder than the settings above
         # a mistaken data=... went on training the same weights on another corpus unnoticed
@@ -216,6 +219,30 @@ def restore(trainer: Run, path: Path) -> None:
             and not any(r["step"] == trainer.step for r in trainer.history)):
         log.info("step %d is not validated yet (a SIGTERM or SIGHUP cut its validation short, "
                  "or trainer.validate_every is new): it is validated first", trainer.step)
+
+
+def _check_init_from(trainer: Run, state: dict, saved_config: dict, path: Path) -> str | None:
+    """The init_from file the resumed run started from, with a warning where this run's
+    ``init_from`` names another model: a run directory with a last.pt resumes it, and the
+    model named went unused, said only among the changed settings ('init_from=new.pt (was
+    base.pt)'): a fine-tuning run started in a folder reused by mistake went on training the
+    old run's model, of another shape even. A last.pt saved before ``started_from`` names its
+    origin by its config's init_from, relative to a directory not known here."""
+    saved_init = saved_config.get("init_from")
+    if "started_from" in state:
+        started, known = state["started_from"], True
+    else:
+        found = checkpoint.resolved(saved_init) if saved_init else None
+        started, known = (str(found.resolve()) if found else None), not saved_init or found
+    asked = trainer.cfg.init_from
+    if not asked or not known or trainer.rank != 0 or asked == saved_init:
+        return started
+    found = checkpoint.resolved(asked)
+    if found is None or str(found.resolve()) != started:
+        log.warning("init_from=%s is not used: %s resumes the run of %s, which started from %s; "
+                    "to start from %s, give the run another directory (hydra.run.dir)", asked,
+                    path.parent.parent, path, started or "no model (no init_from)", asked)
+    return started
 
 
 def resume_override(run_dir: Path) -> str:

@@ -105,6 +105,7 @@ class Trainer:
                              "a fresh run sets aside and fills anew; copy it elsewhere, or "
                              "start in another run directory")
         start, origin = self._start(last if resuming else None)
+        self.started_from = None if resuming or not start else str(Path(start["path"]).resolve())
         if not resuming and self.rank == 0:
             resume.set_aside(run_dir)
         self.corpus = self._corpus(start, origin)
@@ -165,9 +166,9 @@ class Trainer:
         corpus = Corpus(cfg, self.run_dir, self.rank, self.world,
                         Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
         tok = corpus.tokenizer
-        if cfg.model.tie_embeddings == "all" and not tok.joint:
-            # Two vocabularies of one size pass the model's size check, but id 11 would be
-            # "▁The" in one and "s" in the other, sharing one embedding.
+        if cfg.model.tie_embeddings == "all" and not tok.joint and start is None:
+            # Two vocabularies of one size pass the model's size check, but id 11 would be "▁The"
+            # in one, "s" in the other; a checkpoint's came with its tie (mt-import: one vocab)
             raise ValueError(TIED_NEEDS_JOINT)
         cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
         if cfg.trainer.best_metric == "loss":  # a loss over no pair would be NaN at every check
@@ -404,7 +405,7 @@ class Trainer:
             if steps_in_epoch == 0:
                 shrunk = {s: f for s, f in self.cfg.data.upsample.items() if f < 1}
                 why = (f" (data.upsample {', '.join(f'{s}={f:g}' for s, f in shrunk.items())} "
-                       "draws a share of its pairs per epoch, at random: here too few)"
+                       "trains the next share of a shuffled pass each epoch: here too few)"
                        if shrunk else "")
                 raise ValueError(f"epoch {self.epoch} has {len(batches)} batches, fewer than "
                                  f"trainer.accumulation x processes = {per_step}{why}")

@@ -111,6 +111,21 @@ def test_average_is_the_mean_of_the_weights(tmp_path, tokenizer):
         torch.testing.assert_close(value, sum(s[name] for s in states) / 3)
 
 
+def test_an_average_keeps_the_widest_type_whatever_file_comes_first(tmp_path, tokenizer):
+    """A checkpoint cast to bfloat16 (to store it smaller) named first made the whole average
+    bfloat16: the float32 files' weights rounded to 8 bits of mantissa, and the order of the
+    files decided it."""
+    full, half = tmp_path / "full.pt", tmp_path / "half.pt"
+    checkpoint.save_atomic(checkpoint.model_state(tiny_model(0), tokenizer, None), full)
+    state = checkpoint.model_state(tiny_model(1), tokenizer, None)
+    state["model"] = {k: v.to(torch.bfloat16) for k, v in state["model"].items()}
+    checkpoint.save_atomic(state, half)
+    expected = checkpoint.average([full, half])["model"]
+    assert {v.dtype for v in expected.values()} == {torch.float32}
+    for name, value in checkpoint.average([half, full])["model"].items():
+        assert torch.equal(value, expected[name]), name
+
+
 def test_average_refuses_the_same_weights_twice_and_an_average_beside_its_sources(tmp_path,
                                                                                    tokenizer):
     """best.pt is a copy of a step file, and averaged.pt an average of step files: given among

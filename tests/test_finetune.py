@@ -122,3 +122,54 @@ def test_freezing_every_parameter_is_refused_with_the_key():
     with pytest.raises(ValueError, match=r"trainer.freeze: \* freezes all \d+ parameter tensors"):
         freeze(model, ["*"])
     assert freeze(model, ["encoder_layers.*"])  # part of them is fine
+
+
+def test_init_from_an_imported_model_with_one_vocabulary_over_two_sentencepiece_models(
+        tmp_path, tokenizer_dir, fit_here):
+    """mt-import writes an OPUS-MT model of one vocab.json (tied embeddings) with two
+    SentencePiece models over the same rows: translate took it, fine-tuning it stopped at
+    start-up with 'tie_embeddings=all needs a joint vocabulary' and two fixes that could not
+    apply (the model's tokenizer and shape are the checkpoint's, whatever data.tokenizer.joint
+    or model.tie_embeddings say)."""
+    from mt.checkpoint import model_state, save_atomic
+    from mt.model import build_model
+
+    proto = Tokenizer.load(tokenizer_dir).src_proto
+    tok = Tokenizer(proto, proto)  # as mt-import makes it: not joint, the same pieces
+    model = build_model(ModelConfig(d_model=32, ffn_dim=64, heads=2, encoder_layers=1,
+                                    decoder_layers=1, max_positions=128, tie_embeddings="all",
+                                    src_vocab_size=tok.src_vocab_size,
+                                    tgt_vocab_size=tok.tgt_vocab_size))
+    save_atomic(model_state(model, tok, {"imported_from": "opus-mt-en-zz"}), tmp_path / "opus.pt")
+    fit_here("tuned", f"init_from={tmp_path / 'opus.pt'}", "data.tokenizer.path=null",
+             "trainer.max_steps=2", "trainer.test_at_end=false")
+    saved = torch.load(tmp_path / "tuned" / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["model_config"]["tie_embeddings"] == "all"
+    assert Tokenizer.from_state(saved["tokenizer"]).fingerprint == tok.fingerprint
+    trained = saved["model"]["src_embed.weight"]  # trained on from the imported weights
+    assert torch.equal(trained, saved["model"]["tgt_embed.weight"])  # and still tied
+    assert not torch.equal(trained, model.state_dict()["src_embed.weight"])
+
+
+def test_a_resume_says_when_init_from_names_another_model_than_the_run_started_from(
+        tmp_path, fit_here):
+    """A run directory with a last.pt resumes it; a fine-tuning run started in a folder reused by
+    mistake went on training the old run's model, with 'init_from=new.pt (was ...)' only among
+    the settings changed. The same model named otherwise (its run directory, its best.pt), or
+    no init_from, is no news."""
+    steps = ["trainer.test_at_end=false", "trainer.validate_every=2"]
+    fit_here("base", *steps, "trainer.max_steps=2")
+    fit_here("other", *steps, "trainer.max_steps=2")
+    base, other = tmp_path / "base", tmp_path / "other"
+    fit_here("tuned", *steps, f"init_from={base}", "trainer.max_steps=2")
+    said = fit_here("tuned", *steps, f"init_from={other}", "trainer.max_steps=3")
+    assert (f"init_from={other} is not used: {tmp_path / 'tuned'} resumes the run of "
+            f"{tmp_path / 'tuned' / 'checkpoints' / 'last.pt'}, which started from "
+            f"{base / 'checkpoints' / 'best.pt'}; to start from {other}, give the run another "
+            "directory (hydra.run.dir)") in said
+    for steps_now, same in enumerate((f"init_from={base / 'checkpoints' / 'best.pt'}",
+                                      f"init_from={base}", "init_from=null"), start=4):
+        said = fit_here("tuned", *steps, same, f"trainer.max_steps={steps_now}")
+        assert f"at step {steps_now - 1}" in said and "is not used" not in said, same
+    said = fit_here("other", *steps, f"init_from={base}", "trainer.max_steps=3")
+    assert "which started from no model (no init_from)" in said

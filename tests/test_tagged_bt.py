@@ -1,6 +1,7 @@
 """Tagged back-translation (Caswell et al., 2019): the sources of data.tagged's splits start with
 data.tag, one piece of the source vocabulary that ordinary text never segments into."""
 
+import dataclasses
 import json
 import logging
 import random
@@ -145,6 +146,27 @@ def test_a_source_tagged_beforehand_keeps_one_tag(tmp_path):
     for row, text in ((6, "green"), (7, "Light.")):
         assert tok.src.encode(src[row - 3])[0] == tag  # as the tokenizer reads it: tagged
         assert tok.src.encode(ds["src"][row]) == [tag, *tok.src.encode(text)]
+
+
+def test_a_case_folding_tokenizer_finds_a_source_tagged_beforehand_in_any_case(tmp_path):
+    """Under data.tokenizer.normalization=nmt_nfkc_cf, data.tag must be lower case ("<bt>"), and
+    back-translations tagged "<BT> ..." by another pipeline read as that tag: they were tagged
+    again, and the model trained on two tags. Without folding, "<BT>" stays other text."""
+    src = ["<BT> green tree", "<Bt>green", "<bt> water", "green"]
+    _write(tmp_path / "d", "train", TRAIN[0][:3], TRAIN[1][:3])
+    _write(tmp_path / "d", "bt", src, list("abcd"))
+    cfg = _cfg(tmp_path / "d", tag="<bt>",
+               tokenizer=TokenizerConfig(vocab_size=60, normalization="nmt_nfkc_cf"))
+    ds = load_train(cfg, cache_dir=str(tmp_path / "cache"))
+    assert list(ds["src"][3:]) == ["<BT> green tree", "<bt> green", "<bt> water", "<bt> green"]
+    tok = train_tokenizer([*TRAIN[0], *src], TRAIN[1], tokenizer_config(cfg), seed=0)
+    tag = tok.symbol_id("<bt>")
+    for row, text in enumerate(["green tree", "green", "water", "green"], start=3):
+        assert tok.src.encode(ds["src"][row]) == [tag, *tok.src.encode(text)]
+    plain = dataclasses.replace(cfg, tokenizer=TokenizerConfig(vocab_size=60))
+    ds = load_train(plain, cache_dir=str(tmp_path / "cache"))  # not served the folded cache
+    assert list(ds["src"][3:]) == ["<bt> <BT> green tree", "<bt> <Bt>green", "<bt> water",
+                                   "<bt> green"]
 
 
 def test_a_change_of_tag_or_tagged_splits_is_not_served_a_stale_cache(data_dir, tmp_path):

@@ -445,6 +445,10 @@ def test_empty_valid_or_test_files_are_refused_at_start_naming_them(trainer_fact
                                          r"on both sides \(of \d+\), so nothing to "
                                          r"validate on$"):
         trainer_factory("blank_valid", f"data.dir={data}")
+    # or only what the tokenizer's normalization removes (a zero-width space): as blank
+    (data / "valid.zz").write_text("\u200b\n" * len((data / "valid.en").read_text().splitlines()))
+    with pytest.raises(ValueError, match=r"^data.valid: split 'valid' has no pair with text "):
+        trainer_factory("invisible_valid", f"data.dir={data}")
     shutil.copy(corpus_dir / "valid.zz", data / "valid.zz")
     # an empty data.test means no test at the end (it was a path '.en' beside the data)
     trainer_factory("no_test", "trainer.test_at_end=true", "data.test=")
@@ -2135,11 +2139,13 @@ def test_non_finite_weights_at_a_validation_stop_as_a_divergence(trainer_factory
 
 
 def test_an_epoch_too_small_for_a_step_names_the_upsample_that_shrank_it(fit_here):
-    """data.upsample.train=0.001 draws a share of the pairs each epoch: an epoch without a batch
-    stopped the run with a line that did not name data.upsample."""
+    """data.upsample.train=0.001 trains a share of the pairs each epoch: an epoch without a batch
+    stopped the run with a line that did not name data.upsample. The line said the share was
+    drawn at random; it is the next stretch of a shuffled pass."""
     with pytest.raises(ValueError, match=r"^epoch \d+ has 0 batches, fewer than "
                                          r"trainer.accumulation x processes = 1 \(data.upsample "
-                                         r"train=0.001 draws a share of its pairs"):
+                                         r"train=0.001 trains the next share of a shuffled pass "
+                                         r"each epoch: here too few\)$"):
         fit_here("run", "+data.upsample.train=0.001", "trainer.max_steps=50")
 
 
