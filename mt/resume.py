@@ -24,6 +24,7 @@ import torch
 from omegaconf import OmegaConf
 
 from mt import checkpoint
+from mt.batching import ENCODE_VERSION
 from mt.config import TrainConfig, best_so_far, config_changes
 from mt.data import data_identity
 from mt.divergence import BadSteps
@@ -79,6 +80,7 @@ def trainer_state(trainer: Run, rng: list[dict]) -> dict:
         "trained": trained(trainer.model),
         "data": data_identity(trainer.cfg.data),
         "pairs": trainer.corpus.digest,
+        "encoding": ENCODE_VERSION,  # how the pairs digested were encoded and filtered
         "optimizer": trainer.optimizer.state_dict(),
         "scheduler": trainer.scheduler.state_dict(),
         "scaler": trainer.scaler.state_dict(),
@@ -112,6 +114,19 @@ def mix_changes(saved: dict, data, digested: bool) -> list[str]:
         changes.append("data.upsample's fractional shares drawn otherwise than by the version "
                        "that saved it (a stretch of shuffled passes now, a random draw then)")
     return changes
+
+
+def _other_pairs_cause(state: dict) -> str:
+    """What may have changed the kept pairs since ``state`` (a last.pt's) was saved. An mt that
+    encodes or filters them otherwise changes them too, with no file or setting changed (since
+    mt-encode-2, a source without text is dropped as empty): the warning named only those two,
+    and sent a user who had only updated mt looking for an edit that was never made."""
+    saved = state.get("encoding")
+    if saved == ENCODE_VERSION:
+        return "a training file changed since, or a data setting"
+    return ("a training file changed since, a data setting, or an mt update since the save ("
+            + (f"{saved} then, {ENCODE_VERSION} now" if saved else
+               f"this one encodes and filters them as {ENCODE_VERSION}") + ")")
 
 
 def restore(trainer: Run, path: Path) -> None:
@@ -191,8 +206,7 @@ def restore(trainer: Run, path: Path) -> None:
     cut = [f"trainer.{k}={v} (was {saver[k]})" for k, v in cutting.items()
            if saver.get(k) is not None and saver[k] != v]
     if state.get("pairs", trainer.corpus.digest) != trainer.corpus.digest:
-        cut.append("other training pairs than the saved run's (a training file changed since, "
-                   "or a data setting)")
+        cut.append(f"other training pairs than the saved run's ({_other_pairs_cause(state)})")
     cut += mix_changes(saved_config.get("data") or {}, trainer.cfg.data, "pairs" in state)
     if trainer.rank == 0 and trainer.step_in_epoch and cut:
         log.warning("resuming in the middle of epoch %d with %s: its batches are cut anew, so "

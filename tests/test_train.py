@@ -1718,6 +1718,32 @@ def test_a_resume_mid_epoch_on_an_edited_training_file_says_the_epoch_is_cut_ane
             ) in edited
 
 
+def test_a_resume_mid_epoch_across_an_mt_update_names_it_among_the_causes(fit_here, tmp_path):
+    """An mt that encodes or filters the pairs otherwise (since mt-encode-2, a source without text
+    is dropped as empty) keeps other pairs from the same files and settings: the warning named
+    only those two, and sent a user who had updated mt looking for an edit never made."""
+    from mt.batching import ENCODE_VERSION
+
+    common = ["trainer.validate_every=100", "trainer.test_at_end=false"]
+    fit_here("run", *common, "trainer.max_steps=2")
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    assert torch.load(last, weights_only=True)["trainer"]["encoding"] == ENCODE_VERSION
+    for step, saved, said in (
+            (3, None, f"an mt update since the save (this one encodes and filters them as "
+                      f"{ENCODE_VERSION})"),  # a last.pt from before it was recorded
+            (4, "mt-encode-1", f"an mt update since the save (mt-encode-1 then, {ENCODE_VERSION} "
+                               "now)")):
+        ckpt = torch.load(last, weights_only=True)
+        ckpt["trainer"]["pairs"] = "0" * 32  # the digest of the pairs as that mt kept them
+        ckpt["trainer"].pop("encoding")
+        if saved:
+            ckpt["trainer"]["encoding"] = saved
+        torch.save(ckpt, last)
+        resumed = fit_here("run", *common, f"trainer.max_steps={step}")
+        assert ("with other training pairs than the saved run's (a training file changed since, "
+                f"a data setting, or {said}): its batches are cut anew") in resumed
+
+
 def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, corpus_dir,
                                                                      tokenizer_dir):
     common = ["trainer.max_steps=4", "trainer.validate_every=4", "trainer.test_at_end=false",
