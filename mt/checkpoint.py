@@ -250,15 +250,17 @@ def load_model(path: str | os.PathLike,
     return model, tokenizer, ckpt
 
 
-def _refuse_not_finite(model: torch.nn.Module, file: str) -> None:
+def _refuse_not_finite(model: torch.nn.Module | dict[str, torch.Tensor], file) -> None:
     """ValueError naming the file for weights that hold NaN or infinite values (a diverged run's
     or a damaged copy): every score of such a model is NaN, and beam search then finishes no
-    hypothesis, greedy search picks tokens at random and sampling fails inside torch."""
+    hypothesis, greedy search picks tokens at random and sampling fails inside torch. ``model``
+    may be a checkpoint's state dict (``average``: a NaN in one input made every average NaN)."""
     def finite(w: torch.Tensor) -> bool:  # NaN and inf carry through min and max: 9x faster
-        return w.numel() == 0 or all(map(math.isfinite, (v.item() for v in w.aminmax())))
+        return (not w.is_floating_point() or w.numel() == 0
+                or all(map(math.isfinite, (v.item() for v in w.aminmax()))))
 
-    bad = {name: int((~torch.isfinite(w)).sum()) for name, w in model.named_parameters()
-           if not finite(w.detach())}
+    named = model.items() if isinstance(model, dict) else model.named_parameters()
+    bad = {name: int((~torch.isfinite(w)).sum()) for name, w in named if not finite(w.detach())}
     if bad:
         raise ValueError(f"{file}: its weights hold {sum(bad.values())} values that are not "
                          f"finite (NaN or infinite), first in '{next(iter(bad))}': a damaged or "
@@ -386,6 +388,7 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
         seen[info.st_dev, info.st_ino] = p
     base = load(paths[0])
     require(base)
+    _refuse_not_finite(base["model"], paths[0])
     digests = [weights_digest(base["model"])]
     made_of = {paths[0]: base.get("averaged_digests") or []}
     total = {k: v.double() for k, v in base["model"].items()}
@@ -394,6 +397,7 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
     for p in paths[1:]:
         ckpt = load(p)
         require(ckpt)
+        _refuse_not_finite(ckpt["model"], p)
         digest = weights_digest(ckpt["model"])
         if refuse_copies and digest in digests:
             raise ValueError(f"{p}: the same weights as {paths[digests.index(digest)]}; each "

@@ -197,6 +197,21 @@ def test_average_refuses_other_shapes_and_tokenizers_but_not_other_dropouts(
                                                     + tuned.state_dict()[name]) / 2)
 
 
+def test_average_refuses_a_checkpoint_with_weights_that_are_not_finite(tmp_path, tokenizer):
+    """A damaged checkpoint (a NaN in one tensor) was averaged silently: mt-average wrote a model
+    whose every average was NaN, and translate then refused that file, not the one at fault."""
+    good = tmp_path / "good.pt"
+    checkpoint.save_atomic(checkpoint.model_state(tiny_model(0), tokenizer, None), good)
+    state = checkpoint.model_state(tiny_model(1), tokenizer, None)
+    name = next(k for k, v in state["model"].items() if v.is_floating_point())
+    state["model"][name].view(-1)[0] = float("nan")
+    checkpoint.save_atomic(state, tmp_path / "nan.pt")
+    for paths in ([good, tmp_path / "nan.pt"], [tmp_path / "nan.pt", good]):
+        with pytest.raises(ValueError, match=r"nan\.pt: its weights hold 1 values that are not "
+                                             f"finite .*first in '{re.escape(name)}'"):
+            checkpoint.average(paths)
+
+
 def test_average_refuses_weights_that_differ_from_the_firsts(tmp_path, tokenizer):
     """A checkpoint lacking a tensor was averaged silently, the tensor halved (the tied
     embedding: another model); given first, it was a KeyError traceback."""
