@@ -68,9 +68,24 @@ def barrier(world: int) -> None:
         try:
             dist.barrier()
         except RuntimeError as err:
-            raise PeerFailed(f"rank {dist.get_rank()} stopped: another process of the run ended "
-                             "or did not answer while it waited (that process's error says "
-                             "why)") from err
+            raise _peer_failed() from err
+
+
+def _peer_failed() -> PeerFailed:
+    return PeerFailed(f"rank {os.environ.get('RANK', '0')} stopped: another process of the run "
+                      "ended or did not answer while it waited (that process's error says why)")
+
+
+def peer_gone(err: BaseException) -> PeerFailed | None:
+    """The PeerFailed for a collective of the training step (DDP's gradient all-reduce, the
+    agreement on a stop signal) that failed because another rank is gone: a rank killed
+    outright (the kernel's OOM killer, SIGKILL) left the others with gloo's 'Connection closed
+    by peer' traceback under Hydra's report, not the one line a barrier's wait gives. None for
+    any other error, which keeps its traceback (NCCL's watchdog ends a rank whose peer is gone
+    itself)."""
+    if isinstance(err, RuntimeError) and "/gloo/transport/" in str(err):
+        return _peer_failed()
+    return None
 
 
 def rank_seed(seed: int, rank: int) -> int:

@@ -135,6 +135,13 @@ def in_words(err: BaseException) -> str | None:
                      text)
     if twice:  # +model=transformer_base: the group has its choice in conf/train.yaml
         group, value = twice.groups()
+        if not any(o.startswith("+") and o.lstrip("+").partition("=")[0] == group
+                   for o in _overrides()):
+            # a recipe's "- /model: transformer_base" (Hydra's text is the same): the user
+            # wrote no '+' to take away
+            return (f"{group}: {value}: a config file's defaults list chooses {group}, which "
+                    f"conf/train.yaml chooses already; in a recipe, 'override /{group}: "
+                    f"{value}' replaces the choice (as conf/experiment/demo.yaml's)")
         return (f"+{group}={value}: {group} is chosen already (conf/train.yaml); without the "
                 f"'+', {group}={value} replaces the choice")
     return None

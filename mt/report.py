@@ -65,14 +65,20 @@ def model_bleu(path: str):
     evaluation scripts scored every language with 13a, which keeps a Chinese or Japanese line
     (no spaces) as one token: BLEU near 0 beside mt-eval's for the same translations.
 
-    Raises:
-        EvalError: where the tokenizer cannot load (ja-mecab and ko-mecab need sacrebleu's
-        [ja] / [ko] extras), before any translation is made.
+    Where that tokenizer cannot load (ja-mecab and ko-mecab need sacrebleu's [ja] / [ko]
+    extras), one warning and 13a, as mt-train's scores of the same model had on that machine
+    (``mt.runlog.bleu_language``): the scripts have no --tokenize to choose another, and the
+    error that said to ended them before their first translation. The signature says which.
     """
     from mt.checkpoint import load
 
     data = (load(path, mmap=True).get("config") or {}).get("data") or {}
-    return make_metric("bleu", trg_lang=data.get("tgt_lang") or "")
+    try:
+        return make_metric("bleu", trg_lang=data.get("tgt_lang") or "")
+    except EvalError as err:
+        log.warning("BLEU uses the 13a tokenizer: %s",
+                    str(err).removesuffix(" (or choose another --tokenize)"))
+        return make_metric("bleu")
 
 
 def _bleu(*, tokenize: str | None, lowercase: bool, trg_lang: str,

@@ -28,7 +28,14 @@ from omegaconf.errors import OmegaConfBaseException
 from mt import checkpoint, version_line
 from mt.config import TrainConfig, conf_dir, register_configs
 from mt.config_checks import check_keys, check_values
-from mt.distributed import STOP_SIGNALS, PeerFailed, Terminated, setup_distributed, share_run
+from mt.distributed import (
+    STOP_SIGNALS,
+    PeerFailed,
+    Terminated,
+    peer_gone,
+    setup_distributed,
+    share_run,
+)
 from mt.divergence import Diverged
 from mt.hydra_errors import one_line_refusals
 from mt.inference import cap_kernel_caches
@@ -102,6 +109,8 @@ def _in_words(err: BaseException) -> str | None:
     if isinstance(err, OmegaConfBaseException) and isinstance(err, ValueError) and err.full_key:
         # optim.lr='${foo}', resolved as the run starts: the key, not OmegaConf's 3 type lines
         return f"{err.full_key}: {str(err.msg or err).splitlines()[0]}"
+    if gone := peer_gone(err):  # a rank killed outright: gloo's traceback, else
+        return str(gone)
     return str(err) if isinstance(err, ValueError | OSError | Diverged | PeerFailed) else None
 
 

@@ -193,6 +193,41 @@ def test_evaluation_scripts_tokenize_bleu_for_the_target_language(script, tmp_pa
     assert "tok:zh" in result["bleu_signature"]
 
 
+def test_an_evaluation_script_scores_with_13a_where_the_targets_tokenizer_cannot_load(
+        tmp_path, tokenizer_dir, monkeypatch, capsys, caplog):
+    """A Japanese target without sacrebleu's [ja] extra (MeCab): the scripts ended before any
+    translation with 'or choose another --tokenize', a flag they do not have, where they had
+    scored with 13a before, as mt-train's test score of the same model did on that machine.
+    Now one warning, 13a, and the signature says so."""
+    import sacrebleu.tokenizers.tokenizer_ja_mecab as ja
+    from sacrebleu.metrics import BLEU
+
+    from mt.checkpoint import model_state, save_atomic
+    from mt.tokenizer import Tokenizer
+
+    monkeypatch.setattr(ja, "MeCab", None)  # as where sacrebleu[ja] is not installed
+    tok = Tokenizer.load(tokenizer_dir)
+    model = build_model(ModelConfig(encoder_layers=1, decoder_layers=1, d_model=16, ffn_dim=32,
+                                    heads=2, max_positions=64, src_vocab_size=tok.src_vocab_size,
+                                    tgt_vocab_size=tok.tgt_vocab_size))
+    save_atomic(model_state(model, tok, {"data": {"src_lang": "en", "tgt_lang": "ja"}}),
+                tmp_path / "m.pt")
+    refs, hyps = ["a b c d", "e f g h"], ["a b c d", "e f g x"]
+    (tmp_path / "src").write_text("the dog\nthe cat\n")
+    (tmp_path / "ref").write_text("".join(r + "\n" for r in refs))
+    module = _script("eval_long_lines")
+    monkeypatch.setattr(module, "best_translations", lambda model, tok, lines, *a, **k:
+                        hyps[:len(lines)])
+    monkeypatch.setattr(sys, "argv", ["eval_long_lines", "-m", str(tmp_path / "m.pt"), "--src",
+                                      str(tmp_path / "src"), "--ref", str(tmp_path / "ref"),
+                                      "--join", "1", "--workers", "1"])
+    module.main()
+    result = json.loads(capsys.readouterr().out)
+    assert result["at_the_limit"]["bleu"] == round(BLEU().corpus_score(hyps, [refs]).score, 2)
+    assert "tok:13a" in result["bleu_signature"]
+    assert "BLEU uses the 13a tokenizer: BLEU's tokenizer for ja targets (ja-mecab)" in caplog.text
+
+
 def test_a_report_that_cannot_be_written_is_printed_not_lost(tmp_path, capsys):
     """--out that fails after the measuring (a full disk, a folder removed meanwhile) ended in a
     traceback, and the minutes of measurements with it."""

@@ -247,7 +247,8 @@ def _own_config_dir(root):
         "experiment/outer.yaml": "# @package _global_\ndefaults:\n  - /recipes/r\n",
         "experiment/inner.yaml": "# @package _global_\ndefaults:\n  - override /model: nope\n",
         "experiment/outer2.yaml": "# @package _global_\ndefaults:\n  - inner\n",
-        "experiment/typo.yaml": "# @package _global_\ntrainer:\n  max_stepz: 5\n"}
+        "experiment/typo.yaml": "# @package _global_\ntrainer:\n  max_stepz: 5\n",
+        "experiment/twice.yaml": "# @package _global_\ndefaults:\n  - /model: mine\n"}
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
@@ -267,6 +268,11 @@ def _own_config_dir(root):
                         "you mean trainer.max_steps?"),
     ("experiment=sub/nope", "experiment=sub/nope: there is no sub/nope.yaml in "
                             "conf/experiment/ or mine/experiment/"),
+    # a recipe choosing model without 'override': Hydra's text is the one for +model=mine,
+    # and the line told the user to drop a '+' they never wrote
+    ("experiment=twice", "model: mine: a config file's defaults list chooses model, which "
+                         "conf/train.yaml chooses already; in a recipe, 'override /model: mine' "
+                         "replaces the choice"),
     # a group that the defaults list does not choose: three lines of Hydra's
     ("extra=one", "extra=one: extra is not in the defaults list (conf/train.yaml's); +extra=one "
                   "adds it"),

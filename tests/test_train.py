@@ -1893,6 +1893,60 @@ def test_a_data_error_under_torchrun_is_one_line_on_every_rank(tmp_path, corpus_
     assert "Connection closed by peer" not in result.stderr
 
 
+KILLED_RANK = """
+import os, signal, sys
+import mt.trainer as t
+step = t.Trainer.train_step
+calls = [0]
+def train_step(self, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 3 and os.environ["RANK"] == "1":  # as the OOM killer does
+        os.kill(os.getpid(), signal.SIGKILL)
+    return step(self, *args, **kwargs)
+t.Trainer.train_step = train_step
+sys.argv[0] = "mt-train"
+from mt.train import main
+main()
+"""
+
+
+def test_a_rank_killed_outright_is_one_line_on_the_others(tmp_path, corpus_dir, tokenizer_dir):
+    """A rank killed mid-training (SIGKILL, the kernel's OOM killer) left rank 0 in DDP's
+    gradient all-reduce with gloo's 'Connection closed by peer' traceback under Hydra's report;
+    it says the one line a barrier's wait gives, the traceback in train.log. The ranks are
+    started as a cluster's launcher (srun) does, without torchrun, which would SIGTERM rank 0
+    at once and race its words."""
+    import socket
+
+    script = tmp_path / "killed_rank.py"
+    script.write_text(KILLED_RANK)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    cmd = [PYTHON, str(script), *tiny_train_args(corpus_dir, tokenizer_dir),
+           f"hydra.run.dir={run_dir}", "trainer.max_steps=50", "trainer.validate_every=100"]
+    procs = [subprocess.Popen(cmd, env={**cli_env(tmp_path), "RANK": str(rank),
+                                        "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    try:
+        said = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode == 1, said[0][-3000:]
+    assert said[0].strip().splitlines()[-1] == (
+        "mt-train: rank 0 stopped: another process of the run ended or did not answer while it "
+        f"waited (that process's error says why) (traceback in {run_dir / 'train.log'})"), \
+        said[0][-3000:]
+    assert "Traceback" not in said[0] and "by peer" not in said[0]
+    # gloo's words vary with where rank 0 was: 'closed by peer', 'reset by peer'
+    assert "/gloo/transport/" in (run_dir / "train.log").read_text()
+
+
 def test_tied_embeddings_refuse_two_vocabularies_of_one_size(tmp_path, corpus_dir, tokenizer_dir):
     """Two SentencePiece models trained to one size pass the model's size check; tying their
     embeddings would make one vector mean unrelated pieces."""
