@@ -295,11 +295,16 @@ def _no_key(overrides: list[str]) -> str | None:
     """The first override without a key ('=3', '+=3', '@pkg=1', '~'), in words: Hydra took the
     empty key for the root config group and failed with a traceback ('Config group override
     must be a string or a list. Got int') or a line about the defaults list."""
-    for given in overrides:
+    for i, given in enumerate(overrides):
         key = given.lstrip("+~").partition("=")[0].partition("@")[0]
         if not key:
-            split = (" (the shell splits 'key =value' into two words)"
-                     if given.lstrip("+").startswith("=") else "")
+            split = ""
+            if given.lstrip("+").startswith("="):
+                # 'trainer.max_steps =3': the word before is the key; the line says the fix
+                before = overrides[i - 1] if i else ""
+                meant = (f": did you mean {before}{given.lstrip('+')}?"
+                         if before.lstrip("+") and "=" not in before else "")
+                split = f" (the shell splits 'key =value' into two words{meant})"
             return f"{given}: an override is key=value, and this one has no key{split}"
     return None
 

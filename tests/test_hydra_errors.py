@@ -74,6 +74,11 @@ def fresh_hydra():
     (["=3"], "=3: an override is key=value, and this one has no key (the shell splits "
              "'key =value' into two words)"),
     (["=abc"], "=abc: an override is key=value, and this one has no key"),
+    (["trainer.max_steps", "=3"],  # `trainer.max_steps =3`: the key is the word before
+     "=3: an override is key=value, and this one has no key (the shell splits 'key =value' into "
+     "two words: did you mean trainer.max_steps=3?)"),
+    (["trainer.max_steps=3", "=4"], "=4: an override is key=value, and this one has no key "
+                                    "(the shell splits 'key =value' into two words)"),
     (["~"], "~: an override is key=value, and this one has no key"),
     (["trainer.max_steps=1=2"], "trainer.max_steps=1=2: not key=value as Hydra reads it: a value "
                                 "with spaces, brackets, commas or '=' in it is quoted"),
