@@ -252,9 +252,13 @@ def _check_init_from(trainer: Run, state: dict, saved_config: dict, path: Path) 
         found = checkpoint.resolved(saved_init) if saved_init else None
         started, known = (str(found.resolve()) if found else saved_init), not saved_init or found
     asked = trainer.cfg.init_from
-    if not asked or not known or trainer.rank != 0 or asked == saved_init:
+    if not asked or not known or trainer.rank != 0:
         return started
+    # Not skipped where the last.pt's config names the same: after one resume with another
+    # init_from it does, and the same command run again (a job requeued) went on unwarned.
     found = checkpoint.resolved(asked)
+    if found is None and asked == saved_init:  # the run's own model, deleted or moved since
+        return started
     if found is None or str(found.resolve()) != started:
         log.warning("init_from=%s is not used: %s resumes the run of %s, which started from %s; "
                     "to start from %s, give the run another directory (hydra.run.dir)", asked,

@@ -195,3 +195,23 @@ def test_a_resume_of_a_last_pt_without_started_from_whose_model_is_gone_keeps_it
     assert "at step 2" in said and "is not used" not in said
     said = fit_here("tuned", *steps, f"init_from={tmp_path / 'base'}", "trainer.max_steps=4")
     assert f"which started from {start};" in said and "no model" not in said
+
+
+def test_every_resume_with_another_init_from_says_it_is_not_used(tmp_path, fit_here):
+    """The same command run again (a job requeued, a command repeated) resumes again; its
+    init_from is then the last.pt config's, and the run went on training the model it started
+    from without a word. The model it started from, deleted since and named as before, is no
+    news."""
+    steps = ["trainer.test_at_end=false", "trainer.validate_every=2"]
+    fit_here("base", *steps, "trainer.max_steps=2")
+    fit_here("other", *steps, "trainer.max_steps=2")
+    base, other = tmp_path / "base", tmp_path / "other"
+    fit_here("tuned", *steps, f"init_from={base}", "trainer.max_steps=2")
+    for steps_now in (3, 4):
+        said = fit_here("tuned", *steps, f"init_from={other}", f"trainer.max_steps={steps_now}")
+        assert f"init_from={other} is not used" in said, steps_now
+    fit_here("gone", *steps, f"init_from={base}", "trainer.max_steps=2")
+    (base / "checkpoints" / "best.pt").unlink()
+    (base / "checkpoints" / "last.pt").unlink()
+    said = fit_here("gone", *steps, f"init_from={base}", "trainer.max_steps=3")
+    assert "at step 2" in said and "is not used" not in said
