@@ -257,7 +257,8 @@ def _check_init_from(trainer: Run, state: dict, saved_config: dict, path: Path) 
     # Not skipped where the last.pt's config names the same: after one resume with another
     # init_from it does, and the same command run again (a job requeued) went on unwarned.
     found = checkpoint.resolved(asked)
-    if found is None and asked == saved_init:  # the run's own model, deleted or moved since
+    # the run's own model, deleted or moved since; or as an older last.pt named it, kept as written
+    if (found is None and asked == saved_init) or asked == started:
         return started
     if found is None or str(found.resolve()) != started:
         log.warning("init_from=%s is not used: %s resumes the run of %s, which started from %s; "
