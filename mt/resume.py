@@ -58,7 +58,9 @@ class Run(Protocol):
     seconds_before: float
     elapsed: float
     corpus: object  # mt.corpus.Corpus: its ``digest`` of the pairs an epoch is cut from
-    started_from: str | None  # the init_from file the run started from (absolute), or None
+    # the init_from file the run started from (absolute; as written where an older last.pt's
+    # init_from names no file now), or None: no init_from
+    started_from: str | None
 
     def seconds(self) -> float: ...
 
@@ -241,17 +243,23 @@ def _check_init_from(trainer: Run, state: dict, saved_config: dict, path: Path) 
     model named went unused, said only among the changed settings ('init_from=new.pt (was
     base.pt)'): a fine-tuning run started in a folder reused by mistake went on training the
     old run's model, of another shape even. A last.pt saved before ``started_from`` names its
-    origin by its config's init_from, relative to a directory not known here."""
+    origin by its config's init_from, relative to a directory not known here; where that names
+    no file now, it is kept as written (None would tell the next resume 'no init_from')."""
     saved_init = saved_config.get("init_from")
     if "started_from" in state:
         started, known = state["started_from"], True
     else:
         found = checkpoint.resolved(saved_init) if saved_init else None
-        started, known = (str(found.resolve()) if found else None), not saved_init or found
+        started, known = (str(found.resolve()) if found else saved_init), not saved_init or found
     asked = trainer.cfg.init_from
-    if not asked or not known or trainer.rank != 0 or asked == saved_init:
+    if not asked or not known or trainer.rank != 0:
         return started
+    # Not skipped where the last.pt's config names the same: after one resume with another
+    # init_from it does, and the same command run again (a job requeued) went on unwarned.
     found = checkpoint.resolved(asked)
+    # the run's own model, deleted or moved since; or as an older last.pt named it, kept as written
+    if (found is None and asked == saved_init) or asked == started:
+        return started
     if found is None or str(found.resolve()) != started:
         log.warning("init_from=%s is not used: %s resumes the run of %s, which started from %s; "
                     "to start from %s, give the run another directory (hydra.run.dir)", asked,

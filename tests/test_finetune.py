@@ -173,3 +173,50 @@ def test_a_resume_says_when_init_from_names_another_model_than_the_run_started_f
         assert f"at step {steps_now - 1}" in said and "is not used" not in said, same
     said = fit_here("other", *steps, f"init_from={base}", "trainer.max_steps=3")
     assert "which started from no model (no init_from)" in said
+
+
+def test_a_resume_of_a_last_pt_without_started_from_whose_model_is_gone_keeps_its_name(
+        tmp_path, fit_here, monkeypatch):
+    """A last.pt saved before ``started_from`` names its origin only by its config's init_from;
+    where that file is gone (deleted, or relative to another directory), the resume cannot
+    check, and the last.pt it writes must not say the run started from no model: the next
+    resume with another init_from was told 'which started from no model (no init_from)'. The
+    name kept as written is the same model when given so again."""
+    monkeypatch.chdir(tmp_path)  # init_from=start.pt, relative, as a user writes it
+    steps = ["trainer.test_at_end=false", "trainer.validate_every=2"]
+    fit_here("base", *steps, "trainer.max_steps=2")
+    start = tmp_path / "start.pt"
+    start.write_bytes((tmp_path / "base" / "checkpoints" / "best.pt").read_bytes())
+    fit_here("tuned", *steps, "init_from=start.pt", "trainer.max_steps=2")
+    last = tmp_path / "tuned" / "checkpoints" / "last.pt"
+    old = torch.load(last, weights_only=True)
+    del old["trainer"]["started_from"]  # as saved before it was kept
+    torch.save(old, last)
+    start.unlink()
+    said = fit_here("tuned", *steps, "init_from=start.pt", "trainer.max_steps=3")
+    assert "at step 2" in said and "is not used" not in said
+    said = fit_here("tuned", *steps, f"init_from={tmp_path / 'base'}", "trainer.max_steps=4")
+    assert "which started from start.pt;" in said and "no model" not in said
+    start.write_bytes((tmp_path / "base" / "checkpoints" / "best.pt").read_bytes())  # back
+    said = fit_here("tuned", *steps, "init_from=start.pt", "trainer.max_steps=5")
+    assert "at step 4" in said and "is not used" not in said
+
+
+def test_every_resume_with_another_init_from_says_it_is_not_used(tmp_path, fit_here):
+    """The same command run again (a job requeued, a command repeated) resumes again; its
+    init_from is then the last.pt config's, and the run went on training the model it started
+    from without a word. The model it started from, deleted since and named as before, is no
+    news."""
+    steps = ["trainer.test_at_end=false", "trainer.validate_every=2"]
+    fit_here("base", *steps, "trainer.max_steps=2")
+    fit_here("other", *steps, "trainer.max_steps=2")
+    base, other = tmp_path / "base", tmp_path / "other"
+    fit_here("tuned", *steps, f"init_from={base}", "trainer.max_steps=2")
+    for steps_now in (3, 4):
+        said = fit_here("tuned", *steps, f"init_from={other}", f"trainer.max_steps={steps_now}")
+        assert f"init_from={other} is not used" in said, steps_now
+    fit_here("gone", *steps, f"init_from={base}", "trainer.max_steps=2")
+    (base / "checkpoints" / "best.pt").unlink()
+    (base / "checkpoints" / "last.pt").unlink()
+    said = fit_here("gone", *steps, f"init_from={base}", "trainer.max_steps=3")
+    assert "at step 2" in said and "is not used" not in said
