@@ -325,3 +325,33 @@ def test_ctrl_c_in_the_first_seconds_of_a_command_is_one_line(tmp_path):
         proc.kill()
         proc.wait()
     assert not (tmp_path / "avg.pt").exists()
+
+
+def test_no_command_help_shows_restructuredtext_markup(tmp_path, capsys):
+    """mt-average --help began with ``mt-average``, reStructuredText's quotes from the module
+    docstring argparse took as its description; every command's help is free of them, and
+    ``python -OO`` (no docstrings) still gives mt-average a help instead of an AttributeError."""
+    from mt.entry import COMMANDS
+
+    helps = {}
+    for name, entry in [*COMMANDS.items(), ("python -m mt.demo", "mt.demo:main")]:
+        module, func = entry.split(":")
+        if name == "translate":
+            func = "main"  # cli() takes no argv
+        if name == "mt-train":  # Hydra's help, in its own process
+            result = subprocess.run([PYTHON, "-c", "from mt.entry import mt_train; mt_train()",
+                                     "--help"], cwd=tmp_path, env=cli_env(tmp_path),
+                                    capture_output=True, text=True, timeout=120)
+            assert result.returncode == 0, result.stderr
+            helps[name] = result.stdout
+            continue
+        with pytest.raises(SystemExit) as stop:
+            getattr(__import__(module, fromlist=[func]), func)(["--help"])
+        assert stop.value.code == 0
+        helps[name] = capsys.readouterr().out
+    assert all(text.strip() for text in helps.values())
+    assert [name for name, text in helps.items() if "``" in text] == []
+    assert "mt-average: average the weights" in helps["mt-average"]
+    result = subprocess.run([PYTHON, "-OO", "-m", "mt.average", "--help"], cwd=tmp_path,
+                            env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("usage: mt-average"), result.stderr
