@@ -803,3 +803,23 @@ def test_a_missing_split_file_at_a_relative_path_says_where_it_was_looked_for(tm
     with pytest.raises(FileNotFoundError, match=re.escape(
             f"{tmp_path}/nowhere/valid.en: no such file (nor valid.en.gz)")):
         split_files(cfg, "valid")
+
+
+@pytest.mark.parametrize("line", [b"caf\xe9\n", b"caf\xe9\r\n", b"a\xff b\n"])
+def test_invalid_utf8_is_said_alike_by_train_translate_and_eval(tmp_path, line):
+    """The same line said "unexpected end of data" to translate and "invalid continuation byte
+    at byte 3" to mt-train (which decoded it with its line end): one wording for every reader."""
+    from mt import textio
+    from mt.testsets import EvalError, read_text
+
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"fine\n" + line)
+    said = []
+    for read, error in ((read_lines, DataError), (lambda p: list(textio.read_lines(str(p))),
+                                                 textio.InputError), (read_text, EvalError)):
+        with pytest.raises(error) as caught:
+            read(path)
+        said.append(str(caught.value).removesuffix("; use --errors replace to read it anyway"))
+    reason = ("unexpected end of data at byte 3" if b"\xe9" in line
+              else "invalid start byte at byte 1")
+    assert said == [f"{path}:2: invalid UTF-8 ({reason})"] * 3
