@@ -44,6 +44,13 @@ def version_line() -> str:
     return f"mt {__version__} ({', '.join(parts)})"
 
 
+def described(doc: str | None) -> str:
+    """A command's argparse description from its module docstring: the first line, without
+    reStructuredText's double backticks, which --help printed as they are (mt-average's began
+    with a doubly quoted mt-average). Empty under ``python -OO``, which drops docstrings."""
+    return (doc or "").strip().split("\n")[0].replace("``", "")
+
+
 class _Version(argparse.Action):
     """``--version``: the line unwrapped (argparse's own action folds it at the terminal width),
     and the metadata read only when asked."""

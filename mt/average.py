@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mt import add_version_flag, checkpoint
+from mt import add_version_flag, checkpoint, described
 from mt.config import BEST_METRICS, positive_int
 from mt.textio import output_mistake
 
@@ -75,7 +75,7 @@ def _refuse_output(path: str, inputs: list[Path], force: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="mt-average", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="mt-average", description=described(__doc__))
     add_version_flag(p)
     p.add_argument("inputs", nargs="+", help="checkpoint files, or one checkpoints/ folder "
                    "(or the run directory that holds it)")

@@ -41,7 +41,7 @@ import numpy as np
 
 from mt.config import DataConfig, TokenizerConfig, is_user_symbol
 from mt.hub import check_hub_splits, load_hub
-from mt.textio import carriage_returns_only
+from mt.textio import carriage_returns_only, utf8_text
 
 # Part of the text cache's key: bump it when reading changes what a file's lines become (2: a
 # byte-order mark before line 1 is dropped, a blank TSV line is an empty pair), so that a cache
@@ -66,11 +66,10 @@ def _decode(raw: bytes, path: Path, lineno: int) -> str:
     if (mistake := carriage_returns_only(raw, lineno)) is not None:
         raise DataError(f"{path}:{lineno}: {mistake}")
     try:
-        text = raw.decode("utf-8").rstrip("\r\n")
-        return text.removeprefix("\ufeff") if lineno == 1 else text
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}:{lineno}: invalid UTF-8 ({err.reason} at byte {err.start})"
-                        ) from None
+        text = utf8_text(raw)
+    except ValueError as err:
+        raise DataError(f"{path}:{lineno}: {err}") from None
+    return text.removeprefix("\ufeff") if lineno == 1 else text
 
 
 def _find(path: Path) -> Path:

@@ -35,6 +35,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from mt import described
 from mt.config import positive_int
 from mt.textio import replace_file
 
@@ -382,7 +383,7 @@ def _write_if_changed(path: Path, text: str) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m mt.demo DIR``: writes the demo corpus into DIR and prints the line counts."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=described(__doc__))
     parser.add_argument("out_dir", help="directory for {train,valid,test}.{en,zz}")
     # at least 1: a negative count shifted the other splits' slices and every file came out empty
     parser.add_argument("--train", type=positive_int, default=12000, help="training pairs")

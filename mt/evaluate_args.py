@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--src", help="source file (needed with -m)")
     g.add_argument("--ref", nargs="+", action="extend",
                    help="reference file(s); several = several references per sentence")
-    g.add_argument("--name", help="name of the --src/--ref test set in the output")
+    g.add_argument("--name", help="name of the --src/--ref test set in the output and in "
+                   "{test} (default: the first --ref path, / as _ in {test})")
     g.add_argument("--test", nargs="+", action="extend",
                    help=f"named test set from conf/testsets/ ({', '.join(named_tests())})")
     g.add_argument("--test-set", "-t", nargs="+", action="extend",

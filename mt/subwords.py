@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from itertools import repeat
+from pathlib import Path
 
 import numpy as np
 from torch import Tensor
@@ -216,3 +217,78 @@ def candidate_processes(num_proc: int, world: int = 1) -> int:
         return num_proc
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(cores or 1, 16) // world)
+
+
+# TrainerSpec.ModelType in SentencePiece's sentencepiece_model.proto
+_MODEL_TYPES = {1: "unigram", 2: "BPE", 3: "word", 4: "char"}
+
+
+def _fields(message: bytes):
+    """(field number, value) of each field of a serialized protobuf message: an int for a
+    varint, bytes for a length-delimited field (others skipped)."""
+    i = 0
+
+    def varint() -> int:
+        nonlocal i
+        value = shift = 0
+        while True:
+            byte = message[i]
+            i += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+
+    while i < len(message):
+        key = varint()
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            yield number, varint()
+        elif wire == 2:
+            size = varint()
+            yield number, message[i : i + size]
+            i += size
+        elif wire in (1, 5):  # fixed64, fixed32
+            i += 8 if wire == 1 else 4
+        else:
+            return  # groups: not in SentencePiece's protos
+
+
+def model_type(proto: bytes) -> str:
+    """The kind of a serialized SentencePiece model: "unigram", "BPE", "word" or "char". Read
+    from its trainer_spec (field 2; its model_type is field 3, unigram when unset) by hand, as
+    mt does not depend on protobuf."""
+    kind = 1
+    for number, spec in _fields(proto):
+        if number == 2 and isinstance(spec, bytes):
+            for field, value in _fields(spec):
+                if field == 3 and isinstance(value, int):
+                    kind = value
+    return _MODEL_TYPES.get(kind, f"type {kind}")
+
+
+def sampling_mistake(tokenizer, origin: str, directory: Path, shared: bool) -> str | None:
+    """Why data.subword_alpha cannot sample with ``tokenizer``, None if it can: a BPE model has
+    no n-best segmentations. The tokenizer was not trained by this run with the config's
+    data.tokenizer.model_type (that is checked before: mt.config_checks), so the message says
+    where it comes from: ``origin``, the checkpoint the run starts from ("" if none), else
+    ``directory``, data.tokenizer.path (``shared``) or the run's own, reused."""
+    kinds = {model_type(p) for p in (tokenizer.src_proto, tokenizer.tgt_proto) if p is not None}
+    kinds.discard("unigram")
+    if not kinds:
+        return None
+    kind = " and ".join(sorted(kinds))
+    if origin:
+        where = (f"is the one of {origin}, a {kind} model: a model keeps the tokenizer it was "
+                 "trained with, whatever data.tokenizer.model_type says")
+        fix = "set data.subword_alpha=0"
+    elif shared:
+        where = f"is reused from data.tokenizer.path={directory}, a {kind} model"
+        fix = ("set data.subword_alpha=0, or point data.tokenizer.path at a new directory to "
+               "train a unigram one")
+    else:
+        where = (f"is reused from {directory} (an earlier attempt's in this run directory), a "
+                 f"{kind} model")
+        fix = "set data.subword_alpha=0, or start in another run directory"
+    return (f"data.subword_alpha samples among a unigram model's segmentations, but the "
+            f"tokenizer {where}: {fix}")

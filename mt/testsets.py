@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mt.config import conf_dir
-from mt.textio import carriage_returns_only, first_line
+from mt.textio import carriage_returns_only, first_line, utf8_text
 
 # The mt-eval command's logger: its messages keep one name, whichever module says them.
 log = logging.getLogger("mt.evaluate")
@@ -93,9 +93,9 @@ def read_text(path: str | os.PathLike) -> list[str]:
         lines[0] = lines[0][3:]
     for lineno, raw in enumerate(lines, start=1):
         try:
-            out.append(raw.decode("utf-8").rstrip())
-        except UnicodeDecodeError as err:
-            raise EvalError(f"{p}:{lineno}: invalid UTF-8 ({err.reason})") from None
+            out.append(utf8_text(raw).rstrip())
+        except ValueError as err:
+            raise EvalError(f"{p}:{lineno}: {err}") from None
     return out
 
 

@@ -42,17 +42,32 @@ def carriage_returns_only(raw: bytes, lineno: int) -> str | None:
     return None
 
 
+def utf8_text(raw: bytes) -> str:
+    """A line's bytes as text without its line end (``\\n``, ``\\r\\n``); invalid UTF-8 raises
+    ValueError in the words that translate, mt-eval and mt-train share: the reason and the
+    byte's offset, in the line without its end. (Decoded with the end, a character cut short
+    just before it read as "invalid continuation byte" to one command and "unexpected end of
+    data" to another.)"""
+    line = raw.removesuffix(b"\n").rstrip(b"\r")
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"invalid UTF-8 ({err.reason} at byte {err.start})") from None
+
+
 def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> str:
     """One line read as bytes, as text without its line end; invalid UTF-8 raises InputError
     with the file's name and the line number (``errors="replace"``: U+FFFD instead), and so
     does a file whose lines end in ``\\r`` alone (``carriage_returns_only``)."""
     if (mistake := carriage_returns_only(raw, lineno)) is not None:
         raise InputError(f"{name}:{lineno}: {mistake}")
-    try:
+    if errors != "strict":
         return raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r")
-    except UnicodeDecodeError as err:
-        raise InputError(f"{name}:{lineno}: invalid UTF-8 ({err.reason}); "
-                         "use --errors replace to read it anyway") from None
+    try:
+        return utf8_text(raw)
+    except ValueError as err:
+        raise InputError(f"{name}:{lineno}: {err}; use --errors replace to read it anyway"
+                         ) from None
 
 
 def _lines(stream: BinaryIO, name: str, errors: str) -> Iterator[str]:

@@ -180,6 +180,16 @@ def test_the_shell_scripts_print_their_usage(script, flag, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing made, nothing run
 
 
+def _commands(project: dict) -> dict[str, str]:
+    """Each console script's command ("module:function"): every script runs mt.entry's function
+    of its name, which imports that module and runs the function."""
+    from mt.entry import COMMANDS
+
+    assert project["scripts"] == {name: f"mt.entry:{name.replace('-', '_')}"
+                                  for name in COMMANDS}
+    return COMMANDS
+
+
 def test_every_command_prints_the_versions_a_bug_report_needs(tmp_path, capsys):
     """``--version`` on every console script: mt's version (the one pip installed) and the
     versions of the libraries that decide results, on one line, and nothing run."""
@@ -196,12 +206,14 @@ def test_every_command_prints_the_versions_a_bug_report_needs(tmp_path, capsys):
     libraries = ("torch", "sentencepiece", "sacrebleu", "datasets", "hydra-core")
     want = (f"mt {mt.__version__} ("
             + ", ".join(f"{lib} {metadata.version(lib)}" for lib in libraries) + ")")
-    for name, entry in project["scripts"].items():
+    for name, entry in _commands(project).items():
         module, func = entry.split(":")
         main = getattr(__import__(module, fromlist=[func]), func)
         if not inspect.signature(main).parameters:  # mt-train (Hydra's), translate's cli
-            result = subprocess.run([script(name), "--version"], cwd=tmp_path,
-                                    capture_output=True, text=True, timeout=60)
+            runs = name.replace("-", "_")  # through mt.entry, as the console script
+            result = subprocess.run([PYTHON, "-c", f"from mt.entry import {runs}; {runs}()",
+                                     "--version"], cwd=tmp_path, env=cli_env(tmp_path),
+                                    capture_output=True, text=True, timeout=120)
             assert (result.returncode, result.stdout) == (0, want + "\n"), result.stderr
             continue
         with pytest.raises(SystemExit) as stop:
@@ -220,7 +232,7 @@ def test_every_command_runs_as_python_m_its_module(tmp_path):
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     commands: dict[str, list[str]] = {}
-    for name, entry in project["scripts"].items():
+    for name, entry in _commands(project).items():
         commands.setdefault(entry.split(":")[0], []).append(name)
     for module, names in commands.items():
         result = subprocess.run([PYTHON, "-m", module, "--version"], cwd=tmp_path,
@@ -230,3 +242,116 @@ def test_every_command_runs_as_python_m_its_module(tmp_path):
         else:
             assert result.returncode == 1 and all(n in result.stderr for n in names), module
     assert list(tmp_path.iterdir()) == []  # nothing run
+
+
+def test_an_interrupt_while_a_command_is_imported_is_one_line(monkeypatch, capsys):
+    """Ctrl-C in a command's first seconds (torch's import) printed some forty lines of
+    traceback from inside the import, and a SIGTERM or SIGHUP ended it without a word: each
+    ends the command in one line, with the status of the signal, and the handlers are put back."""
+    import os
+    import signal
+
+    import mt.entry
+
+    def ctrl_c(*args):
+        raise KeyboardInterrupt  # where Python raises it: anywhere inside the import
+
+    def terminated(signum):
+        def importing(module):
+            os.kill(os.getpid(), signum)
+            raise AssertionError(f"{signal.Signals(signum).name} did not stop the import")
+        return importing
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    for name, importing, status, said in (
+            ("mt-eval", ctrl_c, 130, "\nmt-eval: interrupted\n"),
+            ("mt-train", terminated(signal.SIGTERM), 143, "mt-train: terminated (SIGTERM)\n"),
+            ("mt-average", terminated(signal.SIGHUP), 129, "mt-average: terminated (SIGHUP)\n")):
+        monkeypatch.setattr(mt.entry, "import_module", importing)
+        with pytest.raises(SystemExit) as stop:
+            getattr(mt.entry, name.replace("-", "_"))()
+        assert stop.value.code == status and capsys.readouterr().err == said, name
+        assert {s: signal.getsignal(s) for s in before} == before
+    # Ctrl-C that the command's own code leaves uncaught (mt-average's, mt-shortlist's): the same
+    monkeypatch.setattr(mt.entry, "import_module",
+                        lambda module: type("module", (), {"main": staticmethod(ctrl_c)}))
+    with pytest.raises(SystemExit) as stop:
+        mt.entry.mt_average()
+    assert stop.value.code == 130 and capsys.readouterr().err == "\nmt-average: interrupted\n"
+
+
+def test_ctrl_c_while_translate_is_imported_ends_it_by_the_signal(tmp_path):
+    """translate ends by the signal after an interrupt, so that a shell loop running it stops:
+    so too while its module is imported."""
+    code = ("import os, signal, time\n"
+            "import mt.entry\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal\n"
+            "def importing(module):\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(60)\n"
+            "mt.entry.import_module = importing\n"
+            "mt.entry.translate()\n")
+    result = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, env=cli_env(tmp_path),
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (-2, "\ntranslate: interrupted\n")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+def test_ctrl_c_in_the_first_seconds_of_a_command_is_one_line(tmp_path):
+    """As a user presses it: Ctrl-C once torch's library is loaded, while the import goes on (or,
+    on a fast machine, while mt-average waits on a named pipe it reads as a checkpoint)."""
+    import os
+    import signal
+    import time
+
+    pipe = tmp_path / "step_1.pt"
+    os.mkfifo(pipe)
+    code = ("import signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal\n"
+            "from mt.entry import mt_average\n"
+            f"sys.argv[1:] = [{str(pipe)!r}, '-o', 'avg.pt']\n"
+            "mt_average()\n")
+    proc = subprocess.Popen([PYTHON, "-c", code], cwd=tmp_path, env=cli_env(tmp_path),
+                            stderr=subprocess.PIPE, text=True)
+    maps = Path(f"/proc/{proc.pid}/maps")
+    deadline = time.monotonic() + 60
+    try:
+        while "libtorch" not in maps.read_text() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        assert proc.stderr.read() == "\nmt-average: interrupted\n"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (tmp_path / "avg.pt").exists()
+
+
+def test_no_command_help_shows_restructuredtext_markup(tmp_path, capsys):
+    """mt-average --help began with ``mt-average``, reStructuredText's quotes from the module
+    docstring argparse took as its description; every command's help is free of them, and
+    ``python -OO`` (no docstrings) still gives mt-average a help instead of an AttributeError."""
+    from mt.entry import COMMANDS
+
+    helps = {}
+    for name, entry in [*COMMANDS.items(), ("python -m mt.demo", "mt.demo:main")]:
+        module, func = entry.split(":")
+        if name == "translate":
+            func = "main"  # cli() takes no argv
+        if name == "mt-train":  # Hydra's help, in its own process
+            result = subprocess.run([PYTHON, "-c", "from mt.entry import mt_train; mt_train()",
+                                     "--help"], cwd=tmp_path, env=cli_env(tmp_path),
+                                    capture_output=True, text=True, timeout=120)
+            assert result.returncode == 0, result.stderr
+            helps[name] = result.stdout
+            continue
+        with pytest.raises(SystemExit) as stop:
+            getattr(__import__(module, fromlist=[func]), func)(["--help"])
+        assert stop.value.code == 0
+        helps[name] = capsys.readouterr().out
+    assert all(text.strip() for text in helps.values())
+    assert [name for name, text in helps.items() if "``" in text] == []
+    assert "mt-average: average the weights" in helps["mt-average"]
+    result = subprocess.run([PYTHON, "-OO", "-m", "mt.average", "--help"], cwd=tmp_path,
+                            env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("usage: mt-average"), result.stderr

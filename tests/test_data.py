@@ -647,6 +647,44 @@ def test_subword_sampling_needs_a_unigram_model(encoded):
         Segmentations(bpe.src, ["w1 w2"], nbest=4, max_tokens=10, add_eos=False)
 
 
+def test_subword_sampling_with_a_bpe_tokenizer_it_did_not_train_says_where_that_comes_from(
+        encoded, tmp_path, monkeypatch):
+    """A BPE tokenizer reused from data.tokenizer.path, or a checkpoint's (init_from, a resume),
+    was refused with "needs a unigram model (data.tokenizer.model_type=unigram)", which was
+    already set: the message names where the tokenizer comes from and what it is."""
+    from dataclasses import asdict
+
+    from mt.config import TrainConfig
+    from mt.corpus import Corpus
+    from mt.subwords import model_type
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    pairs, _, unigram, _ = encoded
+    made = TokenizerConfig(vocab_size=90, model_type="bpe")
+    bpe = train_tokenizer([s for s, _ in pairs], [t for _, t in pairs], made)
+    assert (model_type(unigram.src_proto), model_type(bpe.src_proto)) == ("unigram", "BPE")
+    _write_split(tmp_path / "d", "text", "train", pairs[:50])
+    _write_split(tmp_path / "d", "text", "valid", pairs[:5])
+    cfg = TrainConfig()
+    cfg.data = _cfg(tmp_path / "d", subword_alpha=0.5, tokenizer=TokenizerConfig(vocab_size=90))
+    with pytest.raises(ValueError, match=re.escape(
+            "data.subword_alpha samples among a unigram model's segmentations, but the "
+            "tokenizer is the one of init_from=base.pt, a BPE model: a model keeps the "
+            "tokenizer it was trained with, whatever data.tokenizer.model_type says: set "
+            "data.subword_alpha=0")):
+        Corpus(cfg, tmp_path / "run", 0, 1, tokenizer=bpe, origin="init_from=base.pt")
+    bpe.save(tmp_path / "run" / "tokenizer", {"config": asdict(made)})  # an earlier attempt's
+    with pytest.raises(ValueError, match=re.escape(
+            f"is reused from {tmp_path / 'run' / 'tokenizer'} (an earlier attempt's in this run "
+            "directory), a BPE model: set data.subword_alpha=0, or start in another run")):
+        Corpus(cfg, tmp_path / "run", 0, 1)
+    cfg.data.tokenizer.path = str(tmp_path / "run" / "tokenizer")
+    with pytest.raises(ValueError, match=re.escape(
+            f"is reused from data.tokenizer.path={tmp_path / 'run' / 'tokenizer'}, a BPE "
+            "model: set data.subword_alpha=0, or point data.tokenizer.path at a new directory")):
+        Corpus(cfg, tmp_path / "run", 0, 1)
+
+
 def test_encoding_cache_is_reused_and_keyed_by_tokenizer(encoded):
     pairs, ds, tok, enc = encoded
     again = encode_split(ds, tok, num_proc=1)
@@ -765,3 +803,23 @@ def test_a_missing_split_file_at_a_relative_path_says_where_it_was_looked_for(tm
     with pytest.raises(FileNotFoundError, match=re.escape(
             f"{tmp_path}/nowhere/valid.en: no such file (nor valid.en.gz)")):
         split_files(cfg, "valid")
+
+
+@pytest.mark.parametrize("line", [b"caf\xe9\n", b"caf\xe9\r\n", b"a\xff b\n"])
+def test_invalid_utf8_is_said_alike_by_train_translate_and_eval(tmp_path, line):
+    """The same line said "unexpected end of data" to translate and "invalid continuation byte
+    at byte 3" to mt-train (which decoded it with its line end): one wording for every reader."""
+    from mt import textio
+    from mt.testsets import EvalError, read_text
+
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"fine\n" + line)
+    said = []
+    for read, error in ((read_lines, DataError), (lambda p: list(textio.read_lines(str(p))),
+                                                 textio.InputError), (read_text, EvalError)):
+        with pytest.raises(error) as caught:
+            read(path)
+        said.append(str(caught.value).removesuffix("; use --errors replace to read it anyway"))
+    reason = ("unexpected end of data at byte 3" if b"\xe9" in line
+              else "invalid start byte at byte 1")
+    assert said == [f"{path}:2: invalid UTF-8 ({reason})"] * 3

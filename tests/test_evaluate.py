@@ -911,3 +911,20 @@ def test_stdout_is_no_output_file(files, capsys, flag, path):
     with pytest.raises(SystemExit, match=f"{flag} {path}: stdout carries the results"):
         main(["--hyp", files["good"], "--ref", files["ref"], flag, path])
     assert capsys.readouterr().out == ""
+
+
+def test_test_placeholder_of_an_unnamed_src_ref_set_is_its_reference_path():
+    """docs/evaluation.md said nothing of what {test} becomes for --src/--ref without --name:
+    the first --ref path as given, / as _ (the examples there); --name replaces it."""
+    from mt.evaluate_args import build_parser
+    from mt.evaluate_checks import expand
+    from mt.testsets import collect_tests
+
+    parser = build_parser()
+    for given, path in ((["--ref", "data/test.de"], "out/data_test.de.hyp"),
+                        (["--ref", "/data/test.de"], "out/_data_test.de.hyp"),
+                        (["--ref", "/data/test.de", "--name", "dev"], "out/dev.hyp")):
+        (test,) = collect_tests(parser.parse_args(["--hyp", "h.de", *given]))
+        assert expand("out/{test}.hyp", test, 1) == path
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "evaluation.md").read_text()
+    assert "`--output 'out/{test}.hyp'` writes `out/data_test.de.hyp`" in " ".join(docs.split())

@@ -1941,7 +1941,7 @@ def test_a_data_error_under_torchrun_is_one_line_on_every_rank(tmp_path, corpus_
                             timeout=300)
     ours = [line for line in result.stderr.splitlines() if line.startswith("mt-train: ")]
     assert result.returncode != 0 and sorted(ours) == sorted([
-        f"mt-train: {data}/train.zz:5: invalid UTF-8 (invalid continuation byte at byte 3) "
+        f"mt-train: {data}/train.zz:5: invalid UTF-8 (unexpected end of data at byte 3) "
         f"(traceback in {tmp_path / 'run' / 'train.log'})",
         "mt-train: rank 1 stopped: another process of the run ended or did not answer while it "
         "waited (that process's error says why)"]), result.stderr[-3000:]
