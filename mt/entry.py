@@ -43,11 +43,12 @@ def command(name: str) -> Callable[[], object]:
         return getattr(import_module(module), function)
 
 
-def run(name: str) -> None:
-    """Runs the command ``name``; an interrupt while its module is imported, or one that its
-    own code leaves uncaught, ends it with one line on stderr."""
+def run(name: str) -> object:
+    """Runs the command ``name`` and returns what it returns (an exit status, for sys.exit); an
+    interrupt while its module is imported, or one that its own code leaves uncaught, ends it
+    with one line on stderr."""
     try:
-        command(name)()
+        return command(name)()
     except KeyboardInterrupt as err:
         _stop(name, getattr(err, "signal", signal.SIGINT))
 
@@ -63,36 +64,36 @@ def _stop(name: str, signum: int) -> None:
     raise SystemExit(128 + signum)
 
 
-def mt_train() -> None:
+def mt_train() -> object:
     """``mt-train``."""
-    run("mt-train")
+    return run("mt-train")
 
 
-def translate() -> None:
+def translate() -> object:
     """``translate``."""
-    run("translate")
+    return run("translate")
 
 
-def mt_eval() -> None:
+def mt_eval() -> object:
     """``mt-eval``."""
-    run("mt-eval")
+    return run("mt-eval")
 
 
-def mt_export() -> None:
+def mt_export() -> object:
     """``mt-export``."""
-    run("mt-export")
+    return run("mt-export")
 
 
-def mt_import() -> None:
+def mt_import() -> object:
     """``mt-import``."""
-    run("mt-import")
+    return run("mt-import")
 
 
-def mt_average() -> None:
+def mt_average() -> object:
     """``mt-average``."""
-    run("mt-average")
+    return run("mt-average")
 
 
-def mt_shortlist() -> None:
+def mt_shortlist() -> object:
     """``mt-shortlist``."""
-    run("mt-shortlist")
+    return run("mt-shortlist")
