@@ -39,22 +39,28 @@ def train_model(seed: int, sentences: list[str], **options) -> bytes:
     if not FORK:
         return _train(seed, sentences, options)
     read, write = os.pipe()
-    parent = os.getpid()
-    # _held: a signal just after the fork would leave a child nobody ends. Python 3.12 warns of
-    # a fork with threads alive: the child runs SentencePiece's own code and threads only.
-    with _held(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*use of fork\\(\\) may lead to deadlocks",
-                                DeprecationWarning)
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child; it never returns into the caller
-            _child(write, read, parent, seed, sentences, options)
-    os.close(write)
-    try:
+    parent, child = os.getpid(), 0
+    try:  # from the fork on: a signal held over it runs its handler as the block ends
+        # _held: a signal just after the fork would leave a child nobody ends. Python 3.12
+        # warns of a fork with threads alive: the child runs SentencePiece's own code only.
+        with _held(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*use of fork\\(\\) may lead to deadlocks",
+                                    DeprecationWarning)
+            child = os.fork()
+            if child == 0:  # pragma: no cover - the child; it never returns into the caller
+                _child(write, read, parent, seed, sentences, options)
+        os.close(write)
+        write = -1
         with open(read, "rb") as pipe:
+            read = -1  # (the file closes it)
             answer = pipe.read()  # a signal's handler runs here, and its exception ends the wait
     except BaseException:
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
+        for fd in (read, write):
+            if fd >= 0:
+                os.close(fd)
+        if child:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
         raise
     _, status = os.waitpid(child, 0)
     if not answer:

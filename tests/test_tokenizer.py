@@ -1,5 +1,6 @@
 """SentencePiece training, special ids, save/load and reuse of a tokenizer directory."""
 
+import contextlib
 import json
 import logging
 import os
@@ -353,3 +354,35 @@ def test_a_tokenizer_training_process_killed_is_said_in_one_line(monkeypatch):
     with pytest.raises(ValueError, match=r"^the SentencePiece training process was killed by "
                        r"SIGKILL: out of memory\? lower data.tokenizer.input_sentence_size$"):
         train_tokenizer(SRC, TGT, TokenizerConfig(vocab_size=120), seed=0)
+
+
+@linux_only
+def test_a_stop_signal_that_came_during_the_fork_kills_the_training_process(monkeypatch):
+    """Ctrl-C or a SIGTERM in the instant of the fork waits (blocked) until the child is known,
+    then its handler runs as they are unblocked: that child must be killed and reaped too, not
+    left training on (for minutes on a large corpus) beside a caller that goes on."""
+    from mt import spmtrain
+
+    real_fork, children = os.fork, []
+
+    def fork():
+        pid = real_fork()
+        if pid:  # the parent, with the stop signals blocked: one comes now
+            children.append(pid)
+            os.kill(os.getpid(), signal.SIGINT)
+        else:  # the child: a long training, which the parent must end
+            import time
+
+            time.sleep(60)
+        return pid
+
+    monkeypatch.setattr(os, "fork", fork)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            spmtrain.train_model(0, SRC, vocab_size=100, minloglevel=2)
+        with pytest.raises(ChildProcessError):  # reaped already: no child of ours by that id
+            os.waitpid(children[0], os.WNOHANG)
+    finally:  # (the old code left it: end it here, not 60 s later)
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            os.kill(children[0], signal.SIGKILL)
+            os.waitpid(children[0], 0)
