@@ -57,6 +57,7 @@ from mt.optim import (
     lr_lambda,
 )
 from mt.runlog import Metrics, UnreadStderr, Window, bleu_language, fitting, validate
+from mt.spm_spec import tokenizer_settings
 from mt.stopping import budget_spent
 from mt.tokenizer import META_FILE, Tokenizer
 
@@ -150,8 +151,8 @@ class Trainer:
         check_setup(cfg)
         cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
         if start is not None:
-            cfg.data.tokenizer, ignored = start_tokenizer_config(cfg.data.tokenizer,
-                                                                 start.get("config"))
+            cfg.data.tokenizer, ignored = start_tokenizer_config(
+                cfg.data.tokenizer, start.get("config"), tokenizer_settings(start["tokenizer"]))
             if ignored:
                 log.info("%s: the tokenizer is the checkpoint's; ignored %s", origin, ignored)
         return start, origin
@@ -171,6 +172,8 @@ class Trainer:
             # in one, "s" in the other; a checkpoint's came with its tie (mt-import: one vocab)
             raise ValueError(TIED_NEEDS_JOINT)
         cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
+        # recorded as it is: one reused from data.tokenizer.path may be made otherwise, by hand
+        cfg.data.tokenizer = replace(cfg.data.tokenizer, **tokenizer_settings(tok.to_state()))
         if cfg.trainer.best_metric == "loss":  # a loss over no pair would be NaN at every check
             src, tgt = corpus.valid[cfg.data.valid]
             if not fitting(tok.encode_src(src), tok.encode_tgt(tgt), cfg.model.max_positions):

@@ -173,3 +173,42 @@ def test_a_resume_says_when_init_from_names_another_model_than_the_run_started_f
         assert f"at step {steps_now - 1}" in said and "is not used" not in said, same
     said = fit_here("other", *steps, f"init_from={base}", "trainer.max_steps=3")
     assert "which started from no model (no init_from)" in said
+
+
+def test_a_fine_tune_records_and_reads_the_tokenizer_the_model_has(tmp_path, corpus_dir,
+                                                                    trainer_factory):
+    """A model fine-tuned from an import (whose checkpoint has no data.tokenizer) recorded the
+    run's defaults as its tokenizer (joint, 8000 pieces, nmt_nfkc) for one of two vocabularies
+    that folds case; and the tag check read them: back-translations tagged "<BT>" beforehand
+    were not seen as tagged with the case-folding tokenizer's "<bt>", and trained on two tags."""
+    import shutil
+
+    from mt.checkpoint import model_state, save_atomic
+    from mt.model import build_model
+
+    data = tmp_path / "data"
+    shutil.copytree(corpus_dir, data)
+    src, tgt = (read_lines(corpus_dir / f"train.{lang}")[:40] for lang in ("en", "zz"))
+    (data / "bt.en").write_text("".join(f"<BT> {line}\n" for line in src))
+    (data / "bt.zz").write_text("".join(f"{line}\n" for line in tgt))
+    made = TokenizerConfig(vocab_size=150, joint=False, model_type="bpe",
+                           normalization="nmt_nfkc_cf", user_symbols=["<bt>"])
+    tok = train_tokenizer(read_lines(corpus_dir / "train.en"), read_lines(corpus_dir / "train.zz"),
+                          made)
+    model = build_model(ModelConfig(d_model=32, ffn_dim=64, heads=2, encoder_layers=1,
+                                    decoder_layers=1, max_positions=128,
+                                    src_vocab_size=tok.src_vocab_size,
+                                    tgt_vocab_size=tok.tgt_vocab_size))
+    save_atomic(model_state(model, tok, {"imported_from": "opus-mt-en-zz"}), tmp_path / "opus.pt")
+    trainer = trainer_factory("tuned", f"init_from={tmp_path / 'opus.pt'}",
+                              "data.tokenizer.path=null", f"data.dir={data}",
+                              "data.train=train+bt", "data.tagged=[bt]", "data.tag='<bt>'")
+    recorded = trainer.config_dict["data"]["tokenizer"]  # what every checkpoint saves
+    assert {k: recorded[k] for k in ("joint", "model_type", "normalization", "vocab_size")} == {
+        "joint": False, "model_type": "bpe", "normalization": "nmt_nfkc_cf",
+        "vocab_size": max(tok.src_vocab_size, tok.tgt_vocab_size)}
+    tag = tok.symbol_id("<bt>")
+    corpus = trainer.corpus
+    firsts = [corpus.collate([i])[0][0].tolist()[:2] for i in range(len(corpus.pairs))]
+    assert sum(ids[0] == tag for ids in firsts) >= 30  # bt's pairs kept, tagged
+    assert not any(ids == [tag, tag] for ids in firsts)  # "<BT> ..." read as tagged: once
