@@ -100,8 +100,8 @@ class Trainer:
             resume.remove_killed_writes(run_dir)
         last = self.ckpt_dir / "last.pt"
         resuming = last.exists()
-        if not resuming and cfg.init_from and self.ckpt_dir.resolve() in (
-                checkpoint.resolve(cfg.init_from).resolve().parents):
+        init = cfg.init_from and checkpoint.resolved(cfg.init_from)  # else _start says why
+        if not resuming and init and self.ckpt_dir.resolve() in init.resolve().parents:
             raise ValueError(f"init_from={cfg.init_from}: in this run's own checkpoints/, which "
                              "a fresh run sets aside and fills anew; copy it elsewhere, or "
                              "start in another run directory")
@@ -139,7 +139,8 @@ class Trainer:
         if last is not None:
             start, origin = checkpoint.load(last, mmap=True), str(last)
         elif cfg.init_from:
-            start, origin = checkpoint.load(cfg.init_from), f"init_from={cfg.init_from}"
+            start = checkpoint.load_setting("init_from", cfg.init_from)
+            origin = f"init_from={cfg.init_from}"
         if start is not None:
             cfg.model, replaced = finetune_model_config(cfg.model, start["model_config"])
             if replaced:

@@ -212,3 +212,23 @@ def test_a_fine_tune_records_and_reads_the_tokenizer_the_model_has(tmp_path, cor
     firsts = [corpus.collate([i])[0][0].tolist()[:2] for i in range(len(corpus.pairs))]
     assert sum(ids[0] == tag for ids in firsts) >= 30  # bt's pairs kept, tagged
     assert not any(ids == [tag, tag] for ids in firsts)  # "<BT> ..." read as tagged: once
+
+
+def test_an_init_from_that_names_no_model_says_the_key(tmp_path, trainer_factory):
+    """mt-train's one line named the path only ('/x/runs/old: no checkpoint in it'), not which of
+    the run's settings gave it; a file with mt's format tag and no weights was a KeyError."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    torch.save({"format": "mt-checkpoint-1", "config": {}}, tmp_path / "bare.pt")
+    for given, message in [(tmp_path / "gone", r"no such model file or run directory"),
+                           (tmp_path / "empty", r"no checkpoint in it"),
+                           (tmp_path / "notes.txt", r"not a readable mt checkpoint"),
+                           (tmp_path / "bare.pt", r"not an mt model checkpoint \(it has no "
+                                                  r"'model_config' or 'model' or 'tokenizer'\)")]:
+        with pytest.raises((ValueError, OSError), match=rf"^init_from={given}: {message}"):
+            trainer_factory("tuned", f"init_from={given}")
+    (tmp_path / "old" / "checkpoints").mkdir(parents=True)  # a run directory: its best.pt's
+    (tmp_path / "old" / "checkpoints" / "best.pt").write_text("cut short")
+    with pytest.raises(ValueError, match=rf"^init_from={tmp_path / 'old'}: "
+                                         rf"{tmp_path / 'old'}/checkpoints/best.pt: not a "):
+        trainer_factory("tuned", f"init_from={tmp_path / 'old'}")
