@@ -195,6 +195,19 @@ def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     return ckpt
 
 
+def load_setting(key: str, path: str, mmap: bool = False) -> dict:
+    """``load`` of a model a setting names (``init_from``), its one-line errors naming the key
+    too: "/x/run: no checkpoint in it" does not say which of a run's settings to fix."""
+    try:
+        ckpt = load(path, mmap)
+        require(ckpt)
+        return ckpt
+    except (OSError, ValueError) as err:
+        said = str(err)
+        raise type(err)(f"{key}={said}" if said.startswith(f"{path}:")
+                        else f"{key}={path}: {said}") from None
+
+
 def require(ckpt: dict, keys: tuple[str, ...] = ("model_config", "model", "tokenizer")) -> None:
     """A one-line ValueError naming the file when a checkpoint lacks what a model needs (a file
     saved by other code with the format tag, or cut down by hand), instead of a KeyError later."""

@@ -256,20 +256,23 @@ def finetune_model_config(config: ModelConfig, saved: dict[str, Any]) -> tuple[M
     return model, ", ".join(ignored)
 
 
-def start_tokenizer_config(config: TokenizerConfig, saved: dict | None
+def start_tokenizer_config(config: TokenizerConfig, saved: dict | None, made: dict
                            ) -> tuple[TokenizerConfig, str]:
     """The tokenizer config of a run that starts from a checkpoint (a resume, or ``init_from``):
-    the one its tokenizer was trained with (the checkpoint's ``config``), whatever
+    the settings its tokenizer has (``made``, read from its SentencePiece models by
+    ``mt.spm_spec.tokenizer_settings``; for the rest, the checkpoint's ``config``), whatever
     ``data.tokenizer`` says now, as the tokenizer itself is the checkpoint's (its pieces are the
-    model's rows). Recorded so, a new ``vocab_size`` on the command line is neither listed as a
-    change that took effect nor saved into the next checkpoints. ``path`` (where this run keeps
-    the tokenizer) and ``user_symbols`` (which the tokenizer is checked to have: ``data.tag``)
-    stay this run's.
+    model's rows). Not the checkpoint's config alone: an ``mt-import``'ed model has none, and one
+    fine-tuned from it recorded the run's defaults (joint, 8000, nmt_nfkc) for a tokenizer of two
+    vocabularies that folds case. Recorded so, a new ``vocab_size`` on the command line is
+    neither listed as a change that took effect nor saved into the next checkpoints. ``path``
+    (where this run keeps the tokenizer) and ``user_symbols`` (which the tokenizer is checked to
+    have: ``data.tag``) stay this run's.
 
     Returns:
         the config, and a note of the keys the command line set otherwise ("" if none).
     """
-    old = ((saved or {}).get("data") or {}).get("tokenizer") or {}
+    old = {**(((saved or {}).get("data") or {}).get("tokenizer") or {}), **made}
     names = [f.name for f in dataclasses.fields(TokenizerConfig)
              if f.name not in ("path", "user_symbols")]
     kept = dataclasses.replace(config, **{k: v for k, v in old.items() if k in names})

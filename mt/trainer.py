@@ -19,24 +19,16 @@ import random
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from mt import checkpoint, resume
+from mt import checkpoint, resume, startup
 from mt.batching import step_batches
-from mt.config import (
-    BEST_METRICS,
-    TrainConfig,
-    finetune_model_config,
-    improves,
-    start_tokenizer_config,
-)
+from mt.config import BEST_METRICS, TrainConfig, improves
 from mt.corpus import Corpus
-from mt.data import check_splits, tokenizer_config, tokenizer_dir
 from mt.distributed import (
     SigtermWatch,
     Terminated,
@@ -47,37 +39,12 @@ from mt.distributed import (
 )
 from mt.divergence import BadSteps, check_weights
 from mt.loss import label_smoothed_nll
-from mt.model import avoid_cudnn_attention, build_model, count_parameters
-from mt.optim import (
-    EMA,
-    autocast_dtype,
-    build_optimizer,
-    cut_on_plateau,
-    freeze,
-    lr_lambda,
-)
-from mt.runlog import Metrics, UnreadStderr, Window, bleu_language, fitting, validate
+from mt.model import avoid_cudnn_attention
+from mt.optim import autocast_dtype, cut_on_plateau
+from mt.runlog import Metrics, UnreadStderr, Window, bleu_language, validate
 from mt.stopping import budget_spent
-from mt.tokenizer import META_FILE, Tokenizer
 
 log = logging.getLogger("mt.train")
-
-TIED_NEEDS_JOINT = ("model.tie_embeddings=all needs a joint vocabulary: set "
-                    "data.tokenizer.joint=true, or model.tie_embeddings=decoder")
-
-
-def check_setup(cfg: TrainConfig) -> None:
-    """Builds the model, freezes trainer.freeze's parameters and makes the optimizer and the
-    schedule on the meta device (no memory, no draw from the random streams), so that a value
-    only they check (model.norm=Pre, a d_model that model.heads does not divide, a freeze
-    pattern that matches nothing, optim.schedule=linear) stops the run now, not after the
-    tokenizer and the corpus, which can take many minutes, are built."""
-    with torch.device("meta"):  # any vocabulary size: the tokenizer's comes later
-        model = build_model(replace(cfg.model, src_vocab_size=8, tgt_vocab_size=8))
-    if cfg.trainer.freeze:
-        freeze(model, cfg.trainer.freeze)
-    build_optimizer(model, cfg)
-    lr_lambda(cfg)
 
 
 class Trainer:
@@ -99,8 +66,8 @@ class Trainer:
             resume.remove_killed_writes(run_dir)
         last = self.ckpt_dir / "last.pt"
         resuming = last.exists()
-        if not resuming and cfg.init_from and self.ckpt_dir.resolve() in (
-                checkpoint.resolve(cfg.init_from).resolve().parents):
+        init = cfg.init_from and checkpoint.resolved(cfg.init_from)  # else _start says why
+        if not resuming and init and self.ckpt_dir.resolve() in init.resolve().parents:
             raise ValueError(f"init_from={cfg.init_from}: in this run's own checkpoints/, which "
                              "a fresh run sets aside and fills anew; copy it elsewhere, or "
                              "start in another run directory")
@@ -127,100 +94,19 @@ class Trainer:
         self.metrics = (Metrics(run_dir, cfg.trainer.tensorboard, self.step) if self.rank == 0
                         else None)
 
-    # -- set-up
+    # -- set-up: mt.startup (its functions, as methods a test can replace)
 
     def _start(self, last: Path | None) -> tuple[dict | None, str]:
-        """The checkpoint the run starts from (``last``: the run's own, resumed; else
-        init_from's, fine-tuned; else none) and its name, with the model's shape and tokenizer
-        settings taken from it into the config (whatever model=... says now). Mistakes only the
-        model and optimizer show are refused here, before the tokenizer and corpus are built."""
-        cfg, start, origin = self.cfg, None, ""
-        if last is not None:
-            start, origin = checkpoint.load(last, mmap=True), str(last)
-        elif cfg.init_from:
-            start, origin = checkpoint.load(cfg.init_from), f"init_from={cfg.init_from}"
-        if start is not None:
-            cfg.model, replaced = finetune_model_config(cfg.model, start["model_config"])
-            if replaced:
-                log.info("%s: the model's shape replaces %s", origin, replaced)
-        elif cfg.model.tie_embeddings == "all" and not cfg.data.tokenizer.joint:
-            # no tokenizer yet: it would be trained as two vocabularies
-            if not (tokenizer_dir(cfg.data.tokenizer, self.run_dir) / META_FILE).exists():
-                raise ValueError(TIED_NEEDS_JOINT)
-        check_setup(cfg)
-        cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
-        if start is not None:
-            cfg.data.tokenizer, ignored = start_tokenizer_config(cfg.data.tokenizer,
-                                                                 start.get("config"))
-            if ignored:
-                log.info("%s: the tokenizer is the checkpoint's; ignored %s", origin, ignored)
-        return start, origin
+        return startup.load_start(self, last)
 
     def _corpus(self, start: dict | None, origin: str) -> Corpus:
-        """The tokenizer (``start``'s, or trained or loaded as data.tokenizer says) and the
-        encoded corpus, with the model's vocabulary sizes set from the tokenizer. Refuses a
-        mistake in a split before, and after, tied embeddings over two vocabularies and a
-        trainer.best_metric=loss that no valid pair can give."""
-        cfg = self.cfg
-        check_splits(cfg.data, test=cfg.trainer.test_at_end)
-        corpus = Corpus(cfg, self.run_dir, self.rank, self.world,
-                        Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
-        tok = corpus.tokenizer
-        if cfg.model.tie_embeddings == "all" and not tok.joint and start is None:
-            # Two vocabularies of one size pass the model's size check, but id 11 would be "▁The"
-            # in one, "s" in the other; a checkpoint's came with its tie (mt-import: one vocab)
-            raise ValueError(TIED_NEEDS_JOINT)
-        cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
-        if cfg.trainer.best_metric == "loss":  # a loss over no pair would be NaN at every check
-            src, tgt = corpus.valid[cfg.data.valid]
-            if not fitting(tok.encode_src(src), tok.encode_tgt(tgt), cfg.model.max_positions):
-                raise ValueError(f"trainer.best_metric=loss: no pair of data.valid="
-                                 f"{cfg.data.valid} fits model.max_positions="
-                                 f"{cfg.model.max_positions}, so it has no valid loss; raise "
-                                 "model.max_positions or choose trainer.best_metric=bleu")
-        return corpus
+        return startup.make_corpus(self, start, origin)
 
     def _model(self, init: dict | None) -> torch.nn.Module:
-        """The model on the device, with ``init``'s weights (fine-tuning) and trainer.freeze's
-        parameters frozen; a resumed run's weights come later, with the rest of its state."""
-        cfg = self.cfg
-        model = build_model(cfg.model).to(self.device)
-        if init is not None:
-            model.load_state_dict(init["model"])  # its own config: every key fits
-            log.info("initialised weights from %s", init["path"])
-        log.info("model %s: %s parameters\n%s", cfg.model.name, f"{count_parameters(model):,}",
-                 OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
-        if cfg.trainer.freeze:
-            log.info("trainer.freeze: %d parameter tensors kept as they are",
-                     len(freeze(model, cfg.trainer.freeze)))
-        return model
+        return startup.make_model(self, init)
 
     def _optimization(self) -> None:
-        """The optimizer, its schedule, the loss scaler and moving average, and the network that
-        the steps run (``net``: the model under DDP and torch.compile, as configured)."""
-        cfg = self.cfg
-        self.optimizer = build_optimizer(self.model, cfg)
-        self.ema = EMA(self.model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
-        # Training seconds of earlier runs (resumed) and this one's start; `elapsed` is the clock
-        # every rank agrees on, read by the time-budgeted schedule.
-        self.seconds_before, self.fit_start, self.elapsed = 0.0, None, 0.0
-        # LambdaLR counts the steps taken (0 before the first); lr_lambda counts from 1, so
-        # step k runs at lr_lambda(k): the peak at step warmup_steps, min_lr at the last step.
-        self.history = []  # the validations so far: the plateau cuts are read from them
-        multiplier = lr_lambda(cfg, seconds=lambda: self.elapsed, history=lambda: self.history)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda taken: multiplier(taken + 1))
-        self.step_lr = cfg.optim.lr * multiplier(1)  # the learning rate of the last step taken
-        self.scaler = torch.amp.GradScaler(self.device.type,
-                                           enabled=self.amp_dtype == torch.float16)
-        log.info("precision: %s on %s, %d process(es)",
-                 self.amp_dtype or torch.float32, self.device, self.world)
-        self.net = self.model
-        if self.world > 1:
-            self.net = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        if cfg.trainer.compile:
-            self.net = torch.compile(self.net)
+        startup.make_optimization(self)
 
     # -- checkpoints
 

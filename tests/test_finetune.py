@@ -220,3 +220,62 @@ def test_every_resume_with_another_init_from_says_it_is_not_used(tmp_path, fit_h
     (base / "checkpoints" / "last.pt").unlink()
     said = fit_here("gone", *steps, f"init_from={base}", "trainer.max_steps=3")
     assert "at step 2" in said and "is not used" not in said
+
+
+def test_a_fine_tune_records_and_reads_the_tokenizer_the_model_has(tmp_path, corpus_dir,
+                                                                    trainer_factory):
+    """A model fine-tuned from an import (whose checkpoint has no data.tokenizer) recorded the
+    run's defaults as its tokenizer (joint, 8000 pieces, nmt_nfkc) for one of two vocabularies
+    that folds case; and the tag check read them: back-translations tagged "<BT>" beforehand
+    were not seen as tagged with the case-folding tokenizer's "<bt>", and trained on two tags."""
+    import shutil
+
+    from mt.checkpoint import model_state, save_atomic
+    from mt.model import build_model
+
+    data = tmp_path / "data"
+    shutil.copytree(corpus_dir, data)
+    src, tgt = (read_lines(corpus_dir / f"train.{lang}")[:40] for lang in ("en", "zz"))
+    (data / "bt.en").write_text("".join(f"<BT> {line}\n" for line in src))
+    (data / "bt.zz").write_text("".join(f"{line}\n" for line in tgt))
+    made = TokenizerConfig(vocab_size=150, joint=False, model_type="bpe",
+                           normalization="nmt_nfkc_cf", user_symbols=["<bt>"])
+    tok = train_tokenizer(read_lines(corpus_dir / "train.en"), read_lines(corpus_dir / "train.zz"),
+                          made)
+    model = build_model(ModelConfig(d_model=32, ffn_dim=64, heads=2, encoder_layers=1,
+                                    decoder_layers=1, max_positions=128,
+                                    src_vocab_size=tok.src_vocab_size,
+                                    tgt_vocab_size=tok.tgt_vocab_size))
+    save_atomic(model_state(model, tok, {"imported_from": "opus-mt-en-zz"}), tmp_path / "opus.pt")
+    trainer = trainer_factory("tuned", f"init_from={tmp_path / 'opus.pt'}",
+                              "data.tokenizer.path=null", f"data.dir={data}",
+                              "data.train=train+bt", "data.tagged=[bt]", "data.tag='<bt>'")
+    recorded = trainer.config_dict["data"]["tokenizer"]  # what every checkpoint saves
+    assert {k: recorded[k] for k in ("joint", "model_type", "normalization", "vocab_size")} == {
+        "joint": False, "model_type": "bpe", "normalization": "nmt_nfkc_cf",
+        "vocab_size": max(tok.src_vocab_size, tok.tgt_vocab_size)}
+    tag = tok.symbol_id("<bt>")
+    corpus = trainer.corpus
+    firsts = [corpus.collate([i])[0][0].tolist()[:2] for i in range(len(corpus.pairs))]
+    assert sum(ids[0] == tag for ids in firsts) >= 30  # bt's pairs kept, tagged
+    assert not any(ids == [tag, tag] for ids in firsts)  # "<BT> ..." read as tagged: once
+
+
+def test_an_init_from_that_names_no_model_says_the_key(tmp_path, trainer_factory):
+    """mt-train's one line named the path only ('/x/runs/old: no checkpoint in it'), not which of
+    the run's settings gave it; a file with mt's format tag and no weights was a KeyError."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    torch.save({"format": "mt-checkpoint-1", "config": {}}, tmp_path / "bare.pt")
+    for given, message in [(tmp_path / "gone", r"no such model file or run directory"),
+                           (tmp_path / "empty", r"no checkpoint in it"),
+                           (tmp_path / "notes.txt", r"not a readable mt checkpoint"),
+                           (tmp_path / "bare.pt", r"not an mt model checkpoint \(it has no "
+                                                  r"'model_config' or 'model' or 'tokenizer'\)")]:
+        with pytest.raises((ValueError, OSError), match=rf"^init_from={given}: {message}"):
+            trainer_factory("tuned", f"init_from={given}")
+    (tmp_path / "old" / "checkpoints").mkdir(parents=True)  # a run directory: its best.pt's
+    (tmp_path / "old" / "checkpoints" / "best.pt").write_text("cut short")
+    with pytest.raises(ValueError, match=rf"^init_from={tmp_path / 'old'}: "
+                                         rf"{tmp_path / 'old'}/checkpoints/best.pt: not a "):
+        trainer_factory("tuned", f"init_from={tmp_path / 'old'}")

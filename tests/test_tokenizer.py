@@ -386,3 +386,25 @@ def test_a_stop_signal_that_came_during_the_fork_kills_the_training_process(monk
         with contextlib.suppress(ChildProcessError, ProcessLookupError):
             os.kill(children[0], signal.SIGKILL)
             os.waitpid(children[0], 0)
+
+
+@pytest.mark.parametrize(("model_type", "coverage", "byte_fallback", "normalization", "joint"),
+                         [("unigram", 1.0, False, "nmt_nfkc", True),
+                          ("bpe", 0.9995, True, "nfkc_cf", False),
+                          ("unigram", 0.98, False, "identity", False)])
+def test_the_settings_read_from_a_tokenizer_are_those_it_was_trained_with(
+        model_type, coverage, byte_fallback, normalization, joint):
+    """What a run records as its data.tokenizer when the tokenizer is not of its making (a
+    checkpoint's, one put in data.tokenizer.path by hand): read from the models themselves."""
+    from mt.spm_spec import tokenizer_settings
+
+    cfg = TokenizerConfig(model_type=model_type, vocab_size=400, joint=joint,
+                          character_coverage=coverage, byte_fallback=byte_fallback,
+                          normalization=normalization, user_symbols=["<bt>"])
+    tok = train_tokenizer(SRC, TGT, cfg, seed=0)
+    assert tokenizer_settings(tok.to_state()) == {
+        "model_type": model_type, "character_coverage": coverage, "byte_fallback": byte_fallback,
+        "normalization": normalization, "joint": joint,
+        "vocab_size": max(tok.src_vocab_size, tok.tgt_vocab_size)}
+    with pytest.raises(ValueError, match=r"^not a SentencePiece model \(cut short\)$"):
+        tokenizer_settings({"src": tok.src_proto[:-3]})

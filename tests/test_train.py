@@ -214,7 +214,7 @@ def test_a_value_out_of_range_fails_with_the_key(override, message):
 ])
 def test_what_the_model_and_optimizer_refuse_is_refused_before_any_data(override, message):
     """check_setup builds them on the meta device before the tokenizer and the corpus."""
-    from mt.trainer import check_setup
+    from mt.startup import check_setup
 
     cfg = compose(override.split())
     with pytest.raises(ValueError, match=message):

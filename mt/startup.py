@@ -1,0 +1,169 @@
+"""How a training run starts: the checkpoint it starts from (a resume's ``last.pt``, or
+``init_from``), its tokenizer and encoded corpus, the model and the optimizer with its schedule.
+``mt.trainer.Trainer`` runs them in this order as it is made; the loop, validation and saving are
+its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from omegaconf import OmegaConf
+
+from mt import checkpoint
+from mt.config import TrainConfig, finetune_model_config, start_tokenizer_config
+from mt.corpus import Corpus
+from mt.data import check_splits, tokenizer_config, tokenizer_dir
+from mt.model import build_model, count_parameters
+from mt.optim import EMA, build_optimizer, freeze, lr_lambda
+from mt.runlog import fitting
+from mt.spm_spec import tokenizer_settings
+from mt.tokenizer import META_FILE, Tokenizer
+
+log = logging.getLogger("mt.train")
+
+
+class Run(Protocol):
+    """What the set-up reads and sets: ``mt.trainer.Trainer``'s attributes, named here rather
+    than imported (``mt.trainer`` imports this module)."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    rank: int
+    world: int
+    device: torch.device
+    amp_dtype: torch.dtype | None
+    model: torch.nn.Module
+    # set by make_optimization
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    seconds_before: float
+    fit_start: float | None
+    elapsed: float
+    history: list[dict]
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    step_lr: float
+    scaler: torch.amp.GradScaler
+    net: torch.nn.Module
+
+
+TIED_NEEDS_JOINT = ("model.tie_embeddings=all needs a joint vocabulary: set "
+                    "data.tokenizer.joint=true, or model.tie_embeddings=decoder")
+
+
+def check_setup(cfg: TrainConfig) -> None:
+    """Builds the model, freezes trainer.freeze's parameters and makes the optimizer and the
+    schedule on the meta device (no memory, no draw from the random streams), so that a value
+    only they check (model.norm=Pre, a d_model that model.heads does not divide, a freeze
+    pattern that matches nothing, optim.schedule=linear) stops the run now, not after the
+    tokenizer and the corpus, which can take many minutes, are built."""
+    with torch.device("meta"):  # any vocabulary size: the tokenizer's comes later
+        model = build_model(replace(cfg.model, src_vocab_size=8, tgt_vocab_size=8))
+    if cfg.trainer.freeze:
+        freeze(model, cfg.trainer.freeze)
+    build_optimizer(model, cfg)
+    lr_lambda(cfg)
+
+
+def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:
+    """The checkpoint the run starts from (``last``: the run's own, resumed; else
+    init_from's, fine-tuned; else none) and its name, with the model's shape and tokenizer
+    settings taken from it into the config (whatever model=... says now). Mistakes only the
+    model and optimizer show are refused here, before the tokenizer and corpus are built."""
+    cfg, start, origin = run.cfg, None, ""
+    if last is not None:
+        start, origin = checkpoint.load(last, mmap=True), str(last)
+    elif cfg.init_from:
+        start = checkpoint.load_setting("init_from", cfg.init_from)
+        origin = f"init_from={cfg.init_from}"
+    if start is not None:
+        cfg.model, replaced = finetune_model_config(cfg.model, start["model_config"])
+        if replaced:
+            log.info("%s: the model's shape replaces %s", origin, replaced)
+    elif cfg.model.tie_embeddings == "all" and not cfg.data.tokenizer.joint:
+        # no tokenizer yet: it would be trained as two vocabularies
+        if not (tokenizer_dir(cfg.data.tokenizer, run.run_dir) / META_FILE).exists():
+            raise ValueError(TIED_NEEDS_JOINT)
+    check_setup(cfg)
+    cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
+    if start is not None:
+        cfg.data.tokenizer, ignored = start_tokenizer_config(
+            cfg.data.tokenizer, start.get("config"), tokenizer_settings(start["tokenizer"]))
+        if ignored:
+            log.info("%s: the tokenizer is the checkpoint's; ignored %s", origin, ignored)
+    return start, origin
+
+
+def make_corpus(run: Run, start: dict | None, origin: str) -> Corpus:
+    """The tokenizer (``start``'s, or trained or loaded as data.tokenizer says) and the
+    encoded corpus, with the model's vocabulary sizes set from the tokenizer. Refuses a
+    mistake in a split before, and after, tied embeddings over two vocabularies and a
+    trainer.best_metric=loss that no valid pair can give."""
+    cfg = run.cfg
+    check_splits(cfg.data, test=cfg.trainer.test_at_end)
+    corpus = Corpus(cfg, run.run_dir, run.rank, run.world,
+                    Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
+    tok = corpus.tokenizer
+    if cfg.model.tie_embeddings == "all" and not tok.joint and start is None:
+        # Two vocabularies of one size pass the model's size check, but id 11 would be "▁The"
+        # in one, "s" in the other; a checkpoint's came with its tie (mt-import: one vocab)
+        raise ValueError(TIED_NEEDS_JOINT)
+    cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
+    # recorded as it is: one reused from data.tokenizer.path may be made otherwise, by hand
+    cfg.data.tokenizer = replace(cfg.data.tokenizer, **tokenizer_settings(tok.to_state()))
+    if cfg.trainer.best_metric == "loss":  # a loss over no pair would be NaN at every check
+        src, tgt = corpus.valid[cfg.data.valid]
+        if not fitting(tok.encode_src(src), tok.encode_tgt(tgt), cfg.model.max_positions):
+            raise ValueError(f"trainer.best_metric=loss: no pair of data.valid="
+                             f"{cfg.data.valid} fits model.max_positions="
+                             f"{cfg.model.max_positions}, so it has no valid loss; raise "
+                             "model.max_positions or choose trainer.best_metric=bleu")
+    return corpus
+
+
+def make_model(run: Run, init: dict | None) -> torch.nn.Module:
+    """The model on the device, with ``init``'s weights (fine-tuning) and trainer.freeze's
+    parameters frozen; a resumed run's weights come later, with the rest of its state."""
+    cfg = run.cfg
+    model = build_model(cfg.model).to(run.device)
+    if init is not None:
+        model.load_state_dict(init["model"])  # its own config: every key fits
+        log.info("initialised weights from %s", init["path"])
+    log.info("model %s: %s parameters\n%s", cfg.model.name, f"{count_parameters(model):,}",
+             OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
+    if cfg.trainer.freeze:
+        log.info("trainer.freeze: %d parameter tensors kept as they are",
+                 len(freeze(model, cfg.trainer.freeze)))
+    return model
+
+
+def make_optimization(run: Run) -> None:
+    """The optimizer, its schedule, the loss scaler and moving average, and the network that
+    the steps run (``net``: the model under DDP and torch.compile, as configured)."""
+    cfg = run.cfg
+    run.optimizer = build_optimizer(run.model, cfg)
+    run.ema = EMA(run.model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
+    # Training seconds of earlier runs (resumed) and this one's start; `elapsed` is the clock
+    # every rank agrees on, read by the time-budgeted schedule.
+    run.seconds_before, run.fit_start, run.elapsed = 0.0, None, 0.0
+    # LambdaLR counts the steps taken (0 before the first); lr_lambda counts from 1, so
+    # step k runs at lr_lambda(k): the peak at step warmup_steps, min_lr at the last step.
+    run.history = []  # the validations so far: the plateau cuts are read from them
+    multiplier = lr_lambda(cfg, seconds=lambda: run.elapsed, history=lambda: run.history)
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        run.optimizer, lambda taken: multiplier(taken + 1))
+    run.step_lr = cfg.optim.lr * multiplier(1)  # the learning rate of the last step taken
+    run.scaler = torch.amp.GradScaler(run.device.type,
+                                      enabled=run.amp_dtype == torch.float16)
+    log.info("precision: %s on %s, %d process(es)",
+             run.amp_dtype or torch.float32, run.device, run.world)
+    run.net = run.model
+    if run.world > 1:
+        run.net = torch.nn.parallel.DistributedDataParallel(
+            run.model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+    if cfg.trainer.compile:
+        run.net = torch.compile(run.net)
