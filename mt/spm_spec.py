@@ -60,8 +60,9 @@ def _fields(data: memoryview) -> tuple[dict[int, int | memoryview], int]:
     return fields, pieces
 
 
-def _model(proto: bytes) -> dict:
-    """The ``data.tokenizer`` keys of one SentencePiece model (proto2 defaults where unset)."""
+def model_settings(proto: bytes) -> dict:
+    """The ``data.tokenizer`` keys of one SentencePiece model (proto2 defaults where unset); its
+    model_type for ``mt.subwords``' message too."""
     try:
         model, pieces = _fields(memoryview(proto))
         trainer = _fields(model.get(TRAINER, memoryview(b"")))[0]
@@ -83,7 +84,8 @@ def tokenizer_settings(state: dict) -> dict:
     normalization rule (SentencePiece's name for it: ``user_defined`` for a rule of its own).
     Of two models, ``vocab_size`` is the larger one's pieces, the most a side was asked for;
     ``input_sentence_size`` and ``user_symbols`` are no part of a model and are not given."""
-    settings = _model(state["src"])
+    settings = model_settings(state["src"])
     if state.get("tgt") is not None:
-        settings["vocab_size"] = max(settings["vocab_size"], _model(state["tgt"])["vocab_size"])
+        tgt = model_settings(state["tgt"])
+        settings["vocab_size"] = max(settings["vocab_size"], tgt["vocab_size"])
     return {**settings, "joint": state.get("tgt") is None}

@@ -219,52 +219,13 @@ def candidate_processes(num_proc: int, world: int = 1) -> int:
     return max(1, min(cores or 1, 16) // world)
 
 
-# TrainerSpec.ModelType in SentencePiece's sentencepiece_model.proto
-_MODEL_TYPES = {1: "unigram", 2: "BPE", 3: "word", 4: "char"}
-
-
-def _fields(message: bytes):
-    """(field number, value) of each field of a serialized protobuf message: an int for a
-    varint, bytes for a length-delimited field (others skipped)."""
-    i = 0
-
-    def varint() -> int:
-        nonlocal i
-        value = shift = 0
-        while True:
-            byte = message[i]
-            i += 1
-            value |= (byte & 0x7F) << shift
-            shift += 7
-            if byte < 0x80:
-                return value
-
-    while i < len(message):
-        key = varint()
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            yield number, varint()
-        elif wire == 2:
-            size = varint()
-            yield number, message[i : i + size]
-            i += size
-        elif wire in (1, 5):  # fixed64, fixed32
-            i += 8 if wire == 1 else 4
-        else:
-            return  # groups: not in SentencePiece's protos
-
-
 def model_type(proto: bytes) -> str:
-    """The kind of a serialized SentencePiece model: "unigram", "BPE", "word" or "char". Read
-    from its trainer_spec (field 2; its model_type is field 3, unigram when unset) by hand, as
-    mt does not depend on protobuf."""
-    kind = 1
-    for number, spec in _fields(proto):
-        if number == 2 and isinstance(spec, bytes):
-            for field, value in _fields(spec):
-                if field == 3 and isinstance(value, int):
-                    kind = value
-    return _MODEL_TYPES.get(kind, f"type {kind}")
+    """The kind of a serialized SentencePiece model, for a message: "unigram", "BPE", "word" or
+    "char" (``mt.spm_spec``, which reads the model's own bytes)."""
+    from mt.spm_spec import model_settings
+
+    kind = model_settings(proto)["model_type"]
+    return "BPE" if kind == "bpe" else kind
 
 
 def sampling_mistake(tokenizer, origin: str, directory: Path, shared: bool) -> str | None:
