@@ -22,7 +22,7 @@ from mt.model import build_model, count_parameters
 from mt.optim import EMA, build_optimizer, freeze, lr_lambda
 from mt.runlog import fitting
 from mt.spm_spec import tokenizer_settings
-from mt.tokenizer import META_FILE, Tokenizer
+from mt.tokenizer import META_FILE, Tokenizer, _by_hand
 
 log = logging.getLogger("mt.train")
 
@@ -72,7 +72,8 @@ def check_setup(cfg: TrainConfig) -> None:
 def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:
     """The checkpoint the run starts from (``last``: the run's own, resumed; else
     init_from's, fine-tuned; else none) and its name, with the model's shape and tokenizer
-    settings taken from it into the config (whatever model=... says now). Mistakes only the
+    settings taken from it into the config (whatever model=... says now), as are those of a
+    SentencePiece model put in data.tokenizer.path by hand. Mistakes only the
     model and optimizer show are refused here, before the tokenizer and corpus are built."""
     cfg, start, origin = run.cfg, None, ""
     if last is not None:
@@ -95,6 +96,12 @@ def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:
             cfg.data.tokenizer, start.get("config"), tokenizer_settings(start["tokenizer"]))
         if ignored:
             log.info("%s: the tokenizer is the checkpoint's; ignored %s", origin, ignored)
+    elif cfg.data.tokenizer.path and _by_hand(directory := Path(cfg.data.tokenizer.path)):
+        # A model put in data.tokenizer.path by hand is used as it is (mt.tokenizer.load_or_train),
+        # and the corpus is read before it is loaded: data.tagged's check of a tag written in
+        # another case needs its normalization, not the command line's (a resume reads it so)
+        cfg.data.tokenizer = replace(cfg.data.tokenizer,
+                                     **tokenizer_settings(Tokenizer.load(directory).to_state()))
     return start, origin
 
 

@@ -307,3 +307,30 @@ def test_mt_train_with_tagged_back_translation(tmp_path, corpus_dir, tokenizer_d
     tok = Tokenizer.from_state(ckpt["tokenizer"])
     assert tok.symbol_id("<BT>") is not None
     assert ckpt["config"]["data"]["tagged"] == ["bt"]
+
+
+def test_a_case_folding_tokenizer_put_in_data_tokenizer_path_by_hand_finds_the_tag(
+        tmp_path, corpus_dir, trainer_factory):
+    """A SentencePiece model put in data.tokenizer.path by hand (no tokenizer.json) is used as it
+    is, but the sources were tagged by the command line's normalization (nmt_nfkc) before it was
+    loaded: "<BT> ..." lines were tagged again for a case-folding model's "<bt>", and trained on
+    two tags; the resume, which reads the model's settings first, tagged them once, so the run
+    trained on other pairs after each restart."""
+    data = tmp_path / "data"
+    shutil.copytree(corpus_dir, data)
+    src, tgt = ([line.rstrip("\n") for line in open(corpus_dir / f"train.{lang}")][:40]
+                for lang in ("en", "zz"))
+    (data / "bt.en").write_text("".join(f"<BT> {line}\n" for line in src))
+    (data / "bt.zz").write_text("".join(f"{line}\n" for line in tgt))
+    made = TokenizerConfig(vocab_size=150, normalization="nmt_nfkc_cf", user_symbols=["<bt>"])
+    tok = train_tokenizer(src, tgt, made, seed=0)
+    by_hand = tmp_path / "tok"
+    tok.save(by_hand)
+    (by_hand / META_FILE).unlink()  # as tokenizers/README.md's models, or a model's place()d one
+    trainer = trainer_factory("run", f"data.tokenizer.path={by_hand}", f"data.dir={data}",
+                              "data.train=train+bt", "data.tagged=[bt]", "data.tag='<bt>'")
+    tag = tok.symbol_id("<bt>")
+    corpus = trainer.corpus
+    firsts = [corpus.collate([i])[0][0].tolist()[:2] for i in range(len(corpus.pairs))]
+    assert sum(ids[0] == tag for ids in firsts) >= 30  # bt's pairs kept, tagged
+    assert not any(ids == [tag, tag] for ids in firsts)  # "<BT> ..." read as tagged: once
