@@ -30,6 +30,7 @@ from mt.data import data_identity
 from mt.divergence import BadSteps
 from mt.optim import EMA, take_optim_config
 from mt.runlog import Window
+from mt.spm_spec import tokenizer_settings
 
 log = logging.getLogger("mt.train")
 
@@ -131,6 +132,17 @@ def _other_pairs_cause(state: dict) -> str:
                f"this one encodes and filters them as {ENCODE_VERSION}") + ")")
 
 
+def _tokenizer_as_made(config: dict, tokenizer: dict | None) -> dict:
+    """``config`` (a last.pt's) with the settings its ``tokenizer`` has, as this run records them
+    (``mt.spm_spec``): a last.pt saved before they were read from the models recorded the command
+    line's (vocab_size=8000 for a reused tokenizer of 200 pieces), which is no change made now."""
+    data = config.get("data")
+    if not tokenizer or not isinstance(data, dict) or not isinstance(data.get("tokenizer"), dict):
+        return config
+    made = {**data["tokenizer"], **tokenizer_settings(tokenizer)}
+    return {**config, "data": {**data, "tokenizer": made}}
+
+
 def restore(trainer: Run, path: Path) -> None:
     """Puts the run that ``path`` (a last.pt) holds back into ``trainer``, built from this run's
     config: what changed since is said, what cannot change (the parameters trained) refused."""
@@ -138,7 +150,8 @@ def restore(trainer: Run, path: Path) -> None:
     saved_config = ckpt.get("config") or {}
     if trainer.rank == 0:
         schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
-        changed = config_changes(saved_config, trainer.config_dict, defaults=schema)
+        changed = config_changes(_tokenizer_as_made(saved_config, ckpt.get("tokenizer")),
+                                 trainer.config_dict, defaults=schema)
         if changed:
             log.info("resuming with settings changed since %s: %s", path, ", ".join(changed))
     if "trainer" not in ckpt:

@@ -279,3 +279,22 @@ def test_an_init_from_that_names_no_model_says_the_key(tmp_path, trainer_factory
     with pytest.raises(ValueError, match=rf"^init_from={tmp_path / 'old'}: "
                                          rf"{tmp_path / 'old'}/checkpoints/best.pt: not a "):
         trainer_factory("tuned", f"init_from={tmp_path / 'old'}")
+
+
+def test_a_resume_of_a_last_pt_that_recorded_the_asked_tokenizer_says_no_change(tmp_path,
+                                                                                 fit_here):
+    """A last.pt saved before a run recorded its tokenizer's own settings holds the command line's
+    (data.tokenizer.vocab_size=8000, the default, for the 200 pieces of a data.tokenizer.path
+    reused): the same command resumed from it said 'resuming with settings changed:
+    data.tokenizer.vocab_size=200 (was 8000)', a change nobody made."""
+    from mt.checkpoint import load, save_atomic
+
+    fit_here("run", "trainer.max_steps=2", "trainer.test_at_end=false")
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    ckpt = load(last)
+    assert ckpt["config"]["data"]["tokenizer"]["vocab_size"] == 200  # the tokenizer's, recorded
+    ckpt["config"]["data"]["tokenizer"]["vocab_size"] = 8000  # as an older mt recorded it
+    ckpt.pop("path", None)
+    save_atomic(ckpt, last)
+    said = fit_here("run", "trainer.max_steps=3", "trainer.test_at_end=false")
+    assert "resumed" in said and "data.tokenizer" not in said.split("resuming with", 1)[-1]
