@@ -22,7 +22,7 @@ from mt.model import build_model, count_parameters
 from mt.optim import EMA, build_optimizer, freeze, lr_lambda
 from mt.runlog import fitting
 from mt.spm_spec import tokenizer_settings
-from mt.tokenizer import META_FILE, Tokenizer, _by_hand
+from mt.tokenizer import META_FILE, Tokenizer, placed_by_hand
 
 log = logging.getLogger("mt.train")
 
@@ -96,7 +96,7 @@ def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:
             cfg.data.tokenizer, start.get("config"), tokenizer_settings(start["tokenizer"]))
         if ignored:
             log.info("%s: the tokenizer is the checkpoint's; ignored %s", origin, ignored)
-    elif cfg.data.tokenizer.path and _by_hand(directory := Path(cfg.data.tokenizer.path)):
+    elif cfg.data.tokenizer.path and placed_by_hand(directory := Path(cfg.data.tokenizer.path)):
         # A model put in data.tokenizer.path by hand is used as it is (mt.tokenizer.load_or_train),
         # and the corpus is read before it is loaded: data.tagged's check of a tag written in
         # another case needs its normalization, not the command line's (a resume reads it so)

@@ -171,7 +171,7 @@ class Tokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         # Each model file whole or absent: a save cut short leaves no torn model, which a
-        # data.tokenizer.path without tokenizer.json would be taken as (``_by_hand``).
+        # data.tokenizer.path without tokenizer.json would be taken as (``placed_by_hand``).
         if self.joint:
             replace_file(directory / "spm.model", self.src_proto)
         else:
@@ -322,7 +322,7 @@ def _release_memory() -> None:
         pass
 
 
-def _by_hand(directory: Path) -> bool:
+def placed_by_hand(directory: Path) -> bool:
     """Whether ``directory`` holds a SentencePiece model but no ``tokenizer.json``. In the run's
     own ``tokenizer/`` that is a save cut short, trained again; in ``data.tokenizer.path`` it is
     a model put there by hand (tokenizers/README.md), which training would write over."""
@@ -354,7 +354,7 @@ def place(directory: str | os.PathLike, tokenizer: Tokenizer, origin: str,
         shared: the directory is data.tokenizer.path, not the run's own: the error's advice.
     """
     directory = Path(directory)
-    if (directory / META_FILE).exists() or shared and _by_hand(directory):
+    if (directory / META_FILE).exists() or shared and placed_by_hand(directory):
         there = Tokenizer.load(directory)
         if there.fingerprint != tokenizer.fingerprint:
             raise ValueError(f"{origin}: the model's tokenizer is not the one in {directory}; "
@@ -424,7 +424,8 @@ def load_or_train(
         loud: False on the processes of a run but its first, which read the tokenizer the
             first made: its warnings, once, are the first's.
         shared: ``directory`` is data.tokenizer.path, not the run's own: a SentencePiece model
-            there without ``tokenizer.json`` (``_by_hand``) is used as it is, never trained over.
+            there without ``tokenizer.json`` (``placed_by_hand``) is used as it is, never
+            trained over.
     """
     warn = log.warning if loud else log.debug
     directory = Path(directory)
@@ -458,7 +459,7 @@ def load_or_train(
                  "joint" if tok.joint else "separate",
                  tok.src_vocab_size if tok.joint else f"{tok.src_vocab_size}/{tok.tgt_vocab_size}")
         return tok
-    if shared and _by_hand(directory):
+    if shared and placed_by_hand(directory):
         tok = Tokenizer.load(directory)
         require_symbols(tok, cfg.user_symbols, f"the SentencePiece model in {directory} "
                         "(data.tokenizer.path)", "give a model that has it, or a new "
