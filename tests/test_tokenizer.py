@@ -1,13 +1,9 @@
 """SentencePiece training, special ids, save/load and reuse of a tokenizer directory."""
 
-import contextlib
 import json
 import logging
-import os
 import random
 import re
-import signal
-import sys
 
 import pytest
 import sentencepiece as spm
@@ -306,86 +302,6 @@ def test_source_boundaries_mark_word_starts_and_sentence_ends():
         assert marks.ends[ids[last]] == line.rstrip('"').endswith((".", "!", "?"))
     assert not any(marks.starts[i] or marks.ends[i] or marks.closes[i]
                    for i in (PAD_ID, BOS_ID, EOS_ID, UNK_ID))
-
-
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="SentencePiece trains in-process there")
-
-
-@linux_only
-@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
-def test_training_in_a_child_process_gives_the_model_of_training_here(model_type, monkeypatch):
-    """SentencePiece trains in a forked child, which a stop signal can end (mt.spmtrain): the
-    model it hands back is the very one this process would have trained."""
-    from mt import spmtrain
-
-    sentences = SRC + TGT
-    options = dict(model_type=model_type, vocab_size=150, hard_vocab_limit=False,
-                   input_sentence_size=0, num_threads=2, minloglevel=2, pad_id=PAD_ID,
-                   unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID)
-    here = spmtrain._train(3, sentences, options)
-    trainer, pid = spm.SentencePieceTrainer.train, os.getpid()
-    pids = []
-
-    def train(*args, **kwargs):
-        pids.append(os.getpid())  # (a child's append stays there: none here means the child)
-        return trainer(*args, **kwargs)
-
-    monkeypatch.setattr(spm.SentencePieceTrainer, "train", train)
-    assert spmtrain.train_model(3, sentences, **options) == here
-    assert not pids and pid == os.getpid()
-    other = spmtrain.train_model(4, sentences, **options)  # the seed reaches the child
-    assert other == spmtrain._train(4, sentences, options)
-
-
-@linux_only
-def test_a_tokenizer_training_process_killed_is_said_in_one_line(monkeypatch):
-    """The out-of-memory killer ends the training process (SentencePiece's biggest user of
-    memory), not mt-train: what to lower is said instead."""
-    pid, trainer = os.getpid(), spm.SentencePieceTrainer.train
-
-    def killed(*args, **kwargs):
-        if os.getpid() == pid:  # the old code trained here: do not kill the tests
-            raise AssertionError("SentencePiece trained in the caller's process")
-        os.kill(os.getpid(), signal.SIGKILL)
-        return trainer(*args, **kwargs)
-
-    monkeypatch.setattr(spm.SentencePieceTrainer, "train", killed)
-    with pytest.raises(ValueError, match=r"^the SentencePiece training process was killed by "
-                       r"SIGKILL: out of memory\? lower data.tokenizer.input_sentence_size$"):
-        train_tokenizer(SRC, TGT, TokenizerConfig(vocab_size=120), seed=0)
-
-
-@linux_only
-def test_a_stop_signal_that_came_during_the_fork_kills_the_training_process(monkeypatch):
-    """Ctrl-C or a SIGTERM in the instant of the fork waits (blocked) until the child is known,
-    then its handler runs as they are unblocked: that child must be killed and reaped too, not
-    left training on (for minutes on a large corpus) beside a caller that goes on."""
-    from mt import spmtrain
-
-    real_fork, children = os.fork, []
-
-    def fork():
-        pid = real_fork()
-        if pid:  # the parent, with the stop signals blocked: one comes now
-            children.append(pid)
-            os.kill(os.getpid(), signal.SIGINT)
-        else:  # the child: a long training, which the parent must end
-            import time
-
-            time.sleep(60)
-        return pid
-
-    monkeypatch.setattr(os, "fork", fork)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            spmtrain.train_model(0, SRC, vocab_size=100, minloglevel=2)
-        with pytest.raises(ChildProcessError):  # reaped already: no child of ours by that id
-            os.waitpid(children[0], os.WNOHANG)
-    finally:  # (the old code left it: end it here, not 60 s later)
-        with contextlib.suppress(ChildProcessError, ProcessLookupError):
-            os.kill(children[0], signal.SIGKILL)
-            os.waitpid(children[0], 0)
 
 
 @pytest.mark.parametrize(("model_type", "coverage", "byte_fallback", "normalization", "joint"),
