@@ -47,7 +47,7 @@ class Corpus:
         resumed run's last.pt or ``init_from``), instead of one found or trained by the config."""
         from dataclasses import replace
 
-        from mt.subwords import SampledPairs, candidate_processes, sampling_mistake
+        from mt.subwords import SampledPairs, candidate_processes
 
         data = cfg.data
         if rank != 0:
@@ -59,10 +59,6 @@ class Corpus:
         tok_cfg = tokenizer_config(data)
         train, sizes = load_train(data, sizes=True)
         self.tokenizer = self._tokenizer(cfg, tok_cfg, run_dir, train, tokenizer, origin, rank)
-        if data.subword_alpha > 0 and (mistake := sampling_mistake(
-                self.tokenizer, origin if tokenizer is not None else "",
-                tokenizer_dir(tok_cfg, run_dir), bool(tok_cfg.path))):
-            raise ValueError(mistake)  # before the corpus is encoded
         rules = data.filter
         if rules.max_tokens >= cfg.model.max_positions:  # longer pairs would not fit the model
             rules = replace(rules, max_tokens=cfg.model.max_positions - 1)

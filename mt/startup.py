@@ -22,6 +22,7 @@ from mt.model import build_model, count_parameters
 from mt.optim import EMA, build_optimizer, freeze, lr_lambda
 from mt.runlog import fitting
 from mt.spm_spec import tokenizer_settings
+from mt.subwords import sampling_mistake
 from mt.tokenizer import META_FILE, Tokenizer, placed_by_hand
 
 log = logging.getLogger("mt.train")
@@ -102,7 +103,28 @@ def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:
         # another case needs its normalization, not the command line's (a resume reads it so)
         cfg.data.tokenizer = replace(cfg.data.tokenizer,
                                      **tokenizer_settings(Tokenizer.load(directory).to_state()))
+    check_sampling(cfg, run.run_dir, start, origin)
     return start, origin
+
+
+def check_sampling(cfg: TrainConfig, run_dir: Path, start: dict | None, origin: str) -> None:
+    """Refuses data.subword_alpha with a BPE tokenizer that the run takes rather than trains
+    (``start``'s, from ``origin``; or one reused from data.tokenizer.path or the run's own
+    ``tokenizer/``), now: refused after the corpus was read, the run had made the user wait
+    through that, and had written the checkpoint's tokenizer into the run directory, where it
+    then refused the corrected command's other tokenizer. One this run trains is data.tokenizer's
+    model_type, checked already (``mt.config_checks``)."""
+    if cfg.data.subword_alpha <= 0:
+        return
+    directory, shared = tokenizer_dir(cfg.data.tokenizer, run_dir), bool(cfg.data.tokenizer.path)
+    if start is not None:
+        state = start["tokenizer"]
+    elif (directory / META_FILE).exists() or shared and placed_by_hand(directory):
+        state = Tokenizer.load(directory).to_state()  # the one load_or_train will reuse
+    else:
+        return
+    if mistake := sampling_mistake(state, origin, directory, shared):
+        raise ValueError(mistake)
 
 
 def make_corpus(run: Run, start: dict | None, origin: str) -> Corpus:

@@ -228,13 +228,14 @@ def model_type(proto: bytes) -> str:
     return "BPE" if kind == "bpe" else kind
 
 
-def sampling_mistake(tokenizer, origin: str, directory: Path, shared: bool) -> str | None:
-    """Why data.subword_alpha cannot sample with ``tokenizer``, None if it can: a BPE model has
-    no n-best segmentations. The tokenizer was not trained by this run with the config's
+def sampling_mistake(state: dict, origin: str, directory: Path, shared: bool) -> str | None:
+    """Why data.subword_alpha cannot sample with the tokenizer ``state`` (its serialized models,
+    ``Tokenizer.to_state()``, as a checkpoint holds them), None if it can: a BPE model has no
+    n-best segmentations. The tokenizer was not trained by this run with the config's
     data.tokenizer.model_type (that is checked before: mt.config_checks), so the message says
     where it comes from: ``origin``, the checkpoint the run starts from ("" if none), else
     ``directory``, data.tokenizer.path (``shared``) or the run's own, reused."""
-    kinds = {model_type(p) for p in (tokenizer.src_proto, tokenizer.tgt_proto) if p is not None}
+    kinds = {model_type(p) for p in (state["src"], state.get("tgt")) if p is not None}
     kinds.discard("unigram")
     if not kinds:
         return None

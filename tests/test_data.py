@@ -648,23 +648,21 @@ def test_subword_sampling_needs_a_unigram_model(encoded):
 
 
 def test_subword_sampling_with_a_bpe_tokenizer_it_did_not_train_says_where_that_comes_from(
-        encoded, tmp_path, monkeypatch):
+        encoded, tmp_path):
     """A BPE tokenizer reused from data.tokenizer.path, or a checkpoint's (init_from, a resume),
     was refused with "needs a unigram model (data.tokenizer.model_type=unigram)", which was
-    already set: the message names where the tokenizer comes from and what it is."""
+    already set: the message names where the tokenizer comes from and what it is. It is
+    refused at start-up (``check_sampling``), before the corpus is read."""
     from dataclasses import asdict
 
     from mt.config import TrainConfig
-    from mt.corpus import Corpus
+    from mt.startup import check_sampling
     from mt.subwords import model_type
 
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     pairs, _, unigram, _ = encoded
     made = TokenizerConfig(vocab_size=90, model_type="bpe")
     bpe = train_tokenizer([s for s, _ in pairs], [t for _, t in pairs], made)
     assert (model_type(unigram.src_proto), model_type(bpe.src_proto)) == ("unigram", "BPE")
-    _write_split(tmp_path / "d", "text", "train", pairs[:50])
-    _write_split(tmp_path / "d", "text", "valid", pairs[:5])
     cfg = TrainConfig()
     cfg.data = _cfg(tmp_path / "d", subword_alpha=0.5, tokenizer=TokenizerConfig(vocab_size=90))
     with pytest.raises(ValueError, match=re.escape(
@@ -672,17 +670,24 @@ def test_subword_sampling_with_a_bpe_tokenizer_it_did_not_train_says_where_that_
             "tokenizer is the one of init_from=base.pt, a BPE model: a model keeps the "
             "tokenizer it was trained with, whatever data.tokenizer.model_type says: set "
             "data.subword_alpha=0")):
-        Corpus(cfg, tmp_path / "run", 0, 1, tokenizer=bpe, origin="init_from=base.pt")
+        check_sampling(cfg, tmp_path / "run", {"tokenizer": bpe.to_state()}, "init_from=base.pt")
+    check_sampling(cfg, tmp_path / "run", {"tokenizer": unigram.to_state()}, "init_from=u.pt")
+    check_sampling(cfg, tmp_path / "run", None, "")  # none yet: this run trains a unigram one
     bpe.save(tmp_path / "run" / "tokenizer", {"config": asdict(made)})  # an earlier attempt's
     with pytest.raises(ValueError, match=re.escape(
             f"is reused from {tmp_path / 'run' / 'tokenizer'} (an earlier attempt's in this run "
             "directory), a BPE model: set data.subword_alpha=0, or start in another run")):
-        Corpus(cfg, tmp_path / "run", 0, 1)
+        check_sampling(cfg, tmp_path / "run", None, "")
     cfg.data.tokenizer.path = str(tmp_path / "run" / "tokenizer")
     with pytest.raises(ValueError, match=re.escape(
             f"is reused from data.tokenizer.path={tmp_path / 'run' / 'tokenizer'}, a BPE "
             "model: set data.subword_alpha=0, or point data.tokenizer.path at a new directory")):
-        Corpus(cfg, tmp_path / "run", 0, 1)
+        check_sampling(cfg, tmp_path / "run", None, "")
+    (tmp_path / "run" / "tokenizer" / "tokenizer.json").unlink()  # a model put there by hand
+    with pytest.raises(ValueError, match="is reused from data.tokenizer.path="):
+        check_sampling(cfg, tmp_path / "run", None, "")
+    cfg.data.subword_alpha = 0.0
+    check_sampling(cfg, tmp_path / "run", None, "")
 
 
 def test_encoding_cache_is_reused_and_keyed_by_tokenizer(encoded):

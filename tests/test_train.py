@@ -594,6 +594,30 @@ def test_best_metric_chrf_picks_best_pt_and_keep_best_by_chrf(trainer_factory):
     assert sorted(p.name for p in bleu.ckpt_dir.glob("step_*.pt")) == ["step_2.pt", "step_3.pt"]
 
 
+def test_subword_sampling_with_a_checkpoints_bpe_tokenizer_stops_before_the_corpus(
+        trainer_factory, tmp_path, monkeypatch):
+    """data.subword_alpha with init_from a BPE model: refused only after the corpus was read,
+    and after the checkpoint's tokenizer was written into the run directory, which then refused
+    the corrected command (init_from a unigram model: "the model's tokenizer is not the one in
+    .../tokenizer"). Refused at start-up now, leaving nothing behind."""
+    import mt.corpus
+
+    bpe = trainer_factory("bpe", "data.tokenizer.path=null", "data.tokenizer.model_type=bpe",
+                          "data.tokenizer.vocab_size=150")
+    validate_with(bpe, SCORES[:1])
+
+    def read(*args, **kwargs):
+        raise AssertionError("the corpus was read")
+
+    monkeypatch.setattr(mt.corpus, "load_train", read)
+    with pytest.raises(ValueError, match=r"^data.subword_alpha samples among a unigram model's "
+                                         r"segmentations, but the tokenizer is the one of "
+                                         r"init_from=\S+best.pt, a BPE model"):
+        trainer_factory("ft", f"init_from={bpe.ckpt_dir / 'best.pt'}", "data.subword_alpha=0.5",
+                        "data.tokenizer.path=null")
+    assert not (tmp_path / "ft" / "tokenizer").exists()
+
+
 def test_a_fresh_start_beside_an_earlier_runs_files_sets_them_aside(trainer_factory, tmp_path,
                                                                      caplog):
     """last.pt deleted, the run started again in its folder: the earlier run's step_9.pt was
