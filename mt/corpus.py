@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mt.batching import EncodedPairs, empty_pairs, encode_split, token_batches
+from mt.batching import EncodedPairs, encode_split, has_text_pair, token_batches
 from mt.config import TokenizerConfig, TrainConfig
 from mt.data import (
     data_identity,
@@ -111,7 +111,7 @@ class Corpus:
             valid = load_split(data, split)
             n = data.max_valid_sentences or len(valid)
             self.valid[split] = list(valid["src"][:n]), list(valid["tgt"][:n])
-            if all(empty_pairs(self.tokenizer, *self.valid[split])):
+            if not has_text_pair(self.tokenizer, *self.valid[split]):
                 # else a BLEU of 0 at every validation, and trainer.patience ends the run
                 key = "data.valid" if split == data.valid else "data.extra_valid"
                 raise ValueError(f"{key}: split {split!r} has no pair with text on both sides "

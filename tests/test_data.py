@@ -690,6 +690,34 @@ def test_subword_sampling_with_a_bpe_tokenizer_it_did_not_train_says_where_that_
     check_sampling(cfg, tmp_path / "run", None, "")
 
 
+def test_a_valid_split_with_text_is_found_by_encoding_up_to_its_first_pair_with_text(encoded):
+    """data.valid's "no pair with text" check encoded the whole split (3 to 13 s for 100k
+    pairs, at every start); it stops at the first pair with text now, with the same answers as
+    the encoding's ``empty``: blank sides and a zero-width space (which ``str.strip`` keeps,
+    and the tokenizer removes) are no text."""
+    from mt.batching import has_text_pair
+
+    pairs, _, tok, _ = encoded
+
+    class Counting:  # the tokenizer, counting the sources it encodes
+        encoded = 0
+
+        def encode_src(self, texts):
+            Counting.encoded += len(texts)
+            return tok.encode_src(texts)
+
+        def encode_tgt(self, texts):
+            return tok.encode_tgt(texts)
+
+    src, tgt = [s for s, _ in pairs] * 20, [t for _, t in pairs] * 20
+    assert has_text_pair(Counting(), src, tgt) and Counting.encoded <= 64
+    empty = [("", "a"), ("a", " "), ("\u200b", "a"), ("a", "\u200b \u200b")] * 50
+    assert not has_text_pair(tok, *map(list, zip(*empty, strict=True)))
+    later = [*empty, pairs[0], *empty]  # found past the first rounds
+    assert has_text_pair(tok, *map(list, zip(*later, strict=True)))
+    assert not has_text_pair(tok, [], [])
+
+
 def test_encoding_cache_is_reused_and_keyed_by_tokenizer(encoded):
     pairs, ds, tok, enc = encoded
     again = encode_split(ds, tok, num_proc=1)
