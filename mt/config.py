@@ -256,8 +256,8 @@ def finetune_model_config(config: ModelConfig, saved: dict[str, Any]) -> tuple[M
     return model, ", ".join(ignored)
 
 
-def start_tokenizer_config(config: TokenizerConfig, saved: dict | None, made: dict
-                           ) -> tuple[TokenizerConfig, str]:
+def start_tokenizer_config(config: TokenizerConfig, saved: dict | None, made: dict,
+                           asked: dict | None = None) -> tuple[TokenizerConfig, str]:
     """The tokenizer config of a run that starts from a checkpoint (a resume, or ``init_from``):
     the settings its tokenizer has (``made``, read from its SentencePiece models by
     ``mt.spm_spec.tokenizer_settings``; for the rest, the checkpoint's ``config``), whatever
@@ -267,7 +267,10 @@ def start_tokenizer_config(config: TokenizerConfig, saved: dict | None, made: di
     vocabularies that folds case. Recorded so, a new ``vocab_size`` on the command line is
     neither listed as a change that took effect nor saved into the next checkpoints. ``path``
     (where this run keeps the tokenizer) and ``user_symbols`` (which the tokenizer is checked to
-    have: ``data.tag``) stay this run's.
+    have: ``data.tag``) stay this run's. ``asked``: a resumed last.pt's record of what its run's
+    command line asked (``data.tokenizer`` before this replaced it); a key asked as then was
+    noted when that run started, and is not noted again at every resume (a vocab_size that
+    SentencePiece shrank to what the text holds, said when the tokenizer was trained).
 
     Returns:
         the config, and a note of the keys the command line set otherwise ("" if none).
@@ -277,7 +280,8 @@ def start_tokenizer_config(config: TokenizerConfig, saved: dict | None, made: di
              if f.name not in ("path", "user_symbols")]
     kept = dataclasses.replace(config, **{k: v for k, v in old.items() if k in names})
     ignored = [f"data.tokenizer.{n}={getattr(config, n)} (tokenizer: {getattr(kept, n)})"
-               for n in names if getattr(config, n) != getattr(kept, n)]
+               for n in names if getattr(config, n) != getattr(kept, n)
+               and not (asked and n in asked and asked[n] == getattr(config, n))]
     return kept, ", ".join(ignored)
 
 

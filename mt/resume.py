@@ -62,6 +62,7 @@ class Run(Protocol):
     # the init_from file the run started from (absolute; as written where an older last.pt's
     # init_from names no file now), or None: no init_from
     started_from: str | None
+    tokenizer_asked: dict  # data.tokenizer as the command line gave it (mt.startup.load_start)
 
     def seconds(self) -> float: ...
 
@@ -96,6 +97,8 @@ def trainer_state(trainer: Run, rng: list[dict]) -> dict:
         "world_size": trainer.world,
         "window": trainer.window.state(),
         "started_from": trainer.started_from,
+        # a resume notes the keys the tokenizer overrules only where they are asked otherwise
+        "tokenizer_asked": trainer.tokenizer_asked,
     }
 
 

@@ -7,7 +7,7 @@ its own.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -39,6 +39,8 @@ class Run(Protocol):
     device: torch.device
     amp_dtype: torch.dtype | None
     model: torch.nn.Module
+    # data.tokenizer as the command line gave it, kept in last.pt (set by load_start)
+    tokenizer_asked: dict
     # set by make_optimization
     optimizer: torch.optim.Optimizer
     ema: EMA | None
@@ -92,9 +94,12 @@ def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:
             raise ValueError(TIED_NEEDS_JOINT)
     check_setup(cfg)
     cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
+    run.tokenizer_asked = asdict(cfg.data.tokenizer)
     if start is not None:
+        asked = (start.get("trainer") or {}).get("tokenizer_asked") if last is not None else None
         cfg.data.tokenizer, ignored = start_tokenizer_config(
-            cfg.data.tokenizer, start.get("config"), tokenizer_settings(start["tokenizer"]))
+            cfg.data.tokenizer, start.get("config"), tokenizer_settings(start["tokenizer"]),
+            asked)
         if ignored:
             log.info("%s: the tokenizer is the checkpoint's; ignored %s", origin, ignored)
     elif cfg.data.tokenizer.path and placed_by_hand(directory := Path(cfg.data.tokenizer.path)):

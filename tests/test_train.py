@@ -1492,6 +1492,22 @@ def test_a_resumed_run_logs_each_step_once_with_the_losses_of_a_run_never_stoppe
                for r in train)
 
 
+def test_a_tokenizer_smaller_than_asked_is_said_once_not_at_every_resume(fit_here):
+    """data.tokenizer.vocab_size above what the text holds: SentencePiece trains fewer pieces,
+    and the training run warns. Every resume of the same command said again "the tokenizer is
+    the checkpoint's; ignored data.tokenizer.vocab_size=5000 (tokenizer: N)"; only a value asked
+    otherwise than the run before asked it is noted now."""
+    common = ["data.tokenizer.path=null", "trainer.test_at_end=false"]
+    trained = fit_here("run", *common, "data.tokenizer.vocab_size=5000", "trainer.max_steps=2")
+    assert "data.tokenizer.vocab_size=5000: the text holds " in trained
+    same = fit_here("run", *common, "data.tokenizer.vocab_size=5000", "trainer.max_steps=3")
+    assert "resumed" in same and "the tokenizer is the checkpoint's" not in same
+    other = fit_here("run", *common, "data.tokenizer.vocab_size=6000", "trainer.max_steps=4")
+    assert "the tokenizer is the checkpoint's; ignored data.tokenizer.vocab_size=6000 " in other
+    again = fit_here("run", *common, "data.tokenizer.vocab_size=6000", "trainer.max_steps=5")
+    assert "resumed" in again and "the tokenizer is the checkpoint's" not in again
+
+
 def test_step_k_runs_at_the_schedules_kth_rate_and_a_resume_takes_a_new_optim_lr(
         tmp_path, fit_here, corpus_dir):
     """Step 1 ran at the rate of step 0 (so steps 1 and 2 shared one, and the peak came a step
