@@ -88,10 +88,6 @@ def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:
         cfg.model, replaced = finetune_model_config(cfg.model, start["model_config"])
         if replaced:
             log.info("%s: the model's shape replaces %s", origin, replaced)
-    elif cfg.model.tie_embeddings == "all" and not cfg.data.tokenizer.joint:
-        # no tokenizer yet: it would be trained as two vocabularies
-        if not (tokenizer_dir(cfg.data.tokenizer, run.run_dir) / META_FILE).exists():
-            raise ValueError(TIED_NEEDS_JOINT)
     check_setup(cfg)
     cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
     run.tokenizer_asked = asdict(cfg.data.tokenizer)
@@ -108,8 +104,33 @@ def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:
         # another case needs its normalization, not the command line's (a resume reads it so)
         cfg.data.tokenizer = replace(cfg.data.tokenizer,
                                      **tokenizer_settings(Tokenizer.load(directory).to_state()))
+    if start is None and cfg.model.tie_embeddings == "all":
+        # a checkpoint's tokenizer came with its tie (mt-import: one vocabulary)
+        check_tied(cfg, run.run_dir)
     check_sampling(cfg, run.run_dir, start, origin)
     return start, origin
+
+
+def check_tied(cfg: TrainConfig, run_dir: Path) -> None:
+    """Refuses model.tie_embeddings=all over two vocabularies, before the corpus is read: two
+    of one size pass the model's size check, but id 11 would be "▁The" in one, "s" in the
+    other. The vocabularies are the tokenizer's that the run reuses (data.tokenizer.path, the
+    run's own ``tokenizer/``), whatever data.tokenizer.joint says: a joint model put in
+    data.tokenizer.path by hand was refused for the command line's joint=false; else those
+    that it will train."""
+    directory, shared = tokenizer_dir(cfg.data.tokenizer, run_dir), bool(cfg.data.tokenizer.path)
+    if (directory / META_FILE).exists() or shared and placed_by_hand(directory):
+        if Tokenizer.load(directory).joint:
+            return
+        where, fix = ((f"data.tokenizer.path={directory}", "point data.tokenizer.path at a "
+                       "joint one, or at a new directory to train one") if shared else
+                      (f"{directory} (an earlier attempt's in this run directory)",
+                       "start in another run directory"))
+        raise ValueError(f"model.tie_embeddings=all needs a joint vocabulary, but the tokenizer "
+                         f"reused from {where} has two (src.model, tgt.model): set "
+                         f"model.tie_embeddings=decoder, or {fix}")
+    if not cfg.data.tokenizer.joint:
+        raise ValueError(TIED_NEEDS_JOINT)
 
 
 def check_sampling(cfg: TrainConfig, run_dir: Path, start: dict | None, origin: str) -> None:
@@ -135,17 +156,13 @@ def check_sampling(cfg: TrainConfig, run_dir: Path, start: dict | None, origin: 
 def make_corpus(run: Run, start: dict | None, origin: str) -> Corpus:
     """The tokenizer (``start``'s, or trained or loaded as data.tokenizer says) and the
     encoded corpus, with the model's vocabulary sizes set from the tokenizer. Refuses a
-    mistake in a split before, and after, tied embeddings over two vocabularies and a
-    trainer.best_metric=loss that no valid pair can give."""
+    mistake in a split before, and after, a trainer.best_metric=loss that no valid pair can
+    give (tied embeddings over two vocabularies: ``check_tied``, before)."""
     cfg = run.cfg
     check_splits(cfg.data, test=cfg.trainer.test_at_end)
     corpus = Corpus(cfg, run.run_dir, run.rank, run.world,
                     Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
     tok = corpus.tokenizer
-    if cfg.model.tie_embeddings == "all" and not tok.joint and start is None:
-        # Two vocabularies of one size pass the model's size check, but id 11 would be "▁The"
-        # in one, "s" in the other; a checkpoint's came with its tie (mt-import: one vocab)
-        raise ValueError(TIED_NEEDS_JOINT)
     cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
     # recorded as it is: one reused from data.tokenizer.path may be made otherwise, by hand
     cfg.data.tokenizer = replace(cfg.data.tokenizer, **tokenizer_settings(tok.to_state()))

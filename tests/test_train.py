@@ -2004,6 +2004,43 @@ def test_tied_embeddings_refuse_two_vocabularies_of_one_size(tmp_path, corpus_di
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_tied_embeddings_take_the_jointness_of_a_tokenizer_put_in_its_path_by_hand(
+        trainer_factory, tmp_path, tokenizer_dir, monkeypatch):
+    """A joint SentencePiece model put in data.tokenizer.path by hand is used as it is, yet
+    model.tie_embeddings=all with the command line's data.tokenizer.joint=false was refused
+    ("needs a joint vocabulary: set data.tokenizer.joint=true"), the check run before the model
+    was read. Two models reused there are refused before the corpus is read, saying where
+    they are (the advice to set data.tokenizer.joint=true could not help)."""
+    import shutil
+
+    import mt.corpus
+    from mt.config import TokenizerConfig
+    from mt.tokenizer import train_tokenizer
+
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    shutil.copy(tokenizer_dir / "spm.model", hand)
+    run = trainer_factory("joint", "data.tokenizer.joint=false", f"data.tokenizer.path={hand}",
+                          "model.tie_embeddings=all")
+    assert run.corpus.tokenizer.joint and run.cfg.data.tokenizer.joint
+
+    def read(*args, **kwargs):
+        raise AssertionError("the corpus was read")
+
+    monkeypatch.setattr(mt.corpus, "load_train", read)
+    texts = ["a b c", "d e f"] * 20
+    two = train_tokenizer(texts, texts, TokenizerConfig(vocab_size=30, joint=False))
+    for name, proto in (("src.model", two.src_proto), ("tgt.model", two.tgt_proto)):
+        (tmp_path / "two" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "two" / name).write_bytes(proto)
+    with pytest.raises(ValueError, match=re.escape(
+            "model.tie_embeddings=all needs a joint vocabulary, but the tokenizer reused from "
+            f"data.tokenizer.path={tmp_path / 'two'} has two (src.model, tgt.model): set "
+            "model.tie_embeddings=decoder")):
+        trainer_factory("two", f"data.tokenizer.path={tmp_path / 'two'}",
+                        "model.tie_embeddings=all")
+
+
 def test_a_last_pt_without_training_state_is_refused_in_one_line(tmp_path, corpus_dir,
                                                                  tokenizer_dir, fit_here):
     """An average or an imported model saved as last.pt (a review had mt-average write one
