@@ -26,12 +26,14 @@ Encoding, filtering and batching the pairs read here is ``mt.batching``'s job.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import hashlib
 import itertools
 import json
 import os
 import pickle
+import unicodedata
 import zlib
 from collections.abc import Collection, Iterator
 from itertools import zip_longest
@@ -39,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mt.config import DataConfig, TokenizerConfig, is_user_symbol
+from mt.config import NORMALIZATIONS, DataConfig, TokenizerConfig, is_user_symbol
 from mt.hub import check_hub_splits, load_hub
 from mt.textio import carriage_returns_only, utf8_text
 
@@ -181,7 +183,7 @@ def load_split(cfg: DataConfig, split: str, cache_dir: str | None = None,
     loaded = []
     for part in parts:
         ds = _load_one(cfg, part, cache_dir)
-        loaded.append(tag_sources(ds, cfg.tag, cfg.tokenizer.normalization.endswith("_cf"))
+        loaded.append(tag_sources(ds, cfg.tag, cfg.tokenizer.normalization)
                       if part in tagged else ds)
     joined = loaded[0] if len(loaded) == 1 else datasets.concatenate_datasets(loaded)
     return (joined, [len(ds) for ds in loaded]) if sizes else joined
@@ -238,47 +240,90 @@ def tokenizer_dir(tok_cfg: TokenizerConfig, run_dir: Path) -> Path:
     return Path(tok_cfg.path or run_dir / "tokenizer")
 
 
-def tag_sources(ds, tag: str, fold: bool = False):
+def tag_sources(ds, tag: str, normalization: str = "nmt_nfkc"):
     """``ds`` with every non-empty source prefixed by ``tag`` and a space (cached Arrow).
 
-    ``fold``: the tokenizer folds case (``data.tokenizer.normalization`` ``*_cf``), so a source
-    tagged beforehand in another case ("<BT> ..." for the ``data.tag`` "<bt>" that such a
-    tokenizer needs) is tagged already: the tokenizer reads it as the tag.
+    ``normalization``: the tokenizer's rule (``data.tokenizer.normalization``), by which a
+    source tagged beforehand is found tagged as the tokenizer reads it (``_tagged``).
     The fingerprint names the tag, so the encoding cache downstream (keyed by it) never serves
     pairs tagged otherwise, or untagged (2: a source tagged already is tagged once, not twice;
-    3: also one whose tag is glued to the text, which gets the space; 4: ``fold``).
+    3: also one whose tag is glued to the text, which gets the space; 4: a case-folding rule;
+    5: the tag found as the rule reads it).
     """
-    return ds.map(_prefix, batched=True, batch_size=10_000, fn_kwargs={"tag": tag, "fold": fold},
-                  new_fingerprint=stable_hash([ds._fingerprint, "tag_sources", tag, 4, fold]),
+    return ds.map(_prefix, batched=True, batch_size=10_000,
+                  fn_kwargs={"tag": tag, "normalization": normalization},
+                  new_fingerprint=stable_hash([ds._fingerprint, "tag_sources", tag, 5,
+                                               normalization]),
                   desc="tagging")
 
 
-def _prefix(batch: dict[str, list[str]], tag: str, fold: bool) -> dict[str, list[str]]:
-    return {"src": [_tagged(s, tag, fold) for s in batch["src"]]}
+def _prefix(batch: dict[str, list[str]], tag: str, normalization: str) -> dict[str, list[str]]:
+    return {"src": [_tagged(s, tag, normalization) for s in batch["src"]]}
 
 
-def _tagged(src: str, tag: str, fold: bool = False) -> str:
+@functools.lru_cache(maxsize=8)
+def _normalizer(rule: str):
+    """SentencePiece's normalizer of ``rule`` (one of ``NORMALIZATIONS``), None for a rule of
+    a model's own (``user_defined``: a model put in data.tokenizer.path by hand)."""
+    import sentencepiece as spm
+
+    return spm.SentencePieceNormalizer(rule_name=rule) if rule in NORMALIZATIONS else None
+
+
+def _tagged(src: str, tag: str, normalization: str = "identity") -> str:
     """``src`` as ``tag``, a space and the text.
 
     An empty source stays empty: tagged, it would slip past the filter that drops empty pairs.
-    One whose first word starts with the tag is tagged already (back-translations tagged
-    before, as other toolkits want them) and keeps its one tag: "<BT> <BT> ..." was another
-    input than the tag's. That includes the tag glued to the text (``sed 's/^/<BT>/'``), since
-    the tokenizer reads "<BT>Hello" as the tag and "Hello" too; it gets the space, so that the
-    text after the tag encodes as it would untagged ("Hello" as a word, not as its middle).
-    With ``fold`` (a case-folding tokenizer) the tag is found in any case: "<BT>" and "<Bt>"
-    read as the tag "<bt>" there, and tagging them again gave the model two tags.
+    One whose first word starts with the tag as the tokenizer reads it (after its
+    ``normalization``) is tagged already (back-translations tagged before, as other toolkits
+    want them) and keeps its one tag: "<BT> <BT> ..." was another input than the tag's. Under
+    a case-folding rule (``*_cf``) that is "<BT>" for the tag "<bt>"; under NFKC a fullwidth
+    "＜BT＞" (as CJK text tools write it), and under the nmt_* rules a byte-order mark before
+    the tag (a file joined to another by ``cat``, its BOM now in mid-file); tagging them again
+    gave the model two tags. That includes the tag glued to the text (``sed 's/^/<BT>/'``),
+    since the tokenizer reads "<BT>Hello" as the tag and "Hello" too; it gets the space, so that
+    the text after the tag encodes as it would untagged ("Hello" as a word, not as its middle).
     """
     text = src.lstrip()
     if not text:
         return src
-    head = text[:len(tag)]
-    if (head.casefold() != tag.casefold()) if fold else head != tag:
+    if text.startswith(tag):
+        rest = text[len(tag):]
+    elif _may_read_as_start(text[0], tag, normalization):
+        rest = _normalized_rest(text, tag, normalization)
+    else:
+        rest = None
+    if rest is None:
         return f"{tag} {src}"
-    rest = text[len(tag):]
     return src if not rest or rest[0].isspace() else f"{tag} {rest}"
 
 
+def _may_read_as_start(char: str, tag: str, normalization: str) -> bool:
+    """Whether the rule may read a text that starts with ``char`` as one that starts with
+    ``tag``: ``char`` is one that the nmt_* rules remove (a control or format character, a
+    byte-order mark) or reads as the tag's first. A cheap test, so that SentencePiece's
+    normalizer (12 us a line) runs only on the few sources it may find tagged."""
+    if normalization == "identity":
+        return False  # read as written: an exact match only
+    if char.isascii() and char.isprintable():  # NFKC keeps it
+        read = char
+    elif unicodedata.category(char) in ("Cc", "Cf"):
+        return True
+    else:
+        read = unicodedata.normalize("NFKC", char)
+    return (read.casefold() if normalization.endswith("_cf") else read)[:1] == tag[0]
+
+
+def _normalized_rest(text: str, tag: str, normalization: str) -> str | None:
+    """What follows the tag that ``text`` starts with as the tokenizer's ``normalization`` reads
+    it, None if it does not start with it."""
+    if (normalizer := _normalizer(normalization)) is None:
+        return None
+    head = text[:len(tag) + 16]  # the tag and a few characters that the rule may remove
+    read, offsets = normalizer.normalize(head, with_offsets=True)
+    if not read.startswith("\u2581" + tag):  # SentencePiece's word mark before the first word
+        return None
+    return text[offsets[len(tag) + 1]:]  # offsets: of each character read, where it was
 def _load_one(cfg: DataConfig, split: str, cache_dir: str | None):
     """One split (no '+'), from the hub or local files."""
     import datasets

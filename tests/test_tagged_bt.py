@@ -169,6 +169,28 @@ def test_a_case_folding_tokenizer_finds_a_source_tagged_beforehand_in_any_case(t
                                    "<bt> green"]
 
 
+def test_a_source_tagged_beforehand_is_found_as_the_tokenizers_normalization_reads_it(tmp_path):
+    """Under nmt_nfkc (the default) the tokenizer reads a fullwidth "＜BT＞" (as CJK text
+    tools write it) as the tag "<BT>", and a byte-order mark before the tag (a file joined to
+    another by ``cat``, the second's BOM in mid-file) as nothing: such sources were tagged
+    again, and encoded to two tags. Under identity both are other text, and are tagged."""
+    src = ["\uff1cBT\uff1e green tree", "\uff1cBT\uff1egreen", "\ufeff<BT> water",
+           "\ufeff\uff1cBT\uff1e stone", "green"]
+    _write(tmp_path / "d", "train", TRAIN[0][:3], TRAIN[1][:3])
+    _write(tmp_path / "d", "bt", src, list("abcde"))
+    cfg = _cfg(tmp_path / "d", tokenizer=TokenizerConfig(vocab_size=60))
+    ds = load_train(cfg, cache_dir=str(tmp_path / "cache"))
+    tok = train_tokenizer([*TRAIN[0], *src], TRAIN[1], tokenizer_config(cfg), seed=0)
+    tag = tok.symbol_id("<BT>")
+    for row, text in enumerate(["green tree", "green", "water", "stone", "green"], start=3):
+        assert tok.src.encode(ds["src"][row]) == [tag, *tok.src.encode(text)]
+    assert ds["src"][4] == "<BT> green"  # glued: the space, as for "<BT>green"
+    identity = TokenizerConfig(vocab_size=60, normalization="identity")
+    ds = load_train(dataclasses.replace(cfg, tokenizer=identity),
+                    cache_dir=str(tmp_path / "cache"))  # not served the nmt_nfkc cache
+    assert list(ds["src"][3:]) == [f"<BT> {s}" for s in src]
+
+
 def test_a_change_of_tag_or_tagged_splits_is_not_served_a_stale_cache(data_dir, tmp_path):
     cache = str(tmp_path / "cache")
     tagged = load_train(_cfg(data_dir), cache_dir=cache)
