@@ -76,8 +76,9 @@ def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:
     """The checkpoint the run starts from (``last``: the run's own, resumed; else
     init_from's, fine-tuned; else none) and its name, with the model's shape and tokenizer
     settings taken from it into the config (whatever model=... says now), as are those of a
-    SentencePiece model put in data.tokenizer.path by hand. Mistakes only the
-    model and optimizer show are refused here, before the tokenizer and corpus are built."""
+    SentencePiece model put in data.tokenizer.path by hand. Mistakes only the model and
+    optimizer show, and those of the tokenizer the run takes or reuses (``check_tied``,
+    ``check_sampling``), are refused here, before the tokenizer and corpus are built."""
     cfg, start, origin = run.cfg, None, ""
     if last is not None:
         start, origin = checkpoint.load(last, mmap=True), str(last)
