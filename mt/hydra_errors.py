@@ -7,9 +7,10 @@ has no such key, so ``+`` only adds one that nothing reads (``mt.config_checks.c
 refuses it a step later). ``one_line_refusals`` puts these in words, with the nearest name where
 there is one (and the same mistakes in a config file, a recipe of the user's own, with its
 name), as it does an override that is not ``key=value`` at all (Hydra's grammar report, two or
-three lines, or a traceback for ``=3``); anything else (a bug, or an error this module does not
-know) keeps Hydra's report, and ``HYDRA_FULL_ERROR=1`` keeps Hydra's full traceback for
-everything.
+three lines, or a traceback for ``=3``), under ``--help`` too, and a value that
+``--cfg job --resolve`` cannot resolve (OmegaConf's traceback); anything else (a bug, or an
+error this module does not know) keeps Hydra's report, and ``HYDRA_FULL_ERROR=1`` keeps
+Hydra's full traceback for everything.
 
 Which file a mistake is in, and which folders a config group has, come from Hydra's config
 repository (its search path: ``conf/``, ``--config-dir``, ``hydra.searchpath``), found among the
@@ -24,6 +25,7 @@ import difflib
 import io
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
@@ -34,7 +36,12 @@ from hydra.errors import (
     MissingConfigException,
     OverrideParseException,
 )
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    OmegaConfBaseException,
+)
 
 from mt.config import conf_dir
 
@@ -61,6 +68,11 @@ def in_words(err: BaseException) -> str | None:
         group = given.key_or_group
         return (f"{given.input_line}: a config group takes one of its names "
                 f"({' or '.join(_folders(_repository(err), group))}); '~{group}' drops it")
+    if isinstance(err, InterpolationResolutionError):
+        # --cfg job --resolve (or --help --resolve) with 'trainer.max_steps=${oc.env:NOPE}':
+        # OmegaConf's traceback; said as a run says it (mt.train._in_words). --cfg's resolve
+        # does not name the key (OmegaConf.resolve leaves it out); the message names the value.
+        return f"{err.full_key or '--resolve'}: {str(err.msg or err).splitlines()[0]}"
     if not isinstance(err, ConfigCompositionException):
         return None
     text, cause = str(err), err.__cause__
@@ -318,32 +330,49 @@ def one_line_refusals(prog: str) -> Iterator[None]:
     Hydra prints its errors inside ``hydra._internal.utils.run_and_report``, which wraps each
     stage of a run (composing the config, ``--cfg``, a sweep); the wrapper is put in its place for
     the duration. Should a later Hydra lack that function, its own reports stay as they are.
+    ``--help`` and ``--hydra-help`` compose the config outside it: their refusals reach this
+    block as exceptions (a traceback), and are said here in the same words.
     """
     from hydra._internal import utils
 
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        yield
+        return
+
+    def one_line(err: BaseException) -> str | None:
+        line = _no_key(_overrides()) or in_words(err)
+        return None if line is None else f"{prog}: {line}"
+
     with _unmade_on_refusal():
         original: Callable[[Any], Any] | None = getattr(utils, "run_and_report", None)
-        if original is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
-            yield
-            return
 
         def run_and_report(func: Callable[[], Any]) -> Any:
             def said() -> Any:
                 try:
                     return func()
-                except (ConfigCompositionException, MissingConfigException,
-                        OverrideParseException, ValueError) as err:
-                    line = _no_key(_overrides()) or in_words(err)
-                    if line is None:
+                except (*REFUSALS, ValueError) as err:
+                    if (line := one_line(err)) is None:
                         raise
-                    raise SystemExit(f"{prog}: {line}") from None
-            return original(said)
+                    raise SystemExit(line) from None
+            return original(said)  # type: ignore[misc]
 
-        utils.run_and_report = run_and_report
+        if original is not None:
+            utils.run_and_report = run_and_report
         try:
             yield
+        except (*REFUSALS, ValueError) as err:  # --help's, --hydra-help's
+            # (a run's errors never get here: Hydra reports them, and exits, inside the run)
+            if (line := one_line(err)) is None:
+                raise
+            if "--hydra-help" in sys.argv[1:] and isinstance(err, ConfigCompositionException):
+                # Hydra composes its help without the app's config: every key of it is unknown
+                given = line.removeprefix(f"{prog}: ").partition(": ")[0]
+                line = (f"{prog}: {given}: --hydra-help shows Hydra's own options and reads "
+                        f"no {prog} config; leave the override out (--help takes it)")
+            raise SystemExit(line) from None
         finally:
-            utils.run_and_report = original
+            if original is not None:
+                utils.run_and_report = original
 
 
 def _overrides() -> list[str]:

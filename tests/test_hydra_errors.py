@@ -109,6 +109,45 @@ def test_a_typo_on_the_command_line_is_one_line_naming_it(args, line, fresh_hydr
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.parametrize("args, line", [
+    (["--help", "trainer.max_stepz=3"],
+     "trainer.max_stepz=3: trainer.max_stepz is not a config key; did you mean trainer.max_steps?"),
+    (["--help", "experiment=nope"], "experiment=nope: there is no conf/experiment/nope.yaml"),
+    (["--help", "=3"], "=3: an override is key=value, and this one has no key"),
+    (["--help", "trainer.max_steps=${oc.env:NOPE_NOT_SET}", "--resolve"],
+     "trainer.max_steps: KeyError raised while resolving interpolation: \"Environment variable "
+     "'NOPE_NOT_SET' not found\""),
+    (["--cfg", "job", "trainer.max_steps=${oc.env:NOPE_NOT_SET}", "--resolve"],
+     "--resolve: KeyError raised while resolving interpolation: \"Environment variable "
+     "'NOPE_NOT_SET' not found\""),
+    (["--hydra-help", "trainer.max_steps=3"],  # Hydra's help has no mt-train config to set
+     "trainer.max_steps=3: --hydra-help shows Hydra's own options and reads no mt-train config; "
+     "leave the override out (--help takes it)"),
+])
+def test_help_and_resolve_refusals_are_one_line(args, line, fresh_hydra, monkeypatch, capsys):
+    """--help composes the config outside Hydra's error report, and --cfg --resolve's failure
+    to resolve was not one mt knew: both printed a traceback of Hydra's or OmegaConf's."""
+    from mt import train
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.delenv("NOPE_NOT_SET", raising=False)
+    monkeypatch.setattr(sys, "argv", ["mt-train", *args])
+    with pytest.raises(SystemExit, match="^" + re.escape(f"mt-train: {line}")) as stop:
+        train.main()
+    assert "\n" not in str(stop.value.code)
+    assert capsys.readouterr().err == ""
+
+
+def test_help_still_helps(fresh_hydra, monkeypatch, capsys):
+    from mt import train
+
+    monkeypatch.setattr(sys, "argv", ["mt-train", "--help", "trainer.max_steps=3"])
+    with pytest.raises(SystemExit) as stop:
+        train.main()
+    assert stop.value.code in (0, None)
+    assert "max_steps: 3" in capsys.readouterr().out
+
+
 def test_hydra_full_error_keeps_hydras_traceback(fresh_hydra, monkeypatch):
     from hydra.errors import ConfigCompositionException
 
