@@ -350,6 +350,9 @@ def test_no_command_help_shows_restructuredtext_markup(tmp_path, capsys):
         assert stop.value.code == 0
         helps[name] = capsys.readouterr().out
     assert all(text.strip() for text in helps.values())
+    # each names the command as it is run (python -m mt.demo said "usage: demo.py")
+    assert [name for name, text in helps.items() if name != "mt-train"
+            and not text.startswith(f"usage: {name} ")] == []
     assert [name for name, text in helps.items() if "``" in text] == []
     assert "mt-average: average the weights" in helps["mt-average"]
     result = subprocess.run([PYTHON, "-OO", "-m", "mt.average", "--help"], cwd=tmp_path,
