@@ -191,23 +191,51 @@ def _missing_option(err: MissingConfigException) -> str | None:
     chooser = _chosen_in(err, group, name)
     # a file writes "group: name" in its defaults list; the command line, group=name
     given = f"{group}: {name}" if chooser else f"{group}={name}"
-    # experiment=conf/experiment/x.yaml: an option is a file's name without folder or .yaml
-    near = difflib.get_close_matches(name.rpartition("/")[2].removesuffix(".yaml"), err.options,
-                                     n=1)
+    # Hydra's options are the group's own files; those of its subfolders are options too
+    # (experiment=sub/x: conf/experiment/sub/x.yaml), and were neither listed nor suggested
+    options = (list(err.options) if group.startswith("hydra/")
+               else _options_below(repo, group, list(err.options)))
+    # the same file name in another folder first (experiment=conf/experiment/x.yaml, a recipe's
+    # name without its folder or with another), then the nearest path, then the nearest name
+    base = {o.rpartition("/")[2]: o for o in reversed(options)}  # the shallowest wins
+    file = name.rpartition("/")[2].removesuffix(".yaml")
+    near = ([base[file]] if file in base else
+            difflib.get_close_matches(name.removesuffix(".yaml"), options, n=1) or
+            [base[b] for b in difflib.get_close_matches(file, list(base), n=1)])
     hint = (f"did you mean {near[0] if chooser else f'{group}={near[0]}'}? " if near else "")
     folder = name.rpartition("/")[0]
     if group.startswith("hydra/"):  # Hydra's own groups (hydra/launcher=...) have no folder
         missing = f"{group} has no {name}"
     elif folder and not (repo and repo.group_exists(f"{group}/{folder}")):
         # (experiment=sub/x is a file of a subfolder, conf/experiment/sub/: an option too)
-        missing = (f"an option of {group} is the name of a file in "
-                   f"{' or '.join(_folders(repo, group))}, without folder or .yaml")
+        places = " or ".join(_folders(repo, group))
+        missing = (f"{places} has no folder {folder}/" if any("/" in o for o in options) else
+                   f"an option of {group} is the name of a file in {places}, without folder "
+                   "or .yaml")
     else:
         places = _folders(repo, group)
         missing = (f"there is no {places[0]}{name}.yaml" if len(places) == 1
                    else f"there is no {name}.yaml in {' or '.join(places)}")
     where = f"{_file(repo, chooser)}: " if chooser else ""
-    return f"{where}{given}: {missing}; {hint}the options are {', '.join(err.options)}"
+    return f"{where}{given}: {missing}; {hint}the options are {', '.join(options)}"
+
+
+def _options_below(repo: Any | None, group: str, options: list[str]) -> list[str]:
+    """``options`` (the group's own files) and, after them, each file of its subfolders as the
+    option that names it (``sub/x``); only ``options`` where the repository is not known or
+    cannot list a folder's folders (a later Hydra)."""
+    try:
+        from hydra.core.object_type import ObjectType
+
+        folders = sorted(repo.get_group_options(group, results_filter=ObjectType.GROUP))
+    except Exception:  # no repository, or not the interface this was written for
+        return options
+    found = list(options)
+    for sub in folders:
+        below = f"{group}/{sub}"
+        found += [f"{sub}/{o}" for o in _options_below(repo, below, sorted(
+            repo.get_group_options(below)))]
+    return found
 
 
 def _chosen_in(err: MissingConfigException, group: str, name: str) -> str | None:

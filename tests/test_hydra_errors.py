@@ -312,6 +312,15 @@ def _own_config_dir(root):
                         "you mean trainer.max_steps?"),
     ("experiment=sub/nope", "experiment=sub/nope: there is no sub/nope.yaml in "
                             "conf/experiment/ or mine/experiment/"),
+    # a recipe of a subfolder is an option: it was neither suggested nor listed, and a folder
+    # that is not there was said as "without folder", which the group's own options are not
+    ("experiment=sub/y", "experiment=sub/y: there is no sub/y.yaml in conf/experiment/ or "
+                         "mine/experiment/; did you mean experiment=sub/x? the options are "
+                         "demo, inner, "),
+    ("experiment=x", "experiment=x: there is no x.yaml in conf/experiment/ or mine/experiment/; "
+                     "did you mean experiment=sub/x? "),
+    ("experiment=other/x", "experiment=other/x: conf/experiment/ or mine/experiment/ has no "
+                           "folder other/; did you mean experiment=sub/x? "),
     # a recipe choosing model without 'override': Hydra's text is the one for +model=mine,
     # and the line told the user to drop a '+' they never wrote
     ("experiment=twice", "model: mine: a config file's defaults list chooses model, which "
@@ -337,6 +346,8 @@ def test_a_config_dir_of_ones_own_is_named(arg, line, tmp_path, fresh_hydra, mon
     monkeypatch.chdir(tmp_path)
     _own_config_dir(tmp_path / "mine")
     monkeypatch.setattr(sys, "argv", ["mt-train", "--config-dir", "mine", arg, "--cfg", "job"])
-    with pytest.raises(SystemExit, match="^" + re.escape(f"mt-train: {line}")):
+    with pytest.raises(SystemExit, match="^" + re.escape(f"mt-train: {line}")) as stop:
         train.main()
     assert capsys.readouterr().err == ""
+    if "did you mean experiment=sub/x" in line:
+        assert str(stop.value.code).endswith(", wmt14_en_de_big, sub/x")
