@@ -250,9 +250,9 @@ def _languages(args: argparse.Namespace) -> dict[str, str]:
     line as one token: said here, where it can still be given."""
     from mt.import_hf import marian_languages
 
-    found = marian_languages(args.dir)
     given = {k: v for k in ("src_lang", "tgt_lang") if (v := getattr(args, k))}
-    languages = {**found, **given}
+    wanted = tuple(k for k in ("src_lang", "tgt_lang") if k not in given)
+    languages = {**marian_languages(args.dir, wanted), **given}
     if "tgt_lang" in languages:
         log.info("languages: %s", ", ".join(f"data.{k}={v}" for k, v in languages.items()))
     else:

@@ -890,6 +890,7 @@ def test_import_records_the_languages_that_bleu_is_tokenized_for(tmp_path, corpu
         languages()
     assert str(err.value) == (f"mt-import: {tok_config}: target_lang=3 is not a language code "
                               "(such as 'zh'); give mt-import --tgt-lang")
+    assert languages("--tgt-lang", "zh") == {"tgt_lang": "zh"}  # the way round it
 
 
 def _write_lines(path: Path, lines: list[str]) -> None:
