@@ -72,7 +72,12 @@ def in_words(err: BaseException) -> str | None:
         # --cfg job --resolve (or --help --resolve) with 'trainer.max_steps=${oc.env:NOPE}':
         # OmegaConf's traceback; said as a run says it (mt.train._in_words). --cfg's resolve
         # does not name the key (OmegaConf.resolve leaves it out); the message names the value.
-        return f"{err.full_key or '--resolve'}: {str(err.msg or err).splitlines()[0]}"
+        said = str(err.msg or err).splitlines()[0]
+        if not err.full_key and getattr(_hydra_args(), "cfg", None) == "hydra":
+            # hydra.run.dir names ${data.name}: not there in Hydra's settings shown alone
+            said += ("; --cfg hydra shows Hydra's settings without mt-train's config, which "
+                     "they name: --cfg all --resolve shows both")
+        return f"{err.full_key or '--resolve'}: {said}"
     if not isinstance(err, ConfigCompositionException):
         return None
     text, cause = str(err), err.__cause__
@@ -406,13 +411,18 @@ def one_line_refusals(prog: str) -> Iterator[None]:
 def _overrides() -> list[str]:
     """The overrides as Hydra's main() read them, from the same sys.argv (none where its parser
     refuses sys.argv: a caller's own, under a test runner)."""
+    return list(getattr(_hydra_args(), "overrides", []))
+
+
+def _hydra_args() -> Any | None:
+    """sys.argv as Hydra's main() read it; None where its parser refuses it."""
     from hydra._internal import utils
 
     try:
         with redirect_stderr(io.StringIO()):  # its usage lines: Hydra's main() said them first
-            return list(utils.get_args_parser().parse_args().overrides)
+            return utils.get_args_parser().parse_args()
     except SystemExit:
-        return []
+        return None
 
 
 REFUSALS = (ConfigCompositionException, MissingConfigException, OverrideParseException)

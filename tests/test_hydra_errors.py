@@ -120,6 +120,9 @@ def test_a_typo_on_the_command_line_is_one_line_naming_it(args, line, fresh_hydr
     (["--cfg", "job", "trainer.max_steps=${oc.env:NOPE_NOT_SET}", "--resolve"],
      "--resolve: KeyError raised while resolving interpolation: \"Environment variable "
      "'NOPE_NOT_SET' not found\""),
+    (["--cfg", "hydra", "--resolve"],  # hydra.run.dir names data.name, not in Hydra's part
+     "--resolve: Interpolation key 'data.name' not found; --cfg hydra shows Hydra's settings "
+     "without mt-train's config, which they name: --cfg all --resolve shows both"),
     (["--hydra-help", "trainer.max_steps=3"],  # Hydra's help has no mt-train config to set
      "trainer.max_steps=3: --hydra-help shows Hydra's own options and reads no mt-train config; "
      "leave the override out (--help takes it)"),
