@@ -383,7 +383,8 @@ def _write_if_changed(path: Path, text: str) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m mt.demo DIR``: writes the demo corpus into DIR and prints the line counts."""
-    parser = argparse.ArgumentParser(description=described(__doc__))
+    # the prog as it is run: argparse's default was "demo.py", a command that does not exist
+    parser = argparse.ArgumentParser(prog="python -m mt.demo", description=described(__doc__))
     parser.add_argument("out_dir", help="directory for {train,valid,test}.{en,zz}")
     # at least 1: a negative count shifted the other splits' slices and every file came out empty
     parser.add_argument("--train", type=positive_int, default=12000, help="training pairs")
@@ -391,7 +392,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--test", type=positive_int, default=500, help="test pairs")
     parser.add_argument("--seed", type=int, default=1234, help="sentence sampler seed")
     args = parser.parse_args(argv)
-    counts = write_demo_corpus(args.out_dir, args.train, args.valid, args.test, args.seed)
+    try:
+        counts = write_demo_corpus(args.out_dir, args.train, args.valid, args.test, args.seed)
+    except OSError as err:  # a file in the way, a folder that cannot be written: a traceback
+        parser.exit(1, f"{parser.prog}: {err.filename or args.out_dir}: "
+                       f"{err.strerror or err}\n")
+    except ValueError as err:  # a folder of someone else's data
+        parser.exit(1, f"{parser.prog}: {err}\n")
     for split, n in counts.items():
         print(f"{split}\t{n}")
 

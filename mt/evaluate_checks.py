@@ -86,7 +86,8 @@ def check_direction(paths: list[str], test: TestSet, tokenize: str | None) -> No
 
     for path in paths:
         data = (load(path, mmap=True).get("config") or {}).get("data") or {}
-        pair, tgt = f"{data.get('src_lang')}-{data.get('tgt_lang')}", data.get("tgt_lang")
+        # an imported model may know its target language only (mt-import --tgt-lang)
+        pair, tgt = f"{data.get('src_lang') or 'SRC'}-{data.get('tgt_lang')}", data.get("tgt_lang")
         if not test.langpair and not tokenize and tgt and bleu_target(tgt) in ("zh", "ja", "ko"):
             try:  # where MeCab is missing, mt-train took 13a too
                 make_metric("bleu", trg_lang=tgt)

@@ -171,13 +171,17 @@ def _source_vocab(proto: bytes) -> dict[str, int]:
     return {name(piece): i for piece, i in vocab.items()}
 
 
-def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLike) -> Path:
+def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLike,
+              languages: dict | None = None) -> Path:
     """Writes a directory that ``MarianMTModel`` / ``MarianTokenizer.from_pretrained`` load.
 
     Files: config.json, generation_config.json, model.safetensors, source.spm / target.spm (the
     same model twice for a joint vocabulary), vocab.json (piece -> id, in SentencePiece order, so
     the ids are mt's; a target-language code under its Marian name), target_vocab.json for
     separate vocabularies (where the target names an id otherwise), tokenizer_config.json.
+    ``languages``: the checkpoint's ``data`` config; its ``src_lang`` / ``tgt_lang`` go into
+    tokenizer_config.json as ``source_lang`` / ``target_lang`` (as OPUS-MT's), where
+    ``mt-import`` reads them back: BLEU is tokenized by the target language.
 
     Raises:
         ValueError: naming every model option Marian cannot express.
@@ -211,6 +215,9 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLi
                   "eos_token": "</s>", "pad_token": "<pad>"}
     if separate:
         tok_config["target_vocab_file"] = "target_vocab.json"
+    for key, name in (("src_lang", "source_lang"), ("tgt_lang", "target_lang")):
+        if isinstance((languages or {}).get(key), str):
+            tok_config[name] = languages[key]
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     return out
 

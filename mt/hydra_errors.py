@@ -7,9 +7,10 @@ has no such key, so ``+`` only adds one that nothing reads (``mt.config_checks.c
 refuses it a step later). ``one_line_refusals`` puts these in words, with the nearest name where
 there is one (and the same mistakes in a config file, a recipe of the user's own, with its
 name), as it does an override that is not ``key=value`` at all (Hydra's grammar report, two or
-three lines, or a traceback for ``=3``); anything else (a bug, or an error this module does not
-know) keeps Hydra's report, and ``HYDRA_FULL_ERROR=1`` keeps Hydra's full traceback for
-everything.
+three lines, or a traceback for ``=3``), under ``--help`` too, and a value that
+``--cfg job --resolve`` cannot resolve (OmegaConf's traceback); anything else (a bug, or an
+error this module does not know) keeps Hydra's report, and ``HYDRA_FULL_ERROR=1`` keeps
+Hydra's full traceback for everything.
 
 Which file a mistake is in, and which folders a config group has, come from Hydra's config
 repository (its search path: ``conf/``, ``--config-dir``, ``hydra.searchpath``), found among the
@@ -24,6 +25,7 @@ import difflib
 import io
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
@@ -34,7 +36,12 @@ from hydra.errors import (
     MissingConfigException,
     OverrideParseException,
 )
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    OmegaConfBaseException,
+)
 
 from mt.config import conf_dir
 
@@ -61,6 +68,16 @@ def in_words(err: BaseException) -> str | None:
         group = given.key_or_group
         return (f"{given.input_line}: a config group takes one of its names "
                 f"({' or '.join(_folders(_repository(err), group))}); '~{group}' drops it")
+    if isinstance(err, InterpolationResolutionError):
+        # --cfg job --resolve (or --help --resolve) with 'trainer.max_steps=${oc.env:NOPE}':
+        # OmegaConf's traceback; said as a run says it (mt.train._in_words). --cfg's resolve
+        # does not name the key (OmegaConf.resolve leaves it out); the message names the value.
+        said = str(err.msg or err).splitlines()[0]
+        if not err.full_key and getattr(_hydra_args(), "cfg", None) == "hydra":
+            # hydra.run.dir names ${data.name}: not there in Hydra's settings shown alone
+            said += ("; --cfg hydra shows Hydra's settings without mt-train's config, which "
+                     "they name: --cfg all --resolve shows both")
+        return f"{err.full_key or '--resolve'}: {said}"
     if not isinstance(err, ConfigCompositionException):
         return None
     text, cause = str(err), err.__cause__
@@ -179,23 +196,51 @@ def _missing_option(err: MissingConfigException) -> str | None:
     chooser = _chosen_in(err, group, name)
     # a file writes "group: name" in its defaults list; the command line, group=name
     given = f"{group}: {name}" if chooser else f"{group}={name}"
-    # experiment=conf/experiment/x.yaml: an option is a file's name without folder or .yaml
-    near = difflib.get_close_matches(name.rpartition("/")[2].removesuffix(".yaml"), err.options,
-                                     n=1)
+    # Hydra's options are the group's own files; those of its subfolders are options too
+    # (experiment=sub/x: conf/experiment/sub/x.yaml), and were neither listed nor suggested
+    options = (list(err.options) if group.startswith("hydra/")
+               else _options_below(repo, group, list(err.options)))
+    # the same file name in another folder first (experiment=conf/experiment/x.yaml, a recipe's
+    # name without its folder or with another), then the nearest path, then the nearest name
+    base = {o.rpartition("/")[2]: o for o in reversed(options)}  # the shallowest wins
+    file = name.rpartition("/")[2].removesuffix(".yaml")
+    near = ([base[file]] if file in base else
+            difflib.get_close_matches(name.removesuffix(".yaml"), options, n=1) or
+            [base[b] for b in difflib.get_close_matches(file, list(base), n=1)])
     hint = (f"did you mean {near[0] if chooser else f'{group}={near[0]}'}? " if near else "")
     folder = name.rpartition("/")[0]
     if group.startswith("hydra/"):  # Hydra's own groups (hydra/launcher=...) have no folder
         missing = f"{group} has no {name}"
     elif folder and not (repo and repo.group_exists(f"{group}/{folder}")):
         # (experiment=sub/x is a file of a subfolder, conf/experiment/sub/: an option too)
-        missing = (f"an option of {group} is the name of a file in "
-                   f"{' or '.join(_folders(repo, group))}, without folder or .yaml")
+        places = " or ".join(_folders(repo, group))
+        missing = (f"{places} has no folder {folder}/" if any("/" in o for o in options) else
+                   f"an option of {group} is the name of a file in {places}, without folder "
+                   "or .yaml")
     else:
         places = _folders(repo, group)
         missing = (f"there is no {places[0]}{name}.yaml" if len(places) == 1
                    else f"there is no {name}.yaml in {' or '.join(places)}")
     where = f"{_file(repo, chooser)}: " if chooser else ""
-    return f"{where}{given}: {missing}; {hint}the options are {', '.join(err.options)}"
+    return f"{where}{given}: {missing}; {hint}the options are {', '.join(options)}"
+
+
+def _options_below(repo: Any | None, group: str, options: list[str]) -> list[str]:
+    """``options`` (the group's own files) and, after them, each file of its subfolders as the
+    option that names it (``sub/x``); only ``options`` where the repository is not known or
+    cannot list a folder's folders (a later Hydra)."""
+    try:
+        from hydra.core.object_type import ObjectType
+
+        folders = sorted(repo.get_group_options(group, results_filter=ObjectType.GROUP))
+    except Exception:  # no repository, or not the interface this was written for
+        return options
+    found = list(options)
+    for sub in folders:
+        below = f"{group}/{sub}"
+        found += [f"{sub}/{o}" for o in _options_below(repo, below, sorted(
+            repo.get_group_options(below)))]
+    return found
 
 
 def _chosen_in(err: MissingConfigException, group: str, name: str) -> str | None:
@@ -318,44 +363,66 @@ def one_line_refusals(prog: str) -> Iterator[None]:
     Hydra prints its errors inside ``hydra._internal.utils.run_and_report``, which wraps each
     stage of a run (composing the config, ``--cfg``, a sweep); the wrapper is put in its place for
     the duration. Should a later Hydra lack that function, its own reports stay as they are.
+    ``--help`` and ``--hydra-help`` compose the config outside it: their refusals reach this
+    block as exceptions (a traceback), and are said here in the same words.
     """
     from hydra._internal import utils
 
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        yield
+        return
+
+    def one_line(err: BaseException) -> str | None:
+        line = _no_key(_overrides()) or in_words(err)
+        return None if line is None else f"{prog}: {line}"
+
     with _unmade_on_refusal():
         original: Callable[[Any], Any] | None = getattr(utils, "run_and_report", None)
-        if original is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
-            yield
-            return
 
         def run_and_report(func: Callable[[], Any]) -> Any:
             def said() -> Any:
                 try:
                     return func()
-                except (ConfigCompositionException, MissingConfigException,
-                        OverrideParseException, ValueError) as err:
-                    line = _no_key(_overrides()) or in_words(err)
-                    if line is None:
+                except (*REFUSALS, ValueError) as err:
+                    if (line := one_line(err)) is None:
                         raise
-                    raise SystemExit(f"{prog}: {line}") from None
-            return original(said)
+                    raise SystemExit(line) from None
+            return original(said)  # type: ignore[misc]
 
-        utils.run_and_report = run_and_report
+        if original is not None:
+            utils.run_and_report = run_and_report
         try:
             yield
+        except (*REFUSALS, ValueError) as err:  # --help's, --hydra-help's
+            # (a run's errors never get here: Hydra reports them, and exits, inside the run)
+            if (line := one_line(err)) is None:
+                raise
+            if "--hydra-help" in sys.argv[1:] and isinstance(err, ConfigCompositionException):
+                # Hydra composes its help without the app's config: every key of it is unknown
+                given = line.removeprefix(f"{prog}: ").partition(": ")[0]
+                line = (f"{prog}: {given}: --hydra-help shows Hydra's own options and reads "
+                        f"no {prog} config; leave the override out (--help takes it)")
+            raise SystemExit(line) from None
         finally:
-            utils.run_and_report = original
+            if original is not None:
+                utils.run_and_report = original
 
 
 def _overrides() -> list[str]:
     """The overrides as Hydra's main() read them, from the same sys.argv (none where its parser
     refuses sys.argv: a caller's own, under a test runner)."""
+    return list(getattr(_hydra_args(), "overrides", []))
+
+
+def _hydra_args() -> Any | None:
+    """sys.argv as Hydra's main() read it; None where its parser refuses it."""
     from hydra._internal import utils
 
     try:
         with redirect_stderr(io.StringIO()):  # its usage lines: Hydra's main() said them first
-            return list(utils.get_args_parser().parse_args().overrides)
+            return utils.get_args_parser().parse_args()
     except SystemExit:
-        return []
+        return None
 
 
 REFUSALS = (ConfigCompositionException, MissingConfigException, OverrideParseException)

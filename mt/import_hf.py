@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -246,6 +247,34 @@ def _target_vocab(d: Path, share: bool, src_vocab: _Entries) -> _Entries:
     if separate and not target.exists():
         raise ValueError(f"{tok_config}: separate_vocabs is true, but {target} is missing")
     return _read_json(target) if separate or (not share and target.exists()) else src_vocab
+
+
+def marian_languages(directory: str | os.PathLike,
+                     wanted: tuple[str, ...] = ("src_lang", "tgt_lang")) -> dict[str, str]:
+    """The source and target languages tokenizer_config.json names (``source_lang`` and
+    ``target_lang``, as Hugging Face's OPUS-MT conversion writes them: ``en`` and ``zh`` for
+    opus-mt-en-zh, a group such as ``ROMANCE`` for a multilingual model), as ``src_lang`` and
+    ``tgt_lang``; those it does not name are left out. Recorded in the imported checkpoint as
+    ``data.src_lang`` / ``data.tgt_lang``: BLEU is tokenized by the target language (zh, ja, ko
+    have their own tokenizers; without one a Chinese target was scored with 13a, BLEU near 0).
+    ``wanted``: those to read (one given on the command line is not read, nor refused).
+
+    Raises:
+        ValueError: naming the file and key of a value that is not a language code.
+    """
+    path = Path(directory) / "tokenizer_config.json"
+    if not path.exists():
+        return {}
+    config, found = _read_json(path), {}
+    for key, name in (("source_lang", "src_lang"), ("target_lang", "tgt_lang")):
+        value = config.get(key)
+        if value is None or name not in wanted:
+            continue
+        if not isinstance(value, str) or not re.fullmatch(r"\S+", value):
+            raise ValueError(f"{path}: {key}={value!r} is not a language code (such as 'zh'); "
+                             f"give mt-import --{name.replace('_', '-')}")
+        found[name] = value
+    return found
 
 
 def _unused_weights(weights: dict[str, Tensor], used: set[str], path: Path) -> None:

@@ -3,8 +3,9 @@
 - ``mt-export -m MODEL --format hf --out DIR``: a Hugging Face Marian directory (``mt.export``).
 - ``mt-export -m MODEL --format ctranslate2 --out DIR [--quantization int8]``: a CTranslate2
   model with the SentencePiece model(s) beside it (``mt.export``).
-- ``mt-import --from hf DIR --out FILE``: a Hugging Face Marian directory, such as an OPUS-MT
-  download, as an mt checkpoint that ``translate`` and ``mt-eval`` take (``mt.import_hf``).
+- ``mt-import --from hf DIR --out FILE [--tgt-lang LANG]``: a Hugging Face Marian directory,
+  such as an OPUS-MT download, as an mt checkpoint that ``translate`` and ``mt-eval`` take
+  (``mt.import_hf``), with its languages (tokenizer_config.json's, or the options') recorded.
 
 The conversions are exact: the other toolkit computes the same logits and, with the same search
 settings, the same outputs (tests/test_interop.py; docs/interop.md says where the searches
@@ -94,7 +95,7 @@ def _export(args: argparse.Namespace, out_dir: Path) -> None:
     from mt.export import check_marian, export_ctranslate2, export_hf
     from mt.textio import first_line
 
-    model, tokenizer, _ = load_model(args.model)
+    model, tokenizer, ckpt = load_model(args.model)
     shortlist = None
     if args.format == "hf":
         check_marian(model.cfg)  # before any work
@@ -109,7 +110,8 @@ def _export(args: argparse.Namespace, out_dir: Path) -> None:
         with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.", dir=out_dir.parent) as tmp:
             new = Path(tmp) / "export"
             if args.format == "hf":
-                export_hf(model, tokenizer, new)
+                export_hf(model, tokenizer, new,
+                          languages=(ckpt.get("config") or {}).get("data"))
             else:
                 export_ctranslate2(model, tokenizer, new, args.quantization, shortlist)
             # transformers writes model.safetensors 0600; an export is for others to read
@@ -186,6 +188,13 @@ def import_main(argv: list[str] | None = None) -> None:
     p.add_argument("dir", help="model directory (config.json, weights, *.spm, vocab.json)")
     p.add_argument("--out", required=True, help="checkpoint file to write (.pt)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    for side in ("src", "tgt"):
+        p.add_argument(f"--{side}-lang", metavar="LANG", type=_language,
+                       help=f"the model's {'source' if side == 'src' else 'target'} language "
+                            f"(default: tokenizer_config.json's "
+                            f"{'source' if side == 'src' else 'target'}_lang)" + (
+                                "; BLEU is tokenized for it (zh, ja, ko have tokenizers of "
+                                "their own)" if side == "tgt" else ""))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     # As mt-export: an existing file is replaced only when asked (--out DIR/pytorch_model.bin
@@ -206,11 +215,13 @@ def import_main(argv: list[str] | None = None) -> None:
         sys.exit(f"mt-import: {mistake}")
     try:
         with terminate_as_interrupt():  # save_atomic removes its temporary file on an interrupt
+            languages = _languages(args)
             model, tokenizer = import_hf(args.dir)
+            config: dict = {"imported_from": str(Path(args.dir).resolve())}
+            if languages:
+                config["data"] = languages
             try:
-                save_atomic(model_state(model, tokenizer,
-                                        {"imported_from": str(Path(args.dir).resolve())}),
-                            args.out)
+                save_atomic(model_state(model, tokenizer, config), args.out)
             except OSError as err:  # a folder that cannot be made or written, a full disk
                 sys.exit(f"mt-import: cannot write {args.out}: {err.strerror or err}")
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM
@@ -223,6 +234,32 @@ def import_main(argv: list[str] | None = None) -> None:
     n = sum(p.numel() for p in model.parameters())
     log.info("wrote %s (%.1fM parameters, vocabulary %d/%d)", args.out, n / 1e6,
              model.cfg.src_vocab_size, model.cfg.tgt_vocab_size)
+
+
+def _language(value: str) -> str:
+    """A --src-lang / --tgt-lang value: a language code, one word (``zh``, ``zh-Hant``)."""
+    if not re.fullmatch(r"\S+", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a language code (such as 'zh')")
+    return value
+
+
+def _languages(args: argparse.Namespace) -> dict[str, str]:
+    """``data.src_lang`` / ``data.tgt_lang`` of the imported checkpoint: the command line's,
+    else tokenizer_config.json's. Without a target language, BLEU (the evaluation scripts'; an
+    mt-eval --test without --langpair) is tokenized with 13a, which keeps a Chinese or Japanese
+    line as one token: said here, where it can still be given."""
+    from mt.import_hf import marian_languages
+
+    given = {k: v for k in ("src_lang", "tgt_lang") if (v := getattr(args, k))}
+    wanted = tuple(k for k in ("src_lang", "tgt_lang") if k not in given)
+    languages = {**marian_languages(args.dir, wanted), **given}
+    if "tgt_lang" in languages:
+        log.info("languages: %s", ", ".join(f"data.{k}={v}" for k, v in languages.items()))
+    else:
+        log.warning("%s names no target language (tokenizer_config.json's target_lang): BLEU "
+                    "of this model is tokenized with 13a; pass --tgt-lang (e.g. zh) for a "
+                    "Chinese, Japanese or Korean target", args.dir)
+    return languages
 
 
 if __name__ == "__main__":  # python -m mt.interop exited 0 without a word: it holds two commands

@@ -58,7 +58,7 @@ def bleu_target(lang: str) -> str:
     return primary if primary in BLEU._TOKENIZER_MAP else lang
 
 
-def model_bleu(path: str):
+def model_bleu(path: str, tgt_lang: str | None = None):
     """sacreBLEU's BLEU for a checkpoint's translations, tokenized for its target language
     (``data.tgt_lang`` of its training config) as mt-train's valid and test BLEU and mt-eval's
     (by the test set's) are: zh, ja-mecab or ko-mecab where sacrebleu has one, else 13a. The
@@ -69,12 +69,15 @@ def model_bleu(path: str):
     extras), one warning and 13a, as mt-train's scores of the same model had on that machine
     (``mt.runlog.bleu_language``): the scripts have no --tokenize to choose another, and the
     error that said to ended them before their first translation. The signature says which.
+
+    ``tgt_lang`` (the scripts' --tgt-lang) replaces the checkpoint's: a model imported without
+    one (``mt-import``, where tokenizer_config.json names no ``target_lang``) has none.
     """
     from mt.checkpoint import load
 
     data = (load(path, mmap=True).get("config") or {}).get("data") or {}
     try:
-        return make_metric("bleu", trg_lang=data.get("tgt_lang") or "")
+        return make_metric("bleu", trg_lang=tgt_lang or data.get("tgt_lang") or "")
     except EvalError as err:
         log.warning("BLEU uses the 13a tokenizer: %s",
                     str(err).removesuffix(" (or choose another --tokenize)"))

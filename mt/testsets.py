@@ -110,18 +110,20 @@ def read_pair(src: str | os.PathLike, ref: str | os.PathLike) -> tuple[list[str]
     return sources, refs
 
 
-def model_and_pair(parser, model: str, src: str, ref: str) -> tuple:
+def model_and_pair(parser, model: str, src: str, ref: str, tgt_lang: str | None = None
+                   ) -> tuple:
     """(model, tokenizer, sources, references, BLEU) for an evaluation script: the files read
     and checked first (``read_pair``), then the model loaded in float32 on the CPU, and the BLEU
-    for its target language (``mt.report.model_bleu``); a mistake in any ends the script
-    (``parser``'s) with one line naming the file."""
+    for its target language (``mt.report.model_bleu``; ``tgt_lang``, the script's --tgt-lang,
+    replaces the model's); a mistake in any ends the script (``parser``'s) with one line naming
+    the file."""
     from mt.inference import load_models
     from mt.report import model_bleu
 
     try:
         sources, refs = read_pair(src, ref)
         loaded, tokenizer, names = load_models([model], "cpu", "float32")
-        bleu = model_bleu(names[0])
+        bleu = model_bleu(names[0], tgt_lang)
     except (EvalError, ValueError) as err:
         parser.exit(1, f"{parser.prog}: {err}\n")
     return loaded, tokenizer, sources, refs, bleu

@@ -267,4 +267,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # Hydra's usage and errors name the program by sys.argv[0]: "train.py", which is no command
+    sys.argv[0] = "python -m mt.train"
     main()

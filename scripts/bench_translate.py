@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"comma-separated subset of {', '.join(SYSTEMS)}, each also with "
                         "+sl (under --shortlist)")
     p.add_argument("--shortlist", help="a shortlist file (mt-shortlist) for the +sl systems")
+    p.add_argument("--tgt-lang", metavar="LANG",
+                   help="the target language BLEU is tokenized for (zh, ja, ko have their own "
+                        "tokenizers); default: the model's data.tgt_lang")
     p.add_argument("--out", help="JSON file (default: stdout)")
     args = p.parse_args(argv)
     if mistake := report_mistake(args.out):
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         shortlist = (Shortlist.load(args.shortlist, Tokenizer.from_state(
             load(args.model, mmap=True)["tokenizer"])) if args.shortlist else None)
         # tokenized for the model's target language, as mt-eval and mt-train's test score are
-        bleu = model_bleu(str(resolve(args.model))) if args.reference else None
+        bleu = model_bleu(str(resolve(args.model)), args.tgt_lang) if args.reference else None
     except (InputError, OSError, ValueError, KeyError, RuntimeError, TypeError,
             EvalError) as err:
         p.error(str(err))

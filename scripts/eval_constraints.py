@@ -55,11 +55,14 @@ def main() -> None:
     p.add_argument("--words", type=positive_int, default=3, help="words per phrase, at most")
     p.add_argument("--beam", type=positive_int, default=5, help="at least 2 (constraints)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tgt-lang", metavar="LANG",
+                   help="the target language BLEU is tokenized for (zh, ja, ko have their own "
+                        "tokenizers); default: the model's data.tgt_lang")
     p.add_argument("--workers", type=positive_int, default=2)
     args = p.parse_args()
     if args.beam < 2:
         p.error("--beam must be 2 or more: a beam of 1 has no room for a constrained hypothesis")
-    model, tok, src, ref, bleu = model_and_pair(p, args.model, args.src, args.ref)
+    model, tok, src, ref, bleu = model_and_pair(p, args.model, args.src, args.ref, args.tgt_lang)
     rng = random.Random(args.seed)
     constraints = [draw(r, args.phrases, args.words, rng) for r in ref]
     opts = SearchOptions(beam=args.beam, workers=args.workers)

@@ -37,11 +37,14 @@ def main() -> None:
     p.add_argument("--join", type=positive_int, default=3, help="sentences per line")
     p.add_argument("--limit", type=positive_int, default=48,
                    help="the model's limit, in tokens (at least 2: a piece and EOS)")
+    p.add_argument("--tgt-lang", metavar="LANG",
+                   help="the target language BLEU is tokenized for (zh, ja, ko have their own "
+                        "tokenizers); default: the model's data.tgt_lang")
     p.add_argument("--workers", type=positive_int, default=2)
     args = p.parse_args()
     if args.limit < 2:
         p.error("--limit must be 2 or more: a piece and EOS")
-    model, tok, src, ref, bleu = model_and_pair(p, args.model, args.src, args.ref)
+    model, tok, src, ref, bleu = model_and_pair(p, args.model, args.src, args.ref, args.tgt_lang)
     if args.limit > model.cfg.max_positions:
         p.error(f"--limit {args.limit} is above the model's maximum of "
                 f"{model.cfg.max_positions} tokens")

@@ -155,12 +155,15 @@ def test_evaluation_scripts_say_a_mistake_in_one_line(tmp_path, script, args, sa
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("given", ["model", "option"])
 @pytest.mark.parametrize("script", ["eval_constraints", "eval_long_lines"])
-def test_evaluation_scripts_tokenize_bleu_for_the_target_language(script, tmp_path,
+def test_evaluation_scripts_tokenize_bleu_for_the_target_language(script, given, tmp_path,
                                                                    tokenizer_dir, monkeypatch,
                                                                    capsys):
     """They scored every language with sacrebleu's 13a, which keeps a Chinese line (no spaces)
-    as one token: BLEU 0 for translations that mt-eval, by the target language, scores high."""
+    as one token: BLEU 0 for translations that mt-eval, by the target language, scores high.
+    The language is the model's data.tgt_lang, or --tgt-lang (a model imported with mt-import
+    from a folder that names none has no data.tgt_lang)."""
     from sacrebleu.metrics import BLEU
 
     from mt.checkpoint import model_state, save_atomic
@@ -170,8 +173,9 @@ def test_evaluation_scripts_tokenize_bleu_for_the_target_language(script, tmp_pa
     model = build_model(ModelConfig(encoder_layers=1, decoder_layers=1, d_model=16, ffn_dim=32,
                                     heads=2, max_positions=64, src_vocab_size=tok.src_vocab_size,
                                     tgt_vocab_size=tok.tgt_vocab_size))
-    save_atomic(model_state(model, tok, {"data": {"src_lang": "en", "tgt_lang": "zh"}}),
-                tmp_path / "m.pt")
+    config = ({"data": {"src_lang": "en", "tgt_lang": "zh"}} if given == "model" else
+              {"imported_from": "opus-mt-en-zh"})
+    save_atomic(model_state(model, tok, config), tmp_path / "m.pt")
     refs = ["我爱你们", "猫在这里"]
     (tmp_path / "src").write_text("the dog\nthe cat\n")
     (tmp_path / "ref").write_text("".join(r + "\n" for r in refs))
@@ -182,6 +186,7 @@ def test_evaluation_scripts_tokenize_bleu_for_the_target_language(script, tmp_pa
     monkeypatch.setattr(sys, "argv", [script, "-m", str(tmp_path / "m.pt"), "--src",
                                       str(tmp_path / "src"), "--ref", str(tmp_path / "ref"),
                                       *(["--join", "1"] if script == "eval_long_lines" else []),
+                                      *(["--tgt-lang", "zh"] if given == "option" else []),
                                       "--workers", "1"])
     module.main()
     result = json.loads(capsys.readouterr().out)
@@ -256,9 +261,10 @@ def test_bench_translate_gives_empty_lines_empty_outputs_and_refuses_a_short_ref
                                     heads=2, dropout=0.0, max_positions=64,
                                     src_vocab_size=tok.src_vocab_size,
                                     tgt_vocab_size=tok.tgt_vocab_size)).eval()
-    # a Chinese target: BLEU tokenized for it, as mt-eval and mt-train's test score do
-    save_atomic(model_state(model, tok, {"data": {"src_lang": "en", "tgt_lang": "zh"}}),
-                tmp_path / "m.pt")
+    # a Chinese target: BLEU tokenized for it, as mt-eval and mt-train's test score do; the
+    # model's data.tgt_lang (tests of eval_constraints.py, by the same model_bleu) or, for a
+    # model imported from a folder that names none, --tgt-lang
+    save_atomic(model_state(model, tok, {"imported_from": "opus-mt-en-zh"}), tmp_path / "m.pt")
     src, ref, short = tmp_path / "in.en", tmp_path / "ref.zz", tmp_path / "short.zz"
     src.write_text("the dog sees a cat\n\nthe cat\n")
     ref.write_text("我爱你\nb\n猫在这里\n")
@@ -272,14 +278,14 @@ def test_bench_translate_gives_empty_lines_empty_outputs_and_refuses_a_short_ref
     scored = []
     real = bench.model_bleu
 
-    def recorded(path):
-        metric = real(path)
+    def recorded(path, tgt_lang):
+        metric = real(path, tgt_lang)
         score = metric.corpus_score
         metric.corpus_score = lambda hyps, refs: scored.append(list(hyps)) or score(hyps, refs)
         return metric
 
     monkeypatch.setattr(bench, "model_bleu", recorded)
-    bench.main([*common, "-r", str(ref)])
+    bench.main([*common, "-r", str(ref), "--tgt-lang", "zh"])
     (hyps,) = scored
     assert len(hyps) == 3 and hyps[1] == "" and hyps[0] and hyps[2]
     from sacrebleu.metrics import BLEU

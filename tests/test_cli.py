@@ -244,6 +244,28 @@ def test_every_command_runs_as_python_m_its_module(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing run
 
 
+def test_python_m_usage_names_a_command_that_runs(tmp_path):
+    """``python -m mt.train --bogus`` and ``python -m mt.demo --bogus`` said "usage: train.py",
+    "demo.py: error": argparse's name from sys.argv[0], a command nobody can type. Each usage
+    names the console script, or ``python -m`` its module."""
+    tomllib = pytest.importorskip("tomllib")
+    from conftest import REPO
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names: dict[str, list[str]] = {"mt.demo": []}
+    for name, entry in _commands(project).items():
+        names.setdefault(entry.split(":")[0], []).append(name)
+    for module, commands in names.items():
+        if len(commands) > 1:  # mt.interop: names its two commands (test above)
+            continue
+        result = subprocess.run([PYTHON, "-m", module, "--bogus"], cwd=tmp_path,
+                                env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+        prog = result.stderr.partition("usage: ")[2]
+        assert any(prog.startswith(f"{p} ") for p in [*commands, f"python -m {module}"]), (
+            module, result.stderr)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_interrupt_while_a_command_is_imported_is_one_line(monkeypatch, capsys):
     """Ctrl-C in a command's first seconds (torch's import) printed some forty lines of
     traceback from inside the import, and a SIGTERM or SIGHUP ended it without a word: each
@@ -350,6 +372,9 @@ def test_no_command_help_shows_restructuredtext_markup(tmp_path, capsys):
         assert stop.value.code == 0
         helps[name] = capsys.readouterr().out
     assert all(text.strip() for text in helps.values())
+    # each names the command as it is run (python -m mt.demo said "usage: demo.py")
+    assert [name for name, text in helps.items() if name != "mt-train"
+            and not text.startswith(f"usage: {name} ")] == []
     assert [name for name, text in helps.items() if "``" in text] == []
     assert "mt-average: average the weights" in helps["mt-average"]
     result = subprocess.run([PYTHON, "-OO", "-m", "mt.average", "--help"], cwd=tmp_path,

@@ -74,6 +74,21 @@ def test_a_split_size_below_one_is_refused_by_the_command(tmp_path, flag, capsys
     assert not (tmp_path / "d").exists()
 
 
+def test_the_command_says_a_folder_it_cannot_write_in_one_line(tmp_path, capsys):
+    """A file in the way, or someone else's data, was a traceback (FileExistsError,
+    NotADirectoryError, ValueError)."""
+    (tmp_path / "afile").write_text("x\n")
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "train.en").write_text("mine\n")
+    for given, said in [("afile", "afile: File exists"), ("afile/sub", "afile/sub: Not a "
+                         "directory"), ("theirs", "train.en: not the demo corpus's")]:
+        with pytest.raises(SystemExit) as stop:
+            mt.demo.main([str(tmp_path / given), "--train", "5", "--valid", "1", "--test", "1"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 1 and err.startswith("python -m mt.demo: "), err
+        assert said in err and len(err.splitlines()) == 1, err
+
+
 def test_an_interrupted_write_is_redone(tmp_path, monkeypatch):
     """The folder is the demo's from its first write on: files half written, then a rerun."""
     from mt import demo

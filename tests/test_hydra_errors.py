@@ -109,6 +109,48 @@ def test_a_typo_on_the_command_line_is_one_line_naming_it(args, line, fresh_hydr
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.parametrize("args, line", [
+    (["--help", "trainer.max_stepz=3"],
+     "trainer.max_stepz=3: trainer.max_stepz is not a config key; did you mean trainer.max_steps?"),
+    (["--help", "experiment=nope"], "experiment=nope: there is no conf/experiment/nope.yaml"),
+    (["--help", "=3"], "=3: an override is key=value, and this one has no key"),
+    (["--help", "trainer.max_steps=${oc.env:NOPE_NOT_SET}", "--resolve"],
+     "trainer.max_steps: KeyError raised while resolving interpolation: \"Environment variable "
+     "'NOPE_NOT_SET' not found\""),
+    (["--cfg", "job", "trainer.max_steps=${oc.env:NOPE_NOT_SET}", "--resolve"],
+     "--resolve: KeyError raised while resolving interpolation: \"Environment variable "
+     "'NOPE_NOT_SET' not found\""),
+    (["--cfg", "hydra", "--resolve"],  # hydra.run.dir names data.name, not in Hydra's part
+     "--resolve: Interpolation key 'data.name' not found; --cfg hydra shows Hydra's settings "
+     "without mt-train's config, which they name: --cfg all --resolve shows both"),
+    (["--hydra-help", "trainer.max_steps=3"],  # Hydra's help has no mt-train config to set
+     "trainer.max_steps=3: --hydra-help shows Hydra's own options and reads no mt-train config; "
+     "leave the override out (--help takes it)"),
+])
+def test_help_and_resolve_refusals_are_one_line(args, line, fresh_hydra, monkeypatch, capsys):
+    """--help composes the config outside Hydra's error report, and --cfg --resolve's failure
+    to resolve was not one mt knew: both printed a traceback of Hydra's or OmegaConf's."""
+    from mt import train
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.delenv("NOPE_NOT_SET", raising=False)
+    monkeypatch.setattr(sys, "argv", ["mt-train", *args])
+    with pytest.raises(SystemExit, match="^" + re.escape(f"mt-train: {line}")) as stop:
+        train.main()
+    assert "\n" not in str(stop.value.code)
+    assert capsys.readouterr().err == ""
+
+
+def test_help_still_helps(fresh_hydra, monkeypatch, capsys):
+    from mt import train
+
+    monkeypatch.setattr(sys, "argv", ["mt-train", "--help", "trainer.max_steps=3"])
+    with pytest.raises(SystemExit) as stop:
+        train.main()
+    assert stop.value.code in (0, None)
+    assert "max_steps: 3" in capsys.readouterr().out
+
+
 def test_hydra_full_error_keeps_hydras_traceback(fresh_hydra, monkeypatch):
     from hydra.errors import ConfigCompositionException
 
@@ -273,6 +315,15 @@ def _own_config_dir(root):
                         "you mean trainer.max_steps?"),
     ("experiment=sub/nope", "experiment=sub/nope: there is no sub/nope.yaml in "
                             "conf/experiment/ or mine/experiment/"),
+    # a recipe of a subfolder is an option: it was neither suggested nor listed, and a folder
+    # that is not there was said as "without folder", which the group's own options are not
+    ("experiment=sub/y", "experiment=sub/y: there is no sub/y.yaml in conf/experiment/ or "
+                         "mine/experiment/; did you mean experiment=sub/x? the options are "
+                         "demo, inner, "),
+    ("experiment=x", "experiment=x: there is no x.yaml in conf/experiment/ or mine/experiment/; "
+                     "did you mean experiment=sub/x? "),
+    ("experiment=other/x", "experiment=other/x: conf/experiment/ or mine/experiment/ has no "
+                           "folder other/; did you mean experiment=sub/x? "),
     # a recipe choosing model without 'override': Hydra's text is the one for +model=mine,
     # and the line told the user to drop a '+' they never wrote
     ("experiment=twice", "model: mine: a config file's defaults list chooses model, which "
@@ -298,6 +349,8 @@ def test_a_config_dir_of_ones_own_is_named(arg, line, tmp_path, fresh_hydra, mon
     monkeypatch.chdir(tmp_path)
     _own_config_dir(tmp_path / "mine")
     monkeypatch.setattr(sys, "argv", ["mt-train", "--config-dir", "mine", arg, "--cfg", "job"])
-    with pytest.raises(SystemExit, match="^" + re.escape(f"mt-train: {line}")):
+    with pytest.raises(SystemExit, match="^" + re.escape(f"mt-train: {line}")) as stop:
         train.main()
     assert capsys.readouterr().err == ""
+    if "did you mean experiment=sub/x" in line:
+        assert str(stop.value.code).endswith(", wmt14_en_de_big, sub/x")

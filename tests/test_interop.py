@@ -418,7 +418,7 @@ def test_export_and_import_stopped_by_sigterm_leave_nothing_behind(tmp_path, tok
     export_main(["-m", ckpt, "--format", "hf", "--out", str(tmp_path / "hf")])
     before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
 
-    def killed(*args):  # half written, then SIGTERM
+    def killed(*args, **kwargs):  # half written, then SIGTERM
         Path(args[-1]).mkdir(parents=True, exist_ok=True)
         (Path(args[-1]) / "config.json").write_text("{")
         os.kill(os.getpid(), signal.SIGTERM)
@@ -838,3 +838,60 @@ def test_import_rejects_other_architectures(tmp_path):
     with pytest.raises(SystemExit) as err:
         import_main(["--from", "hf", str(tmp_path), "--out", str(tmp_path / "x.pt")])
     assert "model_type='bart'" in str(err.value)
+
+
+def test_import_records_the_languages_that_bleu_is_tokenized_for(tmp_path, corpus_dir, caplog,
+                                                                 capsys):
+    """An imported model had no data.tgt_lang, so the evaluation scripts scored a Chinese
+    target with 13a (a line one token, BLEU near 0) and mt-eval --test without --langpair did
+    so in silence. OPUS-MT's tokenizer_config.json names the languages; --tgt-lang sets them."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("google.protobuf")
+    from mt.evaluate import main as eval_main
+    from mt.report import model_bleu
+
+    d = _opus_like_dir(tmp_path, corpus_dir, transformers, False)[0]
+    tok_config = d / "tokenizer_config.json"
+    as_made = json.loads(tok_config.read_text())
+    # as Hugging Face's conversion of OPUS-MT writes it (opus-mt-en-zh)
+    tok_config.write_text(json.dumps({**as_made, "target_lang": "zh", "source_lang": "en"}))
+
+    def languages(*args: str) -> dict | None:
+        import_main(["--from", "hf", str(d), "--out", str(tmp_path / "m.pt"), "--force", *args])
+        return (torch.load(tmp_path / "m.pt", weights_only=False)["config"] or {}).get("data")
+
+    assert languages() == {"src_lang": "en", "tgt_lang": "zh"}
+    hyps, refs = ["我爱你", "猫在这里"], [["我爱你们", "猫在这里"]]
+    assert model_bleu(str(tmp_path / "m.pt")).corpus_score(hyps, refs).score > 0  # 13a: 0
+    # mt-eval without --langpair says which tokenizer the model's target needs
+    _write_lines(tmp_path / "src", _texts(corpus_dir, 3)[1:3])
+    _write_lines(tmp_path / "ref", refs[0])
+    with caplog.at_level("WARNING", logger="mt.evaluate"):
+        eval_main(["-m", str(tmp_path / "m.pt"), "--src", str(tmp_path / "src"), "--ref",
+                   str(tmp_path / "ref"), "--beam", "1", "--max-len-b", "3", "-q", "--json"])
+    capsys.readouterr()
+    assert "m.pt was trained for zh targets" in caplog.text
+    assert "pass --langpair en-zh" in caplog.text
+    # exported, the languages go into tokenizer_config.json, and come back
+    export_main(["-m", str(tmp_path / "m.pt"), "--format", "hf", "--out", str(tmp_path / "hf")])
+    exported = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert (exported["source_lang"], exported["target_lang"]) == ("en", "zh")
+
+    assert languages("--tgt-lang", "ja") == {"src_lang": "en", "tgt_lang": "ja"}
+    tok_config.write_text(json.dumps(as_made))  # a folder that names none
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert languages() is None
+    assert "names no target language" in caplog.text and "pass --tgt-lang" in caplog.text
+    assert languages("--tgt-lang", "zh") == {"tgt_lang": "zh"}
+    assert model_bleu(str(tmp_path / "m.pt")).corpus_score(hyps, refs).score > 0
+    tok_config.write_text(json.dumps({**as_made, "target_lang": 3}))
+    with pytest.raises(SystemExit) as err:
+        languages()
+    assert str(err.value) == (f"mt-import: {tok_config}: target_lang=3 is not a language code "
+                              "(such as 'zh'); give mt-import --tgt-lang")
+    assert languages("--tgt-lang", "zh") == {"tgt_lang": "zh"}  # the way round it
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    path.write_text("".join(line + "\n" for line in lines))
