@@ -324,6 +324,8 @@ def _normalized_rest(text: str, tag: str, normalization: str) -> str | None:
     if not read.startswith("\u2581" + tag):  # SentencePiece's word mark before the first word
         return None
     return text[offsets[len(tag) + 1]:]  # offsets: of each character read, where it was
+
+
 def _load_one(cfg: DataConfig, split: str, cache_dir: str | None):
     """One split (no '+'), from the hub or local files."""
     import datasets
