@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import gc
 import hashlib
-import io
 import itertools
 import json
 import logging
@@ -45,6 +44,7 @@ from mt.config import (
     is_user_symbol,
 )
 from mt.config_checks import check_tokenizer
+from mt.spmtrain import train_model
 from mt.textio import first_line, json_object, replace_file
 
 log = logging.getLogger(__name__)
@@ -232,12 +232,10 @@ def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
     # symbol is cut out of the text before pieces are learned, so it bends no other piece.
     symbols = ({"user_defined_symbols": ["\u2581" + u for u in dict.fromkeys(user_symbols)]}
                if user_symbols else {})  # (a symbol given twice is one: SentencePiece refused it)
-    model = io.BytesIO()
-    spm.set_random_generator_seed(seed)  # SentencePiece's own sampling, for reproducible models
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences),
-            model_writer=model,
+        # in a child process, which a stop signal ends at once (mt.spmtrain); seeded there
+        return train_model(
+            seed, sentences,
             model_type=cfg.model_type,
             vocab_size=cfg.vocab_size,
             character_coverage=cfg.character_coverage,
@@ -266,7 +264,6 @@ def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
         raise ValueError(f"data.tokenizer.vocab_size={cfg.vocab_size}: the {side}text needs at "
                          f"least {need[1]} pieces; raise it or lower "
                          f"data.tokenizer.character_coverage ({parts})") from None
-    return model.getvalue()
 
 
 def train_tokenizer(
@@ -314,8 +311,9 @@ def train_tokenizer(
 def _release_memory() -> None:
     """Hands freed heap back to the OS.
 
-    glibc keeps what SentencePiece training freed (about 1 GB for 2M sentences); the encoding
-    workers forked next would each inherit it and look that much larger.
+    glibc keeps what the sampled sentences held (SentencePiece's own heap, about 1 GB for 2M
+    sentences, goes with its process: ``mt.spmtrain``); the encoding workers forked next would
+    each inherit it and look that much larger.
     """
     gc.collect()
     try:

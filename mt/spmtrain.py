@@ -1,0 +1,217 @@
+"""SentencePiece training in a spawned child process, which a stop signal can end at once.
+
+``SentencePieceTrainer.train`` runs in C++ for minutes on a large corpus, and Python runs a
+signal's handler only when it returns: Ctrl-C looked ignored, and a scheduler's SIGTERM ended in
+its SIGKILL after the grace period. Here the training runs in a fresh interpreter
+(``python -c`` importing this module, never torch), and this process waits on pipes, where a
+handler runs as the signal comes: the child is killed and the signal's exception goes on
+(mt-train's "terminated (SIGTERM) before the first checkpoint"). Nothing is saved until the model
+is back, so nothing half-written is left.
+
+Spawned, not forked: SentencePiece trains with OpenMP (the libgomp torch ships), and a child
+forked from a process whose OpenMP pool was alive (after torch's CPU work) waited forever in
+GOMP_parallel for pool threads that did not survive the fork (commit 319c87e).
+
+The protocol: on the child's stdin a pickled header ``(seed, options, count)`` then ``count``
+sentences, each a 4-byte little-endian length and its UTF-8, read by a generator that
+SentencePiece consumes (no list of them in the child); on its stdout one pickled answer:
+``("model", bytes)``, ``("raised", exception)`` (SentencePiece's own error, raised here as
+in-process training raised it) or ``("failed", text)``. Its stderr is this process's, as
+SentencePiece's log was. The model is the same, byte for byte, as one trained in this process:
+the same call, options and seed. Where there is no POSIX ``select`` on pipes or no interpreter
+to spawn, the training runs in this process, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+SPAWN = os.name == "posix"
+# Ctrl-C reaches the terminal's whole process group, a scheduler's SIGTERM maybe every process
+# of the job: the child ignores them from birth and this process, which handles them, kills it
+# (a child dying of them first would be "the training process was killed" instead of mt-train's
+# "terminated").
+STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+              if hasattr(signal, name))
+_LENGTH = struct.Struct("<I")
+_CHUNK = 1 << 20  # bytes written to the child at a time
+_PR_SET_PDEATHSIG = 1
+# The child's program: argv[1] the directory that holds the mt this process runs (whatever the
+# working directory), argv[2] this process's id
+_CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); "
+          "from mt.spmtrain import child_main; child_main(int(sys.argv[2]))")
+
+
+class TrainingProcessFailed(ValueError):
+    """The child ended without a model or SentencePiece's error: killed, or an error of its own.
+    A ValueError, which mt-train says in one line."""
+
+
+def train_model(seed: int, sentences: Sequence[str], **options) -> bytes:
+    """``SentencePieceTrainer.train(sentence_iterator=iter(sentences), **options)``'s model, with
+    SentencePiece's random generator seeded with ``seed``, trained in a child process; its
+    exceptions are raised here."""
+    if not SPAWN or not sys.executable:
+        return train_here(seed, sentences, options)
+    header = pickle.dumps((seed, options, len(sentences)))
+    root = str(Path(__file__).resolve().parents[1])  # the mt this process runs, wherever cwd is
+    child: subprocess.Popen | None = None
+    try:  # from the spawn on: a signal held over it runs its handler as the block ends
+        with _held():  # the child inherits the block, until it ignores them
+            child = subprocess.Popen([sys.executable, "-c", _CHILD, root, str(os.getpid())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        answer = _exchange(child, header, sentences)
+        status = child.wait()
+    except BaseException:
+        if child is not None:
+            child.kill()
+            child.wait()
+        raise
+    finally:
+        if child is not None:
+            for pipe in (child.stdin, child.stdout):
+                with contextlib.suppress(OSError):
+                    pipe.close()
+    return _unpack(answer, status)
+
+
+def train_here(seed: int, sentences: Sequence[str], options: dict) -> bytes:
+    """The training itself, in this process (the child's, or where there is no child)."""
+    model = io.BytesIO()
+    spm.set_random_generator_seed(seed)  # SentencePiece's own sampling, for reproducible models
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=model,
+                                   **options)
+    return model.getvalue()
+
+
+def _exchange(child: subprocess.Popen, header: bytes, sentences: Sequence[str]) -> bytes:
+    """Writes the header and sentences to the child, then reads its answer. Each wait is a
+    system call that a signal interrupts: its handler runs there (PEP 475) and ends the wait."""
+    try:
+        child.stdin.write(header)
+        buffer = bytearray()
+        for sentence in sentences:
+            data = sentence.encode("utf-8", "surrogatepass")
+            buffer += _LENGTH.pack(len(data)) + data
+            if len(buffer) >= _CHUNK:
+                child.stdin.write(buffer)
+                buffer.clear()
+        child.stdin.write(buffer)
+        child.stdin.close()
+    except BrokenPipeError:  # the child ended early: its status says how
+        pass
+    parts = []
+    fd = child.stdout.fileno()
+    while True:
+        # a timeout, so that a signal that a thread other than this one took (its handler waits
+        # for this thread's next Python line) is seen within a second
+        if select.select([fd], [], [], 1.0)[0]:
+            part = os.read(fd, _CHUNK)
+            if not part:
+                return b"".join(parts)
+            parts.append(part)
+
+
+def _unpack(answer: bytes, status: int) -> bytes:
+    """The model in the child's answer, or its failure raised: SentencePiece's own error as in
+    this process, anything else in one line (``TrainingProcessFailed``)."""
+    what = "the SentencePiece training process"
+    if not answer:
+        if status < 0:
+            name = signal.Signals(-status).name
+            hint = (": out of memory? lower data.tokenizer.input_sentence_size"
+                    if -status == signal.SIGKILL else "")
+            raise TrainingProcessFailed(f"{what} was killed by {name}{hint}")
+        raise TrainingProcessFailed(f"{what} exited with status {status} without a model "
+                                    "(its error, if any, is above)")
+    try:
+        kind, value = pickle.loads(answer)
+    except Exception as err:  # noqa: BLE001 - a torn answer, in words
+        raise TrainingProcessFailed(f"{what} answered what is not a model ({err})") from None
+    if kind == "model":
+        return value
+    if kind == "raised":
+        raise value
+    raise TrainingProcessFailed(f"{what} failed: {value}")
+
+
+@contextlib.contextmanager
+def _held() -> Iterator[None]:
+    """The stop signals wait (blocked) while the child is spawned, and the child is born with
+    them blocked (a signal mask survives fork and exec) until it ignores them; here they run
+    their handlers as the block ends, with the child known and killed. Only the main thread
+    runs Python's handlers, and only where there is a signal mask (not on Windows)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _die_with(parent: int) -> None:
+    """The child dies with a parent killed outright (SIGKILL, which no handler sees): Linux's
+    PR_SET_PDEATHSIG. A parent gone before the call is seen as a parent id that changed.
+    Elsewhere the child trains on and exits as it finishes, its answer unread."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _sentences(stream: io.BufferedReader, count: int) -> Iterator[str]:
+    """The ``count`` sentences on ``stream``, one at a time, as SentencePiece reads them."""
+    for _ in range(count):
+        size = _LENGTH.unpack(_exactly(stream, _LENGTH.size))[0]
+        yield _exactly(stream, size).decode("utf-8", "surrogatepass")
+
+
+def _exactly(stream: io.BufferedReader, size: int) -> bytes:
+    data = stream.read(size)
+    if len(data) != size:
+        raise EOFError(f"the input ended {size - len(data)} bytes early")
+    return data
+
+
+def child_main(parent: int) -> None:  # pragma: no cover - runs in the child
+    """The child: ignores the stop signals (its parent ends it), reads the header and
+    sentences, trains, and writes its answer to the stdout it was given; anything else that
+    writes to stdout (a library's print) goes to stderr instead."""
+    for s in STOPS:
+        signal.signal(s, signal.SIG_IGN)  # (a signal pending from the block is dropped)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
+    _die_with(parent)
+    answer_to = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    try:
+        seed, options, count = pickle.load(sys.stdin.buffer)
+        try:
+            answer = ("model", train_here(seed, _sentences(sys.stdin.buffer, count), options))
+        except (RuntimeError, ValueError, TypeError) as err:  # SentencePiece's: raised there
+            answer = ("raised", err)
+            try:
+                pickle.dumps(err)
+            except Exception:  # noqa: BLE001 - one that does not pickle, in words
+                answer = ("failed", f"{type(err).__name__}: {err}")
+    except Exception as err:  # noqa: BLE001 - the child's own failure, in one line there
+        answer = ("failed", f"{type(err).__name__}: {err}")
+    answer_to.write(pickle.dumps(answer))
+    answer_to.close()
