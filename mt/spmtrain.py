@@ -1,4 +1,5 @@
-"""SentencePiece training in a spawned child process, which a stop signal can end at once.
+"""SentencePiece training (``train_one``: mt's settings) in a spawned child process, which a stop
+signal can end at once.
 
 ``SentencePieceTrainer.train`` runs in C++ for minutes on a large corpus, and Python runs a
 signal's handler only when it returns: Ctrl-C looked ignored, and a scheduler's SIGTERM ended in
@@ -28,15 +29,19 @@ import contextlib
 import io
 import os
 import pickle
+import re
 import select
 import signal
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
+
+from mt.config import BOS_ID, BYTE_PIECES, EOS_ID, PAD_ID, UNK_ID, TokenizerConfig
 
 SPAWN = os.name == "posix"
 # Ctrl-C reaches the terminal's whole process group, a scheduler's SIGTERM maybe every process
@@ -57,6 +62,53 @@ _CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); "
 class TrainingProcessFailed(ValueError):
     """The child ended without a model or SentencePiece's error: killed, or an error of its own.
     A ValueError, which mt-train says in one line."""
+
+
+def train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
+              user_symbols: Sequence[str] = (), side: str = "") -> bytes:
+    """A SentencePiece model of ``sentences`` with mt's special ids, trained in a child process
+    (``train_model``); ``side`` ("source ", "target " for separate vocabularies) names the text
+    whose vocabulary is too small in the error."""
+    if not sentences:  # which side, and where from: a blank target file named neither
+        raise ValueError(f"no non-empty {side}sentence to train SentencePiece on in the sample of "
+                         "data.train (up to data.tokenizer.input_sentence_size="
+                         f"{cfg.input_sentence_size} sentences): is that side of the corpus blank?")
+    # With the '▁' that SentencePiece puts before every word, a symbol at a sentence's start (where
+    # data.tag goes) is one piece, and the first. The sample may hold tagged sources: a user
+    # symbol is cut out of the text before pieces are learned, so it bends no other piece.
+    symbols = ({"user_defined_symbols": ["\u2581" + u for u in dict.fromkeys(user_symbols)]}
+               if user_symbols else {})  # (a symbol given twice is one: SentencePiece refused it)
+    try:
+        return train_model(
+            seed, sentences,
+            model_type=cfg.model_type,
+            vocab_size=cfg.vocab_size,
+            character_coverage=cfg.character_coverage,
+            byte_fallback=cfg.byte_fallback,  # 256 pieces <0x00>..<0xFF> in the vocabulary
+            normalization_rule_name=cfg.normalization,
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            # A vocabulary on a small corpus may be larger than the text supports; shrink instead
+            # of failing (SentencePiece picks the largest size it can; valid for unigram and bpe).
+            hard_vocab_limit=False,
+            input_sentence_size=0,  # all of them: we sampled already
+            # Every sampled line, however long: past max_sentence_length (4,192 bytes by
+            # default) SentencePiece skips a line without a word, and characters found only in
+            # long lines (a document-level corpus) got no piece.
+            max_sentence_length=max(4192, 1 + max(len(s.encode("utf-8")) for s in sentences)),
+            num_threads=os.cpu_count() or 1,
+            minloglevel=2,
+            **symbols,
+        )
+    except RuntimeError as err:  # "Vocabulary size is smaller than required_chars. 300 vs 304."
+        need = re.search(r"required_chars\. \d+ vs (\d+)", str(err))
+        if not need:
+            raise
+        parts = "its characters, 4 special ids" + (", user symbols" if user_symbols else "")
+        if cfg.byte_fallback:
+            parts += f", {BYTE_PIECES} byte pieces: or set data.tokenizer.byte_fallback=false"
+        raise ValueError(f"data.tokenizer.vocab_size={cfg.vocab_size}: the {side}text needs at "
+                         f"least {need[1]} pieces; raise it or lower "
+                         f"data.tokenizer.character_coverage ({parts})") from None
 
 
 def train_model(seed: int, sentences: Sequence[str], **options) -> bytes:
@@ -149,18 +201,32 @@ def _unpack(answer: bytes, status: int) -> bytes:
 
 @contextlib.contextmanager
 def _held() -> Iterator[None]:
-    """The stop signals wait (blocked) while the child is spawned, and the child is born with
-    them blocked (a signal mask survives fork and exec) until it ignores them; here they run
-    their handlers as the block ends, with the child known and killed. Only the main thread
-    runs Python's handlers, and only where there is a signal mask (not on Windows)."""
+    """The stop signals wait while the child is spawned; as the block ends their handlers run,
+    with the child known (and killed). Two holds: this thread blocks them, so that the child is
+    born with them blocked (a signal mask survives fork and exec) until it ignores them; and
+    their Python handlers only note them meanwhile, since another thread (OpenMP's, gloo's) may
+    take a signal this one blocks, and Python would then run the handler in this thread at once,
+    inside Popen, before the child is known: a training process nobody ends. Only the main
+    thread may set a handler, and only where there is a signal mask (not on Windows)."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
+    noted: list[int] = []
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.getsignal(s) for s in STOPS}
+        handlers = {s: h for s, h in handlers.items() if callable(h)}  # not SIG_IGN, SIG_DFL
+        for s in handlers:
+            signal.signal(s, lambda signum, frame: noted.append(signum))
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # (one held runs its handler here)
+        for signum in dict.fromkeys(noted):
+            signal.raise_signal(signum)  # its own handler, now: one that came meanwhile
 
 
 def _die_with(parent: int) -> None:
