@@ -279,5 +279,6 @@ def child_main(parent: int) -> None:  # pragma: no cover - runs in the child
                 answer = ("failed", f"{type(err).__name__}: {err}")
     except Exception as err:  # noqa: BLE001 - the child's own failure, in one line there
         answer = ("failed", f"{type(err).__name__}: {err}")
-    answer_to.write(pickle.dumps(answer))
-    answer_to.close()
+    with contextlib.suppress(BrokenPipeError):  # a parent gone (no PR_SET_PDEATHSIG there)
+        answer_to.write(pickle.dumps(answer))
+        answer_to.close()

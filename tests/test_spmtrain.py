@@ -103,6 +103,18 @@ def test_the_child_trains_the_model_of_training_here_byte_for_byte(model_type, m
 
 
 @posix_only
+def test_the_child_imports_no_torch(tmp_path, monkeypatch):
+    """The child is a fresh interpreter that loads SentencePiece, not torch (seconds, and
+    hundreds of MB, per tokenizer trained)."""
+    seen = tmp_path / "modules"
+    monkeypatch.setattr(spmtrain, "_CHILD", spmtrain._CHILD + (
+        f"; open({str(seen)!r}, 'w').write(' '.join(sorted(sys.modules)))"))
+    spmtrain.train_model(0, SRC, **OPTIONS)
+    modules = seen.read_text().split()
+    assert "sentencepiece" in modules and "torch" not in modules
+
+
+@posix_only
 def test_train_tokenizer_trains_in_a_child_process(monkeypatch):
     """mt-train's tokenizer is trained in the child, which a stop signal can end (the old code
     trained here, in C++ that no handler interrupts)."""
