@@ -30,7 +30,7 @@ import io
 import os
 import pickle
 import re
-import select
+import selectors
 import signal
 import struct
 import subprocess
@@ -166,14 +166,16 @@ def _exchange(child: subprocess.Popen, header: bytes, sentences: Sequence[str]) 
         pass
     parts = []
     fd = child.stdout.fileno()
-    while True:
-        # a timeout, so that a signal that a thread other than this one took (its handler waits
-        # for this thread's next Python line) is seen within a second
-        if select.select([fd], [], [], 1.0)[0]:
-            part = os.read(fd, _CHUNK)
-            if not part:
-                return b"".join(parts)
-            parts.append(part)
+    with selectors.DefaultSelector() as waiting:  # (select.select refuses a descriptor >= 1024)
+        waiting.register(fd, selectors.EVENT_READ)
+        while True:
+            # a timeout, so that a signal that a thread other than this one took (its handler
+            # waits for this thread's next Python line) is seen within a second
+            if waiting.select(1.0):
+                part = os.read(fd, _CHUNK)
+                if not part:
+                    return b"".join(parts)
+                parts.append(part)
 
 
 def _unpack(answer: bytes, status: int) -> bytes:
@@ -182,7 +184,10 @@ def _unpack(answer: bytes, status: int) -> bytes:
     what = "the SentencePiece training process"
     if not answer:
         if status < 0:
-            name = signal.Signals(-status).name
+            try:
+                name = signal.Signals(-status).name
+            except ValueError:  # one without a name (a real-time signal)
+                name = f"signal {-status}"
             hint = (": out of memory? lower data.tokenizer.input_sentence_size"
                     if -status == signal.SIGKILL else "")
             raise TrainingProcessFailed(f"{what} was killed by {name}{hint}")

@@ -354,3 +354,21 @@ def test_a_sigterm_to_torchrun_while_rank_0_trains_the_tokenizer_ends_every_rank
     assert "by peer" not in said and f"{REPO / 'mt'}{os.sep}" not in said, said[-3000:]
     assert not alive(child), "the training process outlived the run"
     assert not (run_dir / "tokenizer" / "tokenizer.json").exists()
+
+
+@posix_only
+def test_training_works_with_a_thousand_files_open():
+    """A long-lived caller may hold over a thousand descriptors (memory-mapped Arrow files):
+    the child's pipe then has a number past select.select's limit (1024), which refused it."""
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("a limit of open files below 1200")
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        assert spmtrain.train_model(0, SRC, **OPTIONS) == spmtrain.train_here(0, SRC, OPTIONS)
+    finally:
+        for fd in held:
+            os.close(fd)
