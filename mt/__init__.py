@@ -22,9 +22,10 @@ vocabulary shortlists that restrict each line's output layer, ``mbr`` minimum Ba
 ``scoring`` the teacher-forced scores and attention of given translations, ``alignment`` word
 alignments and word scores; ``export`` / ``import_hf`` (CLIs in ``interop``) move models to and
 from Hugging Face Marian and CTranslate2; ``demo`` generates the default corpus.
-``entry`` holds the console scripts (an interrupt while torch loads is one line); ``spm_spec``
-reads a tokenizer's settings from its models; ``startup`` sets a training run up and
-``stopping`` says when its budget ends it.
+``entry`` holds the console scripts (an interrupt while torch loads is one line); ``spmtrain``
+trains SentencePiece in a child process a stop signal can end, ``spm_spec`` reads a tokenizer's
+settings from its models; ``startup`` sets a training run up and ``stopping`` says when its
+budget ends it.
 """
 
 import argparse

@@ -22,13 +22,11 @@ import dataclasses
 import functools
 import gc
 import hashlib
-import io
 import itertools
 import json
 import logging
 import os
 import random
-import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -37,7 +35,6 @@ import sentencepiece as spm
 
 from mt.config import (
     BOS_ID,
-    BYTE_PIECES,
     EOS_ID,
     PAD_ID,
     UNK_ID,
@@ -45,6 +42,7 @@ from mt.config import (
     is_user_symbol,
 )
 from mt.config_checks import check_tokenizer
+from mt.spmtrain import train_one
 from mt.textio import first_line, json_object, replace_file
 
 log = logging.getLogger(__name__)
@@ -219,56 +217,6 @@ def _sample(texts: Iterable[str], size: int, seed: int) -> list[str]:
     return reservoir
 
 
-def _train_one(sentences: list[str], cfg: TokenizerConfig, seed: int,
-               user_symbols: Sequence[str] = (), side: str = "") -> bytes:
-    """A SentencePiece model of ``sentences``; ``side`` ("source ", "target " for separate
-    vocabularies) names the text whose vocabulary is too small in the error."""
-    if not sentences:  # which side, and where from: a blank target file named neither
-        raise ValueError(f"no non-empty {side}sentence to train SentencePiece on in the sample of "
-                         "data.train (up to data.tokenizer.input_sentence_size="
-                         f"{cfg.input_sentence_size} sentences): is that side of the corpus blank?")
-    # With the '▁' that SentencePiece puts before every word, a symbol at a sentence's start (where
-    # data.tag goes) is one piece, and the first. The sample may hold tagged sources: a user
-    # symbol is cut out of the text before pieces are learned, so it bends no other piece.
-    symbols = ({"user_defined_symbols": ["\u2581" + u for u in dict.fromkeys(user_symbols)]}
-               if user_symbols else {})  # (a symbol given twice is one: SentencePiece refused it)
-    model = io.BytesIO()
-    spm.set_random_generator_seed(seed)  # SentencePiece's own sampling, for reproducible models
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences),
-            model_writer=model,
-            model_type=cfg.model_type,
-            vocab_size=cfg.vocab_size,
-            character_coverage=cfg.character_coverage,
-            byte_fallback=cfg.byte_fallback,  # 256 pieces <0x00>..<0xFF> in the vocabulary
-            normalization_rule_name=cfg.normalization,
-            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-            # A vocabulary on a small corpus may be larger than the text supports; shrink instead
-            # of failing (SentencePiece picks the largest size it can; valid for unigram and bpe).
-            hard_vocab_limit=False,
-            input_sentence_size=0,  # all of them: we sampled already
-            # Every sampled line, however long: past max_sentence_length (4,192 bytes by
-            # default) SentencePiece skips a line without a word, and characters found only in
-            # long lines (a document-level corpus) got no piece.
-            max_sentence_length=max(4192, 1 + max(len(s.encode("utf-8")) for s in sentences)),
-            num_threads=os.cpu_count() or 1,
-            minloglevel=2,
-            **symbols,
-        )
-    except RuntimeError as err:  # "Vocabulary size is smaller than required_chars. 300 vs 304."
-        need = re.search(r"required_chars\. \d+ vs (\d+)", str(err))
-        if not need:
-            raise
-        parts = "its characters, 4 special ids" + (", user symbols" if user_symbols else "")
-        if cfg.byte_fallback:
-            parts += f", {BYTE_PIECES} byte pieces: or set data.tokenizer.byte_fallback=false"
-        raise ValueError(f"data.tokenizer.vocab_size={cfg.vocab_size}: the {side}text needs at "
-                         f"least {need[1]} pieces; raise it or lower "
-                         f"data.tokenizer.character_coverage ({parts})") from None
-    return model.getvalue()
-
-
 def train_tokenizer(
     src_texts: Iterable[str], tgt_texts: Iterable[str], cfg: TokenizerConfig, seed: int = 0
 ) -> Tokenizer:
@@ -295,12 +243,12 @@ def train_tokenizer(
         else:
             sentences = _sample(itertools.chain(src_texts, tgt_texts), cfg.input_sentence_size,
                                 seed)
-        tok = Tokenizer(_train_one(sentences, cfg, seed, cfg.user_symbols))
+        tok = Tokenizer(train_one(sentences, cfg, seed, cfg.user_symbols))
     else:
         tok = Tokenizer(  # user symbols mark sources: the target vocabulary has no use for them
-            _train_one(_sample(src_texts, cfg.input_sentence_size, seed), cfg, seed,
+            train_one(_sample(src_texts, cfg.input_sentence_size, seed), cfg, seed,
                        cfg.user_symbols, side="source "),
-            _train_one(_sample(tgt_texts, cfg.input_sentence_size, seed), cfg, seed,
+            train_one(_sample(tgt_texts, cfg.input_sentence_size, seed), cfg, seed,
                        side="target "),
         )
     sizes = {tok.src_vocab_size, tok.tgt_vocab_size}
@@ -314,8 +262,9 @@ def train_tokenizer(
 def _release_memory() -> None:
     """Hands freed heap back to the OS.
 
-    glibc keeps what SentencePiece training freed (about 1 GB for 2M sentences); the encoding
-    workers forked next would each inherit it and look that much larger.
+    glibc keeps what the sampled sentences held (SentencePiece's own heap, about 1 GB for 2M
+    sentences, goes with its process: ``mt.spmtrain``); the encoding workers forked next would
+    each inherit it and look that much larger.
     """
     gc.collect()
     try:
