@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mt.config import BEST_METRICS, REGULARIZATION_KEYS, model_config_from_dict
+from mt.config import BEST_METRICS, model_config_from_dict
 from mt.model import Transformer, build_model
 from mt.textio import first_line
 from mt.tokenizer import Tokenizer
@@ -217,7 +217,7 @@ def require(ckpt: dict, keys: tuple[str, ...] = ("model_config", "model", "token
                          f"{' or '.join(repr(k) for k in missing)})")
 
 
-def _first_reason(err: Exception) -> str:
+def first_reason(err: Exception) -> str:
     """The line of a (torch) error message that says what is wrong: load_state_dict's first line
     is only a heading ("Error(s) in loading state_dict for Transformer:")."""
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
@@ -242,12 +242,12 @@ def load_model(path: str | os.PathLike,
         cfg = model_config_from_dict(ckpt["model_config"])
         model = build_model(cfg)
     except (ValueError, TypeError) as err:
-        raise ValueError(f"{file}: its model config cannot be built ({_first_reason(err)})"
+        raise ValueError(f"{file}: its model config cannot be built ({first_reason(err)})"
                          ) from None
     try:
         tokenizer = Tokenizer.from_state(ckpt["tokenizer"])
     except (RuntimeError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{file}: its tokenizer cannot be read ({_first_reason(err)})") from None
+        raise ValueError(f"{file}: its tokenizer cannot be read ({first_reason(err)})") from None
     pieces = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     if pieces != (cfg.src_vocab_size, cfg.tgt_vocab_size):
         raise ValueError(f"{file}: its tokenizer has {pieces[0]}/{pieces[1]} source/target "
@@ -257,13 +257,13 @@ def load_model(path: str | os.PathLike,
         model.load_state_dict(ckpt.pop("model"))
     except RuntimeError as err:
         raise ValueError(f"{file}: its weights do not fit its model config "
-                         f"({_first_reason(err)})") from None
-    _refuse_not_finite(model, file)
+                         f"({first_reason(err)})") from None
+    refuse_not_finite(model, file)
     model.to(device).eval()
     return model, tokenizer, ckpt
 
 
-def _refuse_not_finite(model: torch.nn.Module | dict[str, torch.Tensor], file) -> None:
+def refuse_not_finite(model: torch.nn.Module | dict[str, torch.Tensor], file) -> None:
     """ValueError naming the file for weights that hold NaN or infinite values (a diverged run's
     or a damaged copy): every score of such a model is NaN, and beam search then finishes no
     hypothesis, greedy search picks tokens at random and sampling fails inside torch. ``model``
@@ -312,18 +312,6 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return copies[key]
 
     return {k: copy(v) for k, v in model.state_dict().items()}
-
-
-def tied_names(model_config: dict) -> list[list[str]]:
-    """The state dict names that are one weight in a model of ``model_config`` (its tied
-    embeddings), each group of more than one name; read off the model built on the meta
-    device, which allocates nothing."""
-    with torch.device("meta"):
-        model = build_model(model_config_from_dict(model_config))
-    groups: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(tensor), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
 
 
 def model_state(model: torch.nn.Module, tokenizer: Tokenizer, config: dict | None) -> dict:
@@ -405,94 +393,3 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
         digest.update(f"{name}:{w.dtype}:{tuple(w.shape)};".encode())
         digest.update(w.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
-
-
-# Model config keys that may differ between checkpoints that are averaged: the dropouts (training
-# choices) and the informational name; every other key changes what a weight means.
-_NOT_SHAPE = (*REGULARIZATION_KEYS, "name")
-
-
-def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
-    """Averages the weights of several checkpoints of one model (Vaswani et al. average the last 5).
-
-    The checkpoints must have the same shape and the same tokenizer: an embedding row means a
-    piece of one vocabulary, and averaging rows of different vocabularies gives a model that looks
-    fine and translates nonsense. Dropouts (and the informational ``name``) may differ: a
-    fine-tuning run may change them, and they do not change what a weight means.
-
-    One checkpoint must not weigh twice, unsaid: the same file twice, an average beside one it
-    was made of (by the weights' digests it keeps), or, with ``refuse_copies``, two files with
-    the same weights (``best.pt`` is a copy of a step file: ``mt-average checkpoints/*.pt``).
-    A run's own average at its end passes False: its step files may hold the same weights
-    (``optim.lr=0``) and are its own all the same.
-
-    Returns:
-        an inference checkpoint (the first one's config, dropouts included, and tokenizer;
-        averaged weights, each of the widest type it has in the files (float32 beside a
-        bfloat16 copy); where they came from, and their digests).
-    """
-    if not paths:
-        raise ValueError("no checkpoints to average")
-    seen: dict[tuple[int, int], str | os.PathLike] = {}
-    for p in paths:  # the same file twice would weigh it double, without a word
-        info = resolve(p).stat()
-        if (info.st_dev, info.st_ino) in seen:
-            raise ValueError(f"{p}: given twice (as {seen[info.st_dev, info.st_ino]} too); "
-                             "each checkpoint is averaged once")
-        seen[info.st_dev, info.st_ino] = p
-    base = load(paths[0])
-    require(base)
-    _refuse_not_finite(base["model"], paths[0])
-    digests = [weights_digest(base["model"])]
-    made_of = {paths[0]: base.get("averaged_digests") or []}
-    total = {k: v.double() for k, v in base["model"].items()}
-    # the widest of the files' types: a bfloat16 copy named first rounded the others to it
-    dtypes = {k: v.dtype for k, v in base["model"].items()}
-    for p in paths[1:]:
-        ckpt = load(p)
-        require(ckpt)
-        _refuse_not_finite(ckpt["model"], p)
-        digest = weights_digest(ckpt["model"])
-        if refuse_copies and digest in digests:
-            raise ValueError(f"{p}: the same weights as {paths[digests.index(digest)]}; each "
-                             "checkpoint is averaged once")
-        digests.append(digest)
-        made_of[p] = ckpt.get("averaged_digests") or []
-        a, b = base["model_config"], ckpt["model_config"]
-        differ = [f"{k}={b.get(k)!r}, not {a.get(k)!r}" for k in sorted(a.keys() | b.keys())
-                  if k not in _NOT_SHAPE and a.get(k) != b.get(k)]
-        if differ:
-            raise ValueError(f"{p}: a different model config from {paths[0]} "
-                             f"({'; '.join(differ)}); cannot average")
-        if ckpt["tokenizer"] != base["tokenizer"]:
-            raise ValueError(f"{p}: a different tokenizer from {paths[0]} (its embedding rows "
-                             "stand for other pieces); cannot average")
-        weights = ckpt["model"]
-        odd = sorted(total.keys() ^ weights.keys()) or [
-            k for k in total if total[k].shape != weights[k].shape]
-        if odd:
-            raise ValueError(f"{p}: its weights differ from {paths[0]}'s at {odd[0]!r} (present "
-                             "in one only, or of another shape); cannot average")
-        for k, v in weights.items():
-            total[k] += v.double()
-            dtypes[k] = torch.promote_types(dtypes[k], v.dtype)
-    for p, sources in made_of.items():
-        if inside := [str(q) for q, d in zip(paths, digests, strict=True)
-                      if d in sources and q is not p]:
-            raise ValueError(f"{p}: an average of {', '.join(inside)} among others, which are "
-                             "averaged too: they would weigh twice; name the step checkpoints "
-                             "alone")
-    avg = {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}
-    try:
-        tied = tied_names(base["model_config"])
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"{paths[0]}: its model config cannot be built "
-                         f"({_first_reason(err)})") from None
-    for names in tied:  # one tensor, as the run saved it
-        for name in names[1:]:
-            avg[name] = avg[names[0]]
-    out = {k: base.get(k) for k in ("format", "model_config", "tokenizer", "config")}
-    out["model"] = avg
-    out["averaged_from"] = [str(resolve(p).absolute()) for p in paths]
-    out["averaged_digests"] = digests
-    return out

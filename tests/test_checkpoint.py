@@ -12,6 +12,7 @@ import torch
 from conftest import PYTHON, REPO
 
 from mt import checkpoint
+from mt.average import average
 from mt.config import ModelConfig
 from mt.model import build_model
 from mt.tokenizer import Tokenizer
@@ -105,7 +106,7 @@ def test_average_is_the_mean_of_the_weights(tmp_path, tokenizer):
     for seed in range(3):
         paths.append(tmp_path / f"step_{seed + 1}.pt")
         checkpoint.save_atomic(checkpoint.model_state(tiny_model(seed), tokenizer, None), paths[-1])
-    avg = checkpoint.average(paths)
+    avg = average(paths)
     states = [torch.load(p, weights_only=True)["model"] for p in paths]
     for name, value in avg["model"].items():
         torch.testing.assert_close(value, sum(s[name] for s in states) / 3)
@@ -123,7 +124,7 @@ def test_a_tied_model_is_stored_once_and_its_average_too(tmp_path, tokenizer):
     untied.output_proj.weight = torch.nn.Parameter(untied.output_proj.weight.detach().clone())
     untied.tgt_embed = torch.nn.Embedding(200, 16)
     checkpoint.save_atomic(checkpoint.model_state(untied, tokenizer, None), tmp_path / "three.pt")
-    checkpoint.save_atomic(checkpoint.average(paths), tmp_path / "avg.pt")
+    checkpoint.save_atomic(average(paths), tmp_path / "avg.pt")
     one, three = paths[0].stat().st_size, (tmp_path / "three.pt").stat().st_size
     embedding = 200 * 16 * 4
     assert three - one > 1.9 * embedding  # the untied copies: what the tie saves
@@ -149,9 +150,9 @@ def test_an_average_keeps_the_widest_type_whatever_file_comes_first(tmp_path, to
     state = checkpoint.model_state(tiny_model(1), tokenizer, None)
     state["model"] = {k: v.to(torch.bfloat16) for k, v in state["model"].items()}
     checkpoint.save_atomic(state, half)
-    expected = checkpoint.average([full, half])["model"]
+    expected = average([full, half])["model"]
     assert {v.dtype for v in expected.values()} == {torch.float32}
-    for name, value in checkpoint.average([half, full])["model"].items():
+    for name, value in average([half, full])["model"].items():
         assert torch.equal(value, expected[name]), name
 
 
@@ -165,26 +166,26 @@ def test_average_refuses_the_same_weights_twice_and_an_average_beside_its_source
         checkpoint.save_atomic(checkpoint.model_state(tiny_model(seed), tokenizer, None), paths[-1])
     (tmp_path / "best.pt").write_bytes(paths[1].read_bytes())
     with pytest.raises(ValueError, match=r"best\.pt: the same weights as .*step_2\.pt"):
-        checkpoint.average([*paths, tmp_path / "best.pt"])
+        average([*paths, tmp_path / "best.pt"])
     # a run's own step files with the same weights (optim.lr=0): its average at the end stands
-    assert checkpoint.average([paths[1], tmp_path / "best.pt"], refuse_copies=False)
-    checkpoint.save_atomic(checkpoint.average(paths), tmp_path / "averaged.pt")
+    assert average([paths[1], tmp_path / "best.pt"], refuse_copies=False)
+    checkpoint.save_atomic(average(paths), tmp_path / "averaged.pt")
     # by the weights, not by the names it was given: moved, copied, or named from elsewhere
     moved = tmp_path / "moved"
     moved.mkdir()
     (tmp_path / "averaged.pt").rename(moved / "avg.pt")
     (moved / "one.pt").write_bytes(paths[0].read_bytes())
     with pytest.raises(ValueError, match=r"avg\.pt: an average of .*one\.pt among others"):
-        checkpoint.average([moved / "avg.pt", moved / "one.pt"])
+        average([moved / "avg.pt", moved / "one.pt"])
     with pytest.raises(ValueError, match=r"avg\.pt: an average of .*step_1\.pt, .*step_2"):
-        checkpoint.average([*paths, moved / "avg.pt"])
+        average([*paths, moved / "avg.pt"])
     checkpoint.save_atomic(checkpoint.model_state(tiny_model(5), tokenizer, None),
                            tmp_path / "other.pt")
-    mixed = checkpoint.average([moved / "avg.pt", tmp_path / "other.pt"])  # allowed
+    mixed = average([moved / "avg.pt", tmp_path / "other.pt"])  # allowed
     # an average of step files with equal weights (lr 0) is not "made of" itself
-    checkpoint.save_atomic(checkpoint.average([paths[1], tmp_path / "best.pt"],
+    checkpoint.save_atomic(average([paths[1], tmp_path / "best.pt"],
                                               refuse_copies=False), tmp_path / "flat.pt")
-    assert checkpoint.average([tmp_path / "flat.pt", tmp_path / "other.pt"])
+    assert average([tmp_path / "flat.pt", tmp_path / "other.pt"])
     assert mixed["averaged_from"] == [str(moved / "avg.pt"), str(tmp_path / "other.pt")]
 
 
@@ -205,21 +206,21 @@ def test_average_refuses_other_shapes_and_tokenizers_but_not_other_dropouts(
     checkpoint.save_atomic(checkpoint.model_state(tiny_model(1), other_tok, None),
                            tmp_path / "tok.pt")
     with pytest.raises(ValueError, match=r"tok.pt: a different tokenizer from .*a.pt") as err:
-        checkpoint.average([first, tmp_path / "tok.pt"])
+        average([first, tmp_path / "tok.pt"])
     assert "\n" not in str(err.value)
 
     wider = tiny_model(1)
     wider.cfg.heads, wider.cfg.dropout = 4, 0.3
     checkpoint.save_atomic(checkpoint.model_state(wider, tokenizer, None), tmp_path / "heads.pt")
     with pytest.raises(ValueError, match=r"heads.pt: .*a.pt \(heads=4, not 2\); cannot") as err:
-        checkpoint.average([first, tmp_path / "heads.pt"])
+        average([first, tmp_path / "heads.pt"])
     assert "dropout" not in str(err.value)
 
     # fine-tuned with other dropouts: the same weights' meaning, so averaged; the first's kept
     tuned = tiny_model(2)
     tuned.cfg.dropout, tuned.cfg.attention_dropout, tuned.cfg.activation_dropout = 0.3, 0.1, 0.2
     checkpoint.save_atomic(checkpoint.model_state(tuned, tokenizer, None), tmp_path / "drop.pt")
-    avg = checkpoint.average([first, tmp_path / "drop.pt"])
+    avg = average([first, tmp_path / "drop.pt"])
     assert avg["model_config"] == vars(tiny_model(0).cfg)
     name = next(iter(avg["model"]))
     torch.testing.assert_close(avg["model"][name], (tiny_model(0).state_dict()[name]
@@ -238,7 +239,7 @@ def test_average_refuses_a_checkpoint_with_weights_that_are_not_finite(tmp_path,
     for paths in ([good, tmp_path / "nan.pt"], [tmp_path / "nan.pt", good]):
         with pytest.raises(ValueError, match=r"nan\.pt: its weights hold 1 values that are not "
                                              f"finite .*first in '{re.escape(name)}'"):
-            checkpoint.average(paths)
+            average(paths)
 
 
 def test_average_refuses_weights_that_differ_from_the_firsts(tmp_path, tokenizer):
@@ -253,15 +254,15 @@ def test_average_refuses_weights_that_differ_from_the_firsts(tmp_path, tokenizer
     for paths in ([full, tmp_path / "odd.pt"], [tmp_path / "odd.pt", full]):
         with pytest.raises(ValueError, match=r"\.pt: its weights differ from .*\.pt's at '"
                                              f"{re.escape(name)}(_extra)?' .*cannot average"):
-            checkpoint.average(paths)
+            average(paths)
     state = checkpoint.model_state(tiny_model(1), tokenizer, None)
     state["model"][name] = state["model"][name][:1]
     checkpoint.save_atomic(state, tmp_path / "short.pt")
     with pytest.raises(ValueError, match=f"short.pt: .* at '{re.escape(name)}' .*another shape"):
-        checkpoint.average([full, tmp_path / "short.pt"])
+        average([full, tmp_path / "short.pt"])
     (tmp_path / "link.pt").symlink_to(full)
     with pytest.raises(ValueError, match="link.pt: given twice \\(as .*full.pt too\\)"):
-        checkpoint.average([full, tmp_path / "short.pt", tmp_path / "link.pt"])
+        average([full, tmp_path / "short.pt", tmp_path / "link.pt"])
 
 
 def test_a_checkpoint_whose_parts_do_not_belong_together_is_one_line(tmp_path, tokenizer,
@@ -308,7 +309,7 @@ def test_a_checkpoint_whose_parts_do_not_belong_together_is_one_line(tmp_path, t
             checkpoint.load_model(path)
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="notok.pt: not an mt model checkpoint"):
-        checkpoint.average([tmp_path / "notok.pt"])
+        average([tmp_path / "notok.pt"])
 
 
 def test_best_step_checkpoints_ranks_by_the_recorded_metric():
