@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,7 +46,8 @@ def tied_names(model_config: dict) -> list[list[str]]:
 _NOT_SHAPE = (*REGULARIZATION_KEYS, "name")
 
 
-def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
+def average(paths: list[str | os.PathLike], refuse_copies: bool = True,
+            across_runs: bool = False, warn: Callable[[str], None] | None = None) -> dict:
     """Averages the weights of several checkpoints of one model (Vaswani et al. average the last 5).
 
     The checkpoints must have the same shape and the same tokenizer: an embedding row means a
@@ -58,6 +60,12 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
     the same weights (``best.pt`` is a copy of a step file: ``mt-average checkpoints/*.pt``).
     A run's own average at its end passes False: its step files may hold the same weights
     (``optim.lr=0``) and are its own all the same.
+
+    The checkpoints must come from one training run (the ``run_id`` each run writes into its
+    checkpoints), unless ``across_runs``: two runs of one config save step files alike, and the
+    average of separately trained weights translates nothing (a model soup of fine-tuned runs
+    of one starting model is the exception, asked for by name). Files without a run id (saved
+    before runs had one, or imported) are averaged unchecked; ``warn`` is told which.
 
     Returns:
         an inference checkpoint (the first one's config, dropouts included, and tokenizer;
@@ -78,6 +86,7 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
     checkpoint.refuse_not_finite(base["model"], paths[0])
     digests = [checkpoint.weights_digest(base["model"])]
     made_of = {paths[0]: base.get("averaged_digests") or []}
+    run_ids = {paths[0]: base.get("run_id")}
     total = {k: v.double() for k, v in base["model"].items()}
     # the widest of the files' types: a bfloat16 copy named first rounded the others to it
     dtypes = {k: v.dtype for k, v in base["model"].items()}
@@ -91,6 +100,7 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
                              "checkpoint is averaged once")
         digests.append(digest)
         made_of[p] = ckpt.get("averaged_digests") or []
+        run_ids[p] = ckpt.get("run_id")
         a, b = base["model_config"], ckpt["model_config"]
         differ = [f"{k}={b.get(k)!r}, not {a.get(k)!r}" for k in sorted(a.keys() | b.keys())
                   if k not in _NOT_SHAPE and a.get(k) != b.get(k)]
@@ -109,6 +119,17 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
         for k, v in weights.items():
             total[k] += v.double()
             dtypes[k] = torch.promote_types(dtypes[k], v.dtype)
+    runs = {p: run for p, run in run_ids.items() if run}
+    if not across_runs and len(set(runs.values())) > 1:
+        first = next(iter(runs))
+        other = next(p for p in runs if runs[p] != runs[first])
+        raise ValueError(f"{other}: from another training run than {first}; their average "
+                         "would be a broken model (give --across-runs for a model soup of runs "
+                         "fine-tuned from one model)")
+    if warn and len(runs) < len(paths) and len(paths) > 1:
+        unknown = [str(p) for p in paths if p not in runs]
+        warn(f"{', '.join(unknown)}: no run id (saved before runs had one, or imported): "
+             "not checked to come from the same training run as the others")
     for p, sources in made_of.items():
         if inside := [str(q) for q, d in zip(paths, digests, strict=True)
                       if d in sources and q is not p]:
@@ -128,6 +149,8 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
     out["model"] = avg
     out["averaged_from"] = [str(checkpoint.resolve(p).absolute()) for p in paths]
     out["averaged_digests"] = digests
+    if len(set(run_ids.values())) == 1 and base.get("run_id"):  # one run's, as its steps
+        out["run_id"] = base["run_id"]
     return out
 
 
@@ -193,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
                        help="the N best step checkpoints (ranked by the scores in last.pt)")
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--force", action="store_true", help="replace -o if it exists")
+    p.add_argument("--across-runs", action="store_true",
+                   help="average checkpoints of different training runs (a model soup of runs "
+                   "fine-tuned from one model); refused without it")
     args = p.parse_args(argv)
     if len(args.inputs) > 1 and (bad := next((x for x in args.inputs if Path(x).is_dir()), None)):
         raise SystemExit(f"mt-average: {bad} is a folder; name checkpoint files, or give one "
@@ -212,7 +238,9 @@ def main(argv: list[str] | None = None) -> None:
         paths = pick(folder, args.last, args.best) if folder else [Path(x) for x in args.inputs]
         _refuse_output(args.output, paths, args.force)  # before the work, not after it
         # --last/--best pick one run's own step files, which may hold equal weights (lr 0)
-        averaged = average(paths, refuse_copies=folder is None)
+        averaged = average(paths, refuse_copies=folder is None, across_runs=args.across_runs,
+                           warn=None if folder else lambda said: print(f"mt-average: {said}",
+                                                                        file=sys.stderr))
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"mt-average: {err}") from None
     try:

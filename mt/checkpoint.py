@@ -6,6 +6,9 @@ A checkpoint is one ``torch.save`` file holding plain data only (it loads with
 - ``model_config``: the ModelConfig as a dict, ``model``: the state dict,
 - ``tokenizer``: the serialized SentencePiece model(s), so a model never meets the wrong vocabulary,
 - ``config``: the whole resolved training config (for the record),
+- ``run_id`` (a training run's checkpoints): a random id made when the run starts and kept
+  across its resumes: two runs of one config and shape save step files alike, and averaging
+  files of different runs gives a broken model (``mt-average`` refuses it),
 - ``trainer`` (training checkpoints only): optimizer, scheduler, step, data position, RNG states
   (``mt.resume.trainer_state`` lists them).
 
@@ -314,16 +317,21 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: copy(v) for k, v in model.state_dict().items()}
 
 
-def model_state(model: torch.nn.Module, tokenizer: Tokenizer, config: dict | None) -> dict:
+def model_state(model: torch.nn.Module, tokenizer: Tokenizer, config: dict | None,
+                run_id: str | None = None) -> dict:
     """The self-contained inference part of a checkpoint (of the bare model: the trainer keeps
-    its DDP or torch.compile wrapper apart, in ``Trainer.net``)."""
-    return {
+    its DDP or torch.compile wrapper apart, in ``Trainer.net``). ``run_id``: the training run
+    that saved it, which ``mt-average`` compares (None: not a run's, an import)."""
+    state = {
         "format": FORMAT,
         "model_config": dict(vars(model.cfg)),
         "model": weights(model),
         "tokenizer": tokenizer.to_state(),
         "config": config,
     }
+    if run_id is not None:
+        state["run_id"] = run_id
+    return state
 
 
 def step_of(path: Path) -> int | None:

@@ -62,6 +62,7 @@ class Run(Protocol):
     # the init_from file the run started from (absolute; as written where an older last.pt's
     # init_from names no file now), or None: no init_from
     started_from: str | None
+    run_id: str  # written into every checkpoint the run saves (mt-average compares them)
 
     def seconds(self) -> float: ...
 
@@ -159,6 +160,9 @@ def restore(trainer: Run, path: Path) -> None:
                          "imported model?), so the run cannot resume from it; move it away "
                          "and give it as init_from=... to start from its weights")
     state = ckpt["trainer"]
+    # the same run: its step files go on averaging with those before (a last.pt saved before
+    # runs had an id keeps the new one, which its older files, having none, do not contradict)
+    trainer.run_id = ckpt.get("run_id") or trainer.run_id
     trainer.started_from = _check_init_from(trainer, state, saved_config, path)
     was, now = state.get("data"), data_identity(trainer.cfg.data)
     if trainer.rank == 0 and was is not None and was != now:  # louder than the settings above

@@ -141,6 +141,34 @@ def test_a_tied_model_is_stored_once_and_its_average_too(tmp_path, tokenizer):
         assert torch.equal(model.src_embed.weight, model.output_proj.weight)
 
 
+def test_average_refuses_checkpoints_of_two_runs_unless_asked(tmp_path, tokenizer, capsys):
+    """Two runs of one config save step_N.pt files alike: mt-average of one's and the other's
+    wrote a broken model without a word. Their run ids tell them apart; --across-runs (a model
+    soup) averages them all the same; files saved before runs had an id are averaged as before,
+    with a warning."""
+    from mt.average import main
+
+    paths = {}
+    for name, seed, run in (("a1", 0, "A"), ("a2", 1, "A"), ("b1", 2, "B"), ("old", 3, None)):
+        paths[name] = tmp_path / f"{name}.pt"
+        checkpoint.save_atomic(checkpoint.model_state(tiny_model(seed), tokenizer, None, run),
+                               paths[name])
+    assert average([paths["a1"], paths["a2"]])["run_id"] == "A"  # one run's, as its steps
+    with pytest.raises(ValueError, match=r"b1\.pt: from another training run than .*a1\.pt;"):
+        average([paths["a1"], paths["a2"], paths["b1"]])
+    assert "run_id" not in average([paths["a1"], paths["b1"]], across_runs=True)
+    said = []
+    assert "run_id" not in average([paths["a1"], paths["old"]], warn=said.append)
+    assert len(said) == 1 and "old.pt: no run id" in said[0]
+    with pytest.raises(SystemExit, match=r"^mt-average: .*b1\.pt: from another training run "
+                                         r"than .*a1\.pt; .*--across-runs"):
+        main([str(paths["a1"]), str(paths["b1"]), "-o", str(tmp_path / "soup.pt")])
+    main([str(paths["a1"]), str(paths["b1"]), str(paths["old"]), "-o", str(tmp_path / "soup.pt"),
+          "--across-runs"])
+    assert "old.pt: no run id" in capsys.readouterr().err
+    assert len(checkpoint.load(tmp_path / "soup.pt")["averaged_from"]) == 3
+
+
 def test_an_average_keeps_the_widest_type_whatever_file_comes_first(tmp_path, tokenizer):
     """A checkpoint cast to bfloat16 (to store it smaller) named first made the whole average
     bfloat16: the float32 files' weights rounded to 8 bits of mantissa, and the order of the

@@ -1442,6 +1442,29 @@ def test_a_ctrl_c_inside_a_checkpoint_write_still_says_how_to_resume(tmp_path, c
     assert not list((run_dir / "checkpoints").glob(".*.tmp"))
 
 
+def test_every_checkpoint_of_a_run_carries_its_id_across_resumes(tmp_path, fit_here):
+    """Step files carried no run identity: mt-average of two runs' step files, of one config,
+    wrote a broken model without a word. A run's id is made at its start, kept in last.pt, and
+    written into every checkpoint it saves, before and after a resume; another run has its own."""
+    from mt.average import average
+
+    common = ["trainer.validate_every=1", "trainer.keep_last=9", "trainer.test_at_end=false",
+              "trainer.average_last=0"]
+    fit_here("one", *common, "trainer.max_steps=2")
+    fit_here("one", *common, "trainer.max_steps=4")  # resumed
+    fit_here("two", *common, "trainer.max_steps=2", "trainer.seed=2")
+
+    def ids(run: str) -> set[str]:
+        return {torch.load(p, weights_only=True)["run_id"]
+                for p in (tmp_path / run / "checkpoints").glob("*.pt")}
+
+    assert len(ids("one")) == 1 and len(ids("two")) == 1 and ids("one") != ids("two")
+    one = tmp_path / "one" / "checkpoints"
+    assert average([one / "step_1.pt", one / "step_4.pt"])  # one run, resumed between them
+    with pytest.raises(ValueError, match="from another training run"):
+        average([one / "step_2.pt", tmp_path / "two" / "checkpoints" / "step_2.pt"])
+
+
 def test_a_resumed_run_logs_each_step_once_with_the_losses_of_a_run_never_stopped(
         tmp_path, fit_here):
     """A kill between two saves leaves log lines of steps the checkpoint does not hold (and may
