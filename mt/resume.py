@@ -62,6 +62,7 @@ class Run(Protocol):
     # the init_from file the run started from (absolute; as written where an older last.pt's
     # init_from names no file now), or None: no init_from
     started_from: str | None
+    started_digest: str | None  # its weights' digest (checkpoint.weights_digest); None: unknown
     run_id: str  # written into every checkpoint the run saves (mt-average compares them)
 
     def seconds(self) -> float: ...
@@ -97,6 +98,7 @@ def trainer_state(trainer: Run, rng: list[dict]) -> dict:
         "world_size": trainer.world,
         "window": trainer.window.state(),
         "started_from": trainer.started_from,
+        "started_digest": trainer.started_digest,
     }
 
 
@@ -163,6 +165,7 @@ def restore(trainer: Run, path: Path) -> None:
     # the same run: its step files go on averaging with those before (a last.pt saved before
     # runs had an id keeps the new one, which its older files, having none, do not contradict)
     trainer.run_id = ckpt.get("run_id") or trainer.run_id
+    trainer.started_digest = state.get("started_digest")
     trainer.started_from = _check_init_from(trainer, state, saved_config, path)
     was, now = state.get("data"), data_identity(trainer.cfg.data)
     if trainer.rank == 0 and was is not None and was != now:  # louder than the settings above
@@ -277,11 +280,24 @@ def _check_init_from(trainer: Run, state: dict, saved_config: dict, path: Path) 
     # the run's own model, deleted or moved since; or as an older last.pt named it, kept as written
     if (found is None and asked == saved_init) or asked == started:
         return started
-    if found is None or str(found.resolve()) != started:
+    if found is None or (str(found.resolve()) != started
+                         and not _same_weights(found, state.get("started_digest"))):
         log.warning("init_from=%s is not used: %s resumes the run of %s, which started from %s; "
                     "to start from %s, give the run another directory (hydra.run.dir)", asked,
                     path.parent.parent, path, started or "no model (no init_from)", asked)
     return started
+
+
+def _same_weights(found: Path, digest: str | None) -> bool:
+    """Whether the checkpoint ``found`` holds the weights of ``digest`` (the run's starting
+    model, moved or copied under another name since); False where either is unknown."""
+    if digest is None:  # a last.pt saved before runs kept it: the paths decide
+        return False
+    try:
+        ckpt = checkpoint.load(found, mmap=True)
+    except (OSError, ValueError):  # not a checkpoint: another model, as far as one can tell
+        return False
+    return "model" in ckpt and checkpoint.weights_digest(ckpt["model"]) == digest
 
 
 def resume_override(run_dir: Path) -> str:

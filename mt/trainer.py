@@ -74,6 +74,9 @@ class Trainer:
                              "start in another run directory")
         start, origin = self._start(last if resuming else None)
         self.started_from = None if resuming or not start else str(Path(start["path"]).resolve())
+        # its weights too: the same model moved or copied under another name is no other model
+        self.started_digest = (checkpoint.weights_digest(start["model"])
+                               if self.started_from and self.rank == 0 else None)
         if not resuming and self.rank == 0:
             resume.set_aside(run_dir)
         self.corpus = self._corpus(start, origin)
