@@ -933,21 +933,21 @@ def test_a_signal_while_worker_processes_encode_the_corpus_is_one_line(tmp_path,
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
 def test_a_child_forked_under_the_sigterm_handler_dies_of_sigterm_even_before_its_reset():
-    """The reset in a forked child (mt.textio._forked) runs after threading's own after-fork
+    """The reset in a forked child (mt.interrupts._forked) runs after threading's own after-fork
     hook: a SIGTERM to the whole group (a scheduler's) could reach a child just forked before
     it, and the parent's handler raised there into the "exception ignored" of that hook, so the
     child lived on. The handler itself now lets a child die of it, as by default."""
-    from mt import textio
+    from mt import interrupts
 
-    with textio.terminate_as_interrupt():
+    with interrupts.terminate_as_interrupt():
         pid = os.fork()
         if pid == 0:  # the child: what it was set to, then the handler run as the signal would
             if not (signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
                     and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
                 os._exit(4)
-            signal.signal(signal.SIGTERM, textio._raise_terminated)
+            signal.signal(signal.SIGTERM, interrupts._raise_terminated)
             try:
-                textio._raise_terminated(signal.SIGTERM, None)
+                interrupts._raise_terminated(signal.SIGTERM, None)
             finally:
                 os._exit(3)
         _, status = os.waitpid(pid, 0)
