@@ -16,7 +16,8 @@ schedule and the training precision; ``divergence`` catches a run that blows up.
 ``kvcache`` is the decoder's cache and the attention that reads it; ``incremental`` steps one
 model or an ensemble a token at a time for every search; ``workers`` searches batches on several
 cores; ``options`` holds the search flags ``translate`` and ``mt-eval`` share; ``textio`` reads
-and writes line-parallel text files.
+and writes line-parallel text files; ``interrupts`` makes SIGTERM and SIGHUP end a command as
+Ctrl-C does.
 ``constraints`` is the lexically constrained search, ``shortlist`` (``mt-shortlist``) the
 vocabulary shortlists that restrict each line's output layer, ``mbr`` minimum Bayes risk decoding,
 ``scoring`` the teacher-forced scores and attention of given translations, ``alignment`` word

@@ -16,12 +16,142 @@ which has no scripts/ folder.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from mt import add_version_flag, checkpoint, described
-from mt.config import BEST_METRICS, positive_int
+from mt.config import BEST_METRICS, REGULARIZATION_KEYS, model_config_from_dict, positive_int
+from mt.model import build_model
 from mt.textio import output_mistake
+
+
+def tied_names(model_config: dict) -> list[list[str]]:
+    """The state dict names that are one weight in a model of ``model_config`` (its tied
+    embeddings), each group of more than one name; read off the model built on the meta
+    device, which allocates nothing."""
+    with torch.device("meta"):
+        model = build_model(model_config_from_dict(model_config))
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+# Model config keys that may differ between checkpoints that are averaged: the dropouts (training
+# choices) and the informational name; every other key changes what a weight means.
+_NOT_SHAPE = (*REGULARIZATION_KEYS, "name")
+
+
+def average(paths: list[str | os.PathLike], refuse_copies: bool = True,
+            across_runs: bool = False, warn: Callable[[str], None] | None = None) -> dict:
+    """Averages the weights of several checkpoints of one model (Vaswani et al. average the last 5).
+
+    The checkpoints must have the same shape and the same tokenizer: an embedding row means a
+    piece of one vocabulary, and averaging rows of different vocabularies gives a model that looks
+    fine and translates nonsense. Dropouts (and the informational ``name``) may differ: a
+    fine-tuning run may change them, and they do not change what a weight means.
+
+    One checkpoint must not weigh twice, unsaid: the same file twice, an average beside one it
+    was made of (by the weights' digests it keeps), or, with ``refuse_copies``, two files with
+    the same weights (``best.pt`` is a copy of a step file: ``mt-average checkpoints/*.pt``).
+    A run's own average at its end passes False: its step files may hold the same weights
+    (``optim.lr=0``) and are its own all the same.
+
+    The checkpoints must come from one training run (the ``run_id`` each run writes into its
+    checkpoints), unless ``across_runs``: two runs of one config save step files alike, and the
+    average of separately trained weights translates nothing (a model soup of fine-tuned runs
+    of one starting model is the exception, asked for by name). Files without a run id (saved
+    before runs had one, or imported) are averaged unchecked; ``warn`` is told which.
+
+    Returns:
+        an inference checkpoint (the first one's config, dropouts included, and tokenizer;
+        averaged weights, each of the widest type it has in the files (float32 beside a
+        bfloat16 copy); where they came from, and their digests).
+    """
+    if not paths:
+        raise ValueError("no checkpoints to average")
+    seen: dict[tuple[int, int], str | os.PathLike] = {}
+    for p in paths:  # the same file twice would weigh it double, without a word
+        info = checkpoint.resolve(p).stat()
+        if (info.st_dev, info.st_ino) in seen:
+            raise ValueError(f"{p}: given twice (as {seen[info.st_dev, info.st_ino]} too); "
+                             "each checkpoint is averaged once")
+        seen[info.st_dev, info.st_ino] = p
+    base = checkpoint.load(paths[0])
+    checkpoint.require(base)
+    checkpoint.refuse_not_finite(base["model"], paths[0])
+    digests = [checkpoint.weights_digest(base["model"])]
+    made_of = {paths[0]: base.get("averaged_digests") or []}
+    run_ids = {paths[0]: base.get("run_id")}
+    total = {k: v.double() for k, v in base["model"].items()}
+    # the widest of the files' types: a bfloat16 copy named first rounded the others to it
+    dtypes = {k: v.dtype for k, v in base["model"].items()}
+    for p in paths[1:]:
+        ckpt = checkpoint.load(p)
+        checkpoint.require(ckpt)
+        checkpoint.refuse_not_finite(ckpt["model"], p)
+        digest = checkpoint.weights_digest(ckpt["model"])
+        if refuse_copies and digest in digests:
+            raise ValueError(f"{p}: the same weights as {paths[digests.index(digest)]}; each "
+                             "checkpoint is averaged once")
+        digests.append(digest)
+        made_of[p] = ckpt.get("averaged_digests") or []
+        run_ids[p] = ckpt.get("run_id")
+        a, b = base["model_config"], ckpt["model_config"]
+        differ = [f"{k}={b.get(k)!r}, not {a.get(k)!r}" for k in sorted(a.keys() | b.keys())
+                  if k not in _NOT_SHAPE and a.get(k) != b.get(k)]
+        if differ:
+            raise ValueError(f"{p}: a different model config from {paths[0]} "
+                             f"({'; '.join(differ)}); cannot average")
+        if ckpt["tokenizer"] != base["tokenizer"]:
+            raise ValueError(f"{p}: a different tokenizer from {paths[0]} (its embedding rows "
+                             "stand for other pieces); cannot average")
+        weights = ckpt["model"]
+        odd = sorted(total.keys() ^ weights.keys()) or [
+            k for k in total if total[k].shape != weights[k].shape]
+        if odd:
+            raise ValueError(f"{p}: its weights differ from {paths[0]}'s at {odd[0]!r} (present "
+                             "in one only, or of another shape); cannot average")
+        for k, v in weights.items():
+            total[k] += v.double()
+            dtypes[k] = torch.promote_types(dtypes[k], v.dtype)
+    runs = {p: run for p, run in run_ids.items() if run}
+    if not across_runs and len(set(runs.values())) > 1:
+        first = next(iter(runs))
+        other = next(p for p in runs if runs[p] != runs[first])
+        raise ValueError(f"{other}: from another training run than {first}; their average "
+                         "would be a broken model (give --across-runs for a model soup of runs "
+                         "fine-tuned from one model)")
+    if warn and len(runs) < len(paths) and len(paths) > 1:
+        unknown = [str(p) for p in paths if p not in runs]
+        warn(f"{', '.join(unknown)}: no run id (saved before runs had one, or imported): "
+             "not checked to come from the same training run as the others")
+    for p, sources in made_of.items():
+        if inside := [str(q) for q, d in zip(paths, digests, strict=True)
+                      if d in sources and q is not p]:
+            raise ValueError(f"{p}: an average of {', '.join(inside)} among others, which are "
+                             "averaged too: they would weigh twice; name the step checkpoints "
+                             "alone")
+    avg = {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}
+    try:
+        tied = tied_names(base["model_config"])
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{paths[0]}: its model config cannot be built "
+                         f"({checkpoint.first_reason(err)})") from None
+    for names in tied:  # one tensor, as the run saved it
+        for name in names[1:]:
+            avg[name] = avg[names[0]]
+    out = {k: base.get(k) for k in ("format", "model_config", "tokenizer", "config")}
+    out["model"] = avg
+    out["averaged_from"] = [str(checkpoint.resolve(p).absolute()) for p in paths]
+    out["averaged_digests"] = digests
+    if len(set(run_ids.values())) == 1 and base.get("run_id"):  # one run's, as its steps
+        out["run_id"] = base["run_id"]
+    return out
 
 
 def pick(folder: Path, last: int | None, best: int | None) -> list[Path]:
@@ -86,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
                        help="the N best step checkpoints (ranked by the scores in last.pt)")
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--force", action="store_true", help="replace -o if it exists")
+    p.add_argument("--across-runs", action="store_true",
+                   help="average checkpoints of different training runs (a model soup of runs "
+                   "fine-tuned from one model); refused without it")
     args = p.parse_args(argv)
     if len(args.inputs) > 1 and (bad := next((x for x in args.inputs if Path(x).is_dir()), None)):
         raise SystemExit(f"mt-average: {bad} is a folder; name checkpoint files, or give one "
@@ -105,7 +238,9 @@ def main(argv: list[str] | None = None) -> None:
         paths = pick(folder, args.last, args.best) if folder else [Path(x) for x in args.inputs]
         _refuse_output(args.output, paths, args.force)  # before the work, not after it
         # --last/--best pick one run's own step files, which may hold equal weights (lr 0)
-        averaged = checkpoint.average(paths, refuse_copies=folder is None)
+        averaged = average(paths, refuse_copies=folder is None, across_runs=args.across_runs,
+                           warn=None if folder else lambda said: print(f"mt-average: {said}",
+                                                                        file=sys.stderr))
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"mt-average: {err}") from None
     try:

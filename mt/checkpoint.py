@@ -6,6 +6,9 @@ A checkpoint is one ``torch.save`` file holding plain data only (it loads with
 - ``model_config``: the ModelConfig as a dict, ``model``: the state dict,
 - ``tokenizer``: the serialized SentencePiece model(s), so a model never meets the wrong vocabulary,
 - ``config``: the whole resolved training config (for the record),
+- ``run_id`` (a training run's checkpoints): a random id made when the run starts and kept
+  across its resumes: two runs of one config and shape save step files alike, and averaging
+  files of different runs gives a broken model (``mt-average`` refuses it),
 - ``trainer`` (training checkpoints only): optimizer, scheduler, step, data position, RNG states
   (``mt.resume.trainer_state`` lists them).
 
@@ -31,7 +34,7 @@ from typing import Any
 
 import torch
 
-from mt.config import BEST_METRICS, REGULARIZATION_KEYS, model_config_from_dict
+from mt.config import BEST_METRICS, model_config_from_dict
 from mt.model import Transformer, build_model
 from mt.textio import first_line
 from mt.tokenizer import Tokenizer
@@ -217,7 +220,7 @@ def require(ckpt: dict, keys: tuple[str, ...] = ("model_config", "model", "token
                          f"{' or '.join(repr(k) for k in missing)})")
 
 
-def _first_reason(err: Exception) -> str:
+def first_reason(err: Exception) -> str:
     """The line of a (torch) error message that says what is wrong: load_state_dict's first line
     is only a heading ("Error(s) in loading state_dict for Transformer:")."""
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
@@ -242,12 +245,12 @@ def load_model(path: str | os.PathLike,
         cfg = model_config_from_dict(ckpt["model_config"])
         model = build_model(cfg)
     except (ValueError, TypeError) as err:
-        raise ValueError(f"{file}: its model config cannot be built ({_first_reason(err)})"
+        raise ValueError(f"{file}: its model config cannot be built ({first_reason(err)})"
                          ) from None
     try:
         tokenizer = Tokenizer.from_state(ckpt["tokenizer"])
     except (RuntimeError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{file}: its tokenizer cannot be read ({_first_reason(err)})") from None
+        raise ValueError(f"{file}: its tokenizer cannot be read ({first_reason(err)})") from None
     pieces = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     if pieces != (cfg.src_vocab_size, cfg.tgt_vocab_size):
         raise ValueError(f"{file}: its tokenizer has {pieces[0]}/{pieces[1]} source/target "
@@ -257,13 +260,13 @@ def load_model(path: str | os.PathLike,
         model.load_state_dict(ckpt.pop("model"))
     except RuntimeError as err:
         raise ValueError(f"{file}: its weights do not fit its model config "
-                         f"({_first_reason(err)})") from None
-    _refuse_not_finite(model, file)
+                         f"({first_reason(err)})") from None
+    refuse_not_finite(model, file)
     model.to(device).eval()
     return model, tokenizer, ckpt
 
 
-def _refuse_not_finite(model: torch.nn.Module | dict[str, torch.Tensor], file) -> None:
+def refuse_not_finite(model: torch.nn.Module | dict[str, torch.Tensor], file) -> None:
     """ValueError naming the file for weights that hold NaN or infinite values (a diverged run's
     or a damaged copy): every score of such a model is NaN, and beam search then finishes no
     hypothesis, greedy search picks tokens at random and sampling fails inside torch. ``model``
@@ -272,7 +275,8 @@ def _refuse_not_finite(model: torch.nn.Module | dict[str, torch.Tensor], file) -
         return (not w.is_floating_point() or w.numel() == 0
                 or all(map(math.isfinite, (v.item() for v in w.aminmax()))))
 
-    named = model.items() if isinstance(model, dict) else model.named_parameters()
+    # named_parameters names a tied weight once; a state dict names it once per use
+    named = _distinct(model) if isinstance(model, dict) else model.named_parameters()
     bad = {name: int((~torch.isfinite(w)).sum()) for name, w in named if not finite(w.detach())}
     if bad:
         raise ValueError(f"{file}: its weights hold {sum(bad.values())} values that are not "
@@ -280,21 +284,54 @@ def _refuse_not_finite(model: torch.nn.Module | dict[str, torch.Tensor], file) -
                          "diverged model")
 
 
+def _storage_key(v: torch.Tensor) -> tuple:
+    """What two names of one tensor (a tied weight) have alike, and two tensors never do."""
+    return (v.untyped_storage().data_ptr(), v.storage_offset(), v.shape, v.stride(), v.dtype)
+
+
+def _distinct(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """A state dict's (name, tensor) pairs, a tensor that several names share (a tied
+    embedding, saved once) under the first name only."""
+    seen: set[tuple] = set()
+    out = []
+    for name, v in state.items():
+        key = _storage_key(v)
+        if key not in seen or v.numel() == 0:
+            seen.add(key)
+            out.append((name, v))
+    return out
+
+
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the model's state dict on the CPU."""
-    return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+    """A copy of the model's state dict on the CPU, tied weights still one tensor: the state
+    dict names a tied embedding three times (source, target, output layer), and a copy per
+    name stored it three times (transformer_base at 32k pieces: 130 MB more per checkpoint)."""
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def copy(v: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(v)
+        if key not in copies:
+            copies[key] = v.detach().clone().cpu()
+        return copies[key]
+
+    return {k: copy(v) for k, v in model.state_dict().items()}
 
 
-def model_state(model: torch.nn.Module, tokenizer: Tokenizer, config: dict | None) -> dict:
+def model_state(model: torch.nn.Module, tokenizer: Tokenizer, config: dict | None,
+                run_id: str | None = None) -> dict:
     """The self-contained inference part of a checkpoint (of the bare model: the trainer keeps
-    its DDP or torch.compile wrapper apart, in ``Trainer.net``)."""
-    return {
+    its DDP or torch.compile wrapper apart, in ``Trainer.net``). ``run_id``: the training run
+    that saved it, which ``mt-average`` compares (None: not a run's, an import)."""
+    state = {
         "format": FORMAT,
         "model_config": dict(vars(model.cfg)),
         "model": weights(model),
         "tokenizer": tokenizer.to_state(),
         "config": config,
     }
+    if run_id is not None:
+        state["run_id"] = run_id
+    return state
 
 
 def step_of(path: Path) -> int | None:
@@ -364,86 +401,3 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
         digest.update(f"{name}:{w.dtype}:{tuple(w.shape)};".encode())
         digest.update(w.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
-
-
-# Model config keys that may differ between checkpoints that are averaged: the dropouts (training
-# choices) and the informational name; every other key changes what a weight means.
-_NOT_SHAPE = (*REGULARIZATION_KEYS, "name")
-
-
-def average(paths: list[str | os.PathLike], refuse_copies: bool = True) -> dict:
-    """Averages the weights of several checkpoints of one model (Vaswani et al. average the last 5).
-
-    The checkpoints must have the same shape and the same tokenizer: an embedding row means a
-    piece of one vocabulary, and averaging rows of different vocabularies gives a model that looks
-    fine and translates nonsense. Dropouts (and the informational ``name``) may differ: a
-    fine-tuning run may change them, and they do not change what a weight means.
-
-    One checkpoint must not weigh twice, unsaid: the same file twice, an average beside one it
-    was made of (by the weights' digests it keeps), or, with ``refuse_copies``, two files with
-    the same weights (``best.pt`` is a copy of a step file: ``mt-average checkpoints/*.pt``).
-    A run's own average at its end passes False: its step files may hold the same weights
-    (``optim.lr=0``) and are its own all the same.
-
-    Returns:
-        an inference checkpoint (the first one's config, dropouts included, and tokenizer;
-        averaged weights, each of the widest type it has in the files (float32 beside a
-        bfloat16 copy); where they came from, and their digests).
-    """
-    if not paths:
-        raise ValueError("no checkpoints to average")
-    seen: dict[tuple[int, int], str | os.PathLike] = {}
-    for p in paths:  # the same file twice would weigh it double, without a word
-        info = resolve(p).stat()
-        if (info.st_dev, info.st_ino) in seen:
-            raise ValueError(f"{p}: given twice (as {seen[info.st_dev, info.st_ino]} too); "
-                             "each checkpoint is averaged once")
-        seen[info.st_dev, info.st_ino] = p
-    base = load(paths[0])
-    require(base)
-    _refuse_not_finite(base["model"], paths[0])
-    digests = [weights_digest(base["model"])]
-    made_of = {paths[0]: base.get("averaged_digests") or []}
-    total = {k: v.double() for k, v in base["model"].items()}
-    # the widest of the files' types: a bfloat16 copy named first rounded the others to it
-    dtypes = {k: v.dtype for k, v in base["model"].items()}
-    for p in paths[1:]:
-        ckpt = load(p)
-        require(ckpt)
-        _refuse_not_finite(ckpt["model"], p)
-        digest = weights_digest(ckpt["model"])
-        if refuse_copies and digest in digests:
-            raise ValueError(f"{p}: the same weights as {paths[digests.index(digest)]}; each "
-                             "checkpoint is averaged once")
-        digests.append(digest)
-        made_of[p] = ckpt.get("averaged_digests") or []
-        a, b = base["model_config"], ckpt["model_config"]
-        differ = [f"{k}={b.get(k)!r}, not {a.get(k)!r}" for k in sorted(a.keys() | b.keys())
-                  if k not in _NOT_SHAPE and a.get(k) != b.get(k)]
-        if differ:
-            raise ValueError(f"{p}: a different model config from {paths[0]} "
-                             f"({'; '.join(differ)}); cannot average")
-        if ckpt["tokenizer"] != base["tokenizer"]:
-            raise ValueError(f"{p}: a different tokenizer from {paths[0]} (its embedding rows "
-                             "stand for other pieces); cannot average")
-        weights = ckpt["model"]
-        odd = sorted(total.keys() ^ weights.keys()) or [
-            k for k in total if total[k].shape != weights[k].shape]
-        if odd:
-            raise ValueError(f"{p}: its weights differ from {paths[0]}'s at {odd[0]!r} (present "
-                             "in one only, or of another shape); cannot average")
-        for k, v in weights.items():
-            total[k] += v.double()
-            dtypes[k] = torch.promote_types(dtypes[k], v.dtype)
-    for p, sources in made_of.items():
-        if inside := [str(q) for q, d in zip(paths, digests, strict=True)
-                      if d in sources and q is not p]:
-            raise ValueError(f"{p}: an average of {', '.join(inside)} among others, which are "
-                             "averaged too: they would weigh twice; name the step checkpoints "
-                             "alone")
-    avg = {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}
-    out = {k: base.get(k) for k in ("format", "model_config", "tokenizer", "config")}
-    out["model"] = avg
-    out["averaged_from"] = [str(resolve(p).absolute()) for p in paths]
-    out["averaged_digests"] = digests
-    return out

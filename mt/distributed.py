@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from mt.textio import HANGUP
+from mt.interrupts import HANGUP
 
 log = logging.getLogger("mt.distributed")
 

@@ -35,8 +35,8 @@ _DIES_BY_SIGNAL = {"translate"}
 
 def command(name: str) -> Callable[[], object]:
     """The function that runs the command ``name`` (a key of COMMANDS), its module imported
-    with SIGTERM and SIGHUP raising KeyboardInterrupt (mt.textio.terminate_as_interrupt)."""
-    from mt.textio import HANGUP, terminate_as_interrupt
+    with SIGTERM and SIGHUP raising KeyboardInterrupt (mt.interrupts.terminate_as_interrupt)."""
+    from mt.interrupts import HANGUP, terminate_as_interrupt
 
     module, function = COMMANDS[name].split(":")
     with terminate_as_interrupt((signal.SIGTERM, *HANGUP)):

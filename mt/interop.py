@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 def export_main(argv: list[str] | None = None) -> None:
     """``mt-export -m MODEL --format hf|ctranslate2 --out DIR [--quantization int8]``."""
-    from mt.textio import blank_name_mistake, file_in_the_way, terminate_as_interrupt
+    from mt.interrupts import terminate_as_interrupt
+    from mt.textio import blank_name_mistake, file_in_the_way
 
     p = argparse.ArgumentParser(prog="mt-export", description=(
         "Export an mt model to a Hugging Face Marian directory or a CTranslate2 model."))
@@ -178,7 +179,8 @@ def import_main(argv: list[str] | None = None) -> None:
     """``mt-import --from hf DIR --out FILE``: a Marian (OPUS-MT) directory -> an mt checkpoint."""
     from mt.checkpoint import model_state, save_atomic
     from mt.import_hf import import_hf
-    from mt.textio import output_mistake, terminate_as_interrupt
+    from mt.interrupts import terminate_as_interrupt
+    from mt.textio import output_mistake
 
     p = argparse.ArgumentParser(prog="mt-import", description=(
         "Import a Hugging Face Marian model directory (e.g. OPUS-MT) as an mt checkpoint."))

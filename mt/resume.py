@@ -63,6 +63,8 @@ class Run(Protocol):
     # init_from names no file now), or None: no init_from
     started_from: str | None
     tokenizer_asked: dict  # data.tokenizer as the command line gave it (mt.startup.load_start)
+    started_digest: str | None  # its weights' digest (checkpoint.weights_digest); None: unknown
+    run_id: str  # written into every checkpoint the run saves (mt-average compares them)
 
     def seconds(self) -> float: ...
 
@@ -99,6 +101,7 @@ def trainer_state(trainer: Run, rng: list[dict]) -> dict:
         "started_from": trainer.started_from,
         # a resume notes the keys the tokenizer overrules only where they are asked otherwise
         "tokenizer_asked": trainer.tokenizer_asked,
+        "started_digest": trainer.started_digest,
     }
 
 
@@ -162,6 +165,10 @@ def restore(trainer: Run, path: Path) -> None:
                          "imported model?), so the run cannot resume from it; move it away "
                          "and give it as init_from=... to start from its weights")
     state = ckpt["trainer"]
+    # the same run: its step files go on averaging with those before (a last.pt saved before
+    # runs had an id keeps the new one, which its older files, having none, do not contradict)
+    trainer.run_id = ckpt.get("run_id") or trainer.run_id
+    trainer.started_digest = state.get("started_digest")
     trainer.started_from = _check_init_from(trainer, state, saved_config, path)
     was, now = state.get("data"), data_identity(trainer.cfg.data)
     if trainer.rank == 0 and was is not None and was != now:  # louder than the settings above
@@ -276,11 +283,24 @@ def _check_init_from(trainer: Run, state: dict, saved_config: dict, path: Path) 
     # the run's own model, deleted or moved since; or as an older last.pt named it, kept as written
     if (found is None and asked == saved_init) or asked == started:
         return started
-    if found is None or str(found.resolve()) != started:
+    if found is None or (str(found.resolve()) != started
+                         and not _same_weights(found, state.get("started_digest"))):
         log.warning("init_from=%s is not used: %s resumes the run of %s, which started from %s; "
                     "to start from %s, give the run another directory (hydra.run.dir)", asked,
                     path.parent.parent, path, started or "no model (no init_from)", asked)
     return started
+
+
+def _same_weights(found: Path, digest: str | None) -> bool:
+    """Whether the checkpoint ``found`` holds the weights of ``digest`` (the run's starting
+    model, moved or copied under another name since); False where either is unknown."""
+    if digest is None:  # a last.pt saved before runs kept it: the paths decide
+        return False
+    try:
+        ckpt = checkpoint.load(found, mmap=True)
+    except (OSError, ValueError):  # not a checkpoint: another model, as far as one can tell
+        return False
+    return "model" in ckpt and checkpoint.weights_digest(ckpt["model"]) == digest
 
 
 def resume_override(run_dir: Path) -> str:

@@ -350,6 +350,7 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
     test.json. Both test scores are printed too, so that nothing is chosen on the test set here.
     ``trg_lang``: BLEU's target language (``bleu_language``).
     """
+    from mt.average import average
     from mt.evaluate import score
     from mt.lines import best_translations
     from mt.options import SearchOptions
@@ -359,7 +360,7 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
     if cfg.trainer.average_last > 1:
         paths = checkpoint.step_checkpoints(ckpt_dir)[-cfg.trainer.average_last :]
         if len(paths) > 1:
-            checkpoint.save_atomic(checkpoint.average(paths, refuse_copies=False),
+            checkpoint.save_atomic(average(paths, refuse_copies=False),
                                    ckpt_dir / "averaged.pt")
             log.info("averaged %d checkpoints -> %s", len(paths), ckpt_dir / "averaged.pt")
             averaged = True

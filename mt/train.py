@@ -39,14 +39,10 @@ from mt.distributed import (
 from mt.divergence import Diverged
 from mt.hydra_errors import one_line_refusals
 from mt.inference import cap_kernel_caches
+from mt.interrupts import terminate_as_interrupt
 from mt.resume import resume_override
 from mt.runlog import finish
-from mt.textio import (
-    fill_closed_descriptors,
-    nearest_existing,
-    reader_left,
-    terminate_as_interrupt,
-)
+from mt.textio import fill_closed_descriptors, nearest_existing, reader_left
 from mt.trainer import Trainer
 
 log = logging.getLogger("mt.train")

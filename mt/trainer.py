@@ -18,6 +18,7 @@ import logging
 import random
 import sys
 import time
+import uuid
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -73,6 +74,9 @@ class Trainer:
                              "start in another run directory")
         start, origin = self._start(last if resuming else None)
         self.started_from = None if resuming or not start else str(Path(start["path"]).resolve())
+        # its weights too: the same model moved or copied under another name is no other model
+        self.started_digest = (checkpoint.weights_digest(start["model"])
+                               if self.started_from and self.rank == 0 else None)
         if not resuming and self.rank == 0:
             resume.set_aside(run_dir)
         self.corpus = self._corpus(start, origin)
@@ -87,6 +91,7 @@ class Trainer:
         self.validated_step = -1
         self.window = Window(self.device)  # the loss and speed since the last log line
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+        self.run_id = uuid.uuid4().hex  # a new run's; a resume takes its last.pt's
         if resuming:
             resume.restore(self, last)
             if self.history and self.history[-1]["step"] == self.step:
@@ -121,7 +126,7 @@ class Trainer:
             return
         with self._averaged():
             inference = checkpoint.model_state(self.model, self.corpus.tokenizer,
-                                               self.config_dict)
+                                               self.config_dict, self.run_id)
         # last.pt comes after the files of this validation: a run killed between them resumes
         # from the last.pt before, validates this step again and writes them again. Written
         # first, it would hold this validation as done, and its best.pt never came.

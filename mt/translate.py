@@ -37,6 +37,7 @@ from mt.inference import (
     keep_freed_memory,
     load_models,
 )
+from mt.interrupts import HANGUP, terminate_as_interrupt
 from mt.lines import (
     IN_PIECES,
     NOT_SCORED,
@@ -62,7 +63,6 @@ from mt.options import (
 from mt.results import LineResult
 from mt.shortlist import Shortlist
 from mt.textio import (
-    HANGUP,
     STDOUT_NAMES,
     InputError,
     atomic_output,
@@ -75,7 +75,6 @@ from mt.textio import (
     parallel_lines,
     read_lines,
     reader_left,
-    terminate_as_interrupt,
     utf8_stdout,
 )
 from mt.workers import WorkerDied, default_workers

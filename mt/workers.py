@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from mt.batching import budget_batches
-from mt.textio import HANGUP
+from mt.interrupts import HANGUP
 
 
 def balanced_batches(lengths: list[int], order: list[int], budget: int,

@@ -159,7 +159,8 @@ def test_a_resume_says_when_init_from_names_another_model_than_the_run_started_f
     no init_from, is no news."""
     steps = ["trainer.test_at_end=false", "trainer.validate_every=2"]
     fit_here("base", *steps, "trainer.max_steps=2")
-    fit_here("other", *steps, "trainer.max_steps=2")
+    # another seed: with base's, its weights were base's, bit for bit (no other model at all)
+    fit_here("other", *steps, "trainer.max_steps=2", "trainer.seed=2")
     base, other = tmp_path / "base", tmp_path / "other"
     fit_here("tuned", *steps, f"init_from={base}", "trainer.max_steps=2")
     said = fit_here("tuned", *steps, f"init_from={other}", "trainer.max_steps=3")
@@ -171,8 +172,18 @@ def test_a_resume_says_when_init_from_names_another_model_than_the_run_started_f
                                       f"init_from={base}", "init_from=null"), start=4):
         said = fit_here("tuned", *steps, same, f"trainer.max_steps={steps_now}")
         assert f"at step {steps_now - 1}" in said and "is not used" not in said, same
-    said = fit_here("other", *steps, f"init_from={base}", "trainer.max_steps=3")
+    said = fit_here("other", *steps, f"init_from={base}", "trainer.max_steps=3", "trainer.seed=2")
     assert "which started from no model (no init_from)" in said
+    # the starting model moved and named anew is the same weights: no warning (by the digest
+    # last.pt keeps of them); another model under the starting model's old name is news
+    moved = tmp_path / "archive" / "base-final.pt"
+    moved.parent.mkdir()
+    (base / "checkpoints" / "best.pt").rename(moved)
+    said = fit_here("tuned", *steps, f"init_from={moved}", "trainer.max_steps=7")
+    assert "at step 6" in said and "is not used" not in said
+    said = fit_here("tuned", *steps, f"init_from={other / 'checkpoints' / 'best.pt'}",
+                    "trainer.max_steps=8")
+    assert "is not used" in said
 
 
 def test_a_resume_of_a_last_pt_without_started_from_whose_model_is_gone_keeps_its_name(
@@ -190,7 +201,7 @@ def test_a_resume_of_a_last_pt_without_started_from_whose_model_is_gone_keeps_it
     fit_here("tuned", *steps, "init_from=start.pt", "trainer.max_steps=2")
     last = tmp_path / "tuned" / "checkpoints" / "last.pt"
     old = torch.load(last, weights_only=True)
-    del old["trainer"]["started_from"]  # as saved before it was kept
+    del old["trainer"]["started_from"], old["trainer"]["started_digest"]  # as saved before
     torch.save(old, last)
     start.unlink()
     said = fit_here("tuned", *steps, "init_from=start.pt", "trainer.max_steps=3")
@@ -209,7 +220,8 @@ def test_every_resume_with_another_init_from_says_it_is_not_used(tmp_path, fit_h
     news."""
     steps = ["trainer.test_at_end=false", "trainer.validate_every=2"]
     fit_here("base", *steps, "trainer.max_steps=2")
-    fit_here("other", *steps, "trainer.max_steps=2")
+    # another seed: with base's, its weights were base's, bit for bit (no other model at all)
+    fit_here("other", *steps, "trainer.max_steps=2", "trainer.seed=2")
     base, other = tmp_path / "base", tmp_path / "other"
     fit_here("tuned", *steps, f"init_from={base}", "trainer.max_steps=2")
     for steps_now in (3, 4):

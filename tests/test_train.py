@@ -957,21 +957,21 @@ def test_a_signal_while_worker_processes_encode_the_corpus_is_one_line(tmp_path,
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
 def test_a_child_forked_under_the_sigterm_handler_dies_of_sigterm_even_before_its_reset():
-    """The reset in a forked child (mt.textio._forked) runs after threading's own after-fork
+    """The reset in a forked child (mt.interrupts._forked) runs after threading's own after-fork
     hook: a SIGTERM to the whole group (a scheduler's) could reach a child just forked before
     it, and the parent's handler raised there into the "exception ignored" of that hook, so the
     child lived on. The handler itself now lets a child die of it, as by default."""
-    from mt import textio
+    from mt import interrupts
 
-    with textio.terminate_as_interrupt():
+    with interrupts.terminate_as_interrupt():
         pid = os.fork()
         if pid == 0:  # the child: what it was set to, then the handler run as the signal would
             if not (signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
                     and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
                 os._exit(4)
-            signal.signal(signal.SIGTERM, textio._raise_terminated)
+            signal.signal(signal.SIGTERM, interrupts._raise_terminated)
             try:
-                textio._raise_terminated(signal.SIGTERM, None)
+                interrupts._raise_terminated(signal.SIGTERM, None)
             finally:
                 os._exit(3)
         _, status = os.waitpid(pid, 0)
@@ -1464,6 +1464,29 @@ def test_a_ctrl_c_inside_a_checkpoint_write_still_says_how_to_resume(tmp_path, c
     kept = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert kept["trainer"]["step"] in (2, 4)
     assert not list((run_dir / "checkpoints").glob(".*.tmp"))
+
+
+def test_every_checkpoint_of_a_run_carries_its_id_across_resumes(tmp_path, fit_here):
+    """Step files carried no run identity: mt-average of two runs' step files, of one config,
+    wrote a broken model without a word. A run's id is made at its start, kept in last.pt, and
+    written into every checkpoint it saves, before and after a resume; another run has its own."""
+    from mt.average import average
+
+    common = ["trainer.validate_every=1", "trainer.keep_last=9", "trainer.test_at_end=false",
+              "trainer.average_last=0"]
+    fit_here("one", *common, "trainer.max_steps=2")
+    fit_here("one", *common, "trainer.max_steps=4")  # resumed
+    fit_here("two", *common, "trainer.max_steps=2", "trainer.seed=2")
+
+    def ids(run: str) -> set[str]:
+        return {torch.load(p, weights_only=True)["run_id"]
+                for p in (tmp_path / run / "checkpoints").glob("*.pt")}
+
+    assert len(ids("one")) == 1 and len(ids("two")) == 1 and ids("one") != ids("two")
+    one = tmp_path / "one" / "checkpoints"
+    assert average([one / "step_1.pt", one / "step_4.pt"])  # one run, resumed between them
+    with pytest.raises(ValueError, match="from another training run"):
+        average([one / "step_2.pt", tmp_path / "two" / "checkpoints" / "step_2.pt"])
 
 
 def test_a_resumed_run_logs_each_step_once_with_the_losses_of_a_run_never_stopped(
