@@ -54,8 +54,11 @@ _LENGTH = struct.Struct("<I")
 _CHUNK = 1 << 20  # bytes written to the child at a time
 _PR_SET_PDEATHSIG = 1
 # The child's program: argv[1] the directory that holds the mt this process runs (whatever the
-# working directory), argv[2] this process's id
-_CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); "
+# working directory), argv[2] this process's id, argv[3:] this process's sys.path, which becomes
+# the child's (as multiprocessing's spawn does): "python -c" put the working directory first, so
+# a random.py or token.py there (not on this process's path) broke the child's imports, and a
+# PYTHONPATH that "python -I" ignored here could give the child another SentencePiece
+_CHILD = ("import sys; sys.path[:] = [sys.argv[1], *sys.argv[3:]]; "
           "from mt.spmtrain import child_main; child_main(int(sys.argv[2]))")
 
 
@@ -115,14 +118,16 @@ def train_model(seed: int, sentences: Sequence[str], **options) -> bytes:
     """``SentencePieceTrainer.train(sentence_iterator=iter(sentences), **options)``'s model, with
     SentencePiece's random generator seeded with ``seed``, trained in a child process; its
     exceptions are raised here."""
-    if not SPAWN or not sys.executable:
+    if not SPAWN or not sys.executable or getattr(sys, "frozen", False):
+        # (a frozen application's executable is the application, not an interpreter for -c)
         return train_here(seed, sentences, options)
     header = pickle.dumps((seed, options, len(sentences)))
     root = str(Path(__file__).resolve().parents[1])  # the mt this process runs, wherever cwd is
     child: subprocess.Popen | None = None
     try:  # from the spawn on: a signal held over it runs its handler as the block ends
         with _held():  # the child inherits the block, until it ignores them
-            child = subprocess.Popen([sys.executable, "-c", _CHILD, root, str(os.getpid())],
+            child = subprocess.Popen([sys.executable, *_interpreter_flags(), "-c", _CHILD, root,
+                                      str(os.getpid()), *map(str, sys.path)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         answer = _exchange(child, header, sentences)
         status = child.wait()
@@ -137,6 +142,16 @@ def train_model(seed: int, sentences: Sequence[str], **options) -> bytes:
                 with contextlib.suppress(OSError):
                     pipe.close()
     return _unpack(answer, status)
+
+
+def _interpreter_flags() -> list[str]:
+    """This interpreter's command-line flags (-I, -E, -s, -X ..., -W ...), for the child as
+    multiprocessing passes them to its spawned processes: "python -I" is isolated from the
+    environment's PYTHONPATH and sitecustomize in the child too."""
+    try:
+        return subprocess._args_from_interpreter_flags()
+    except AttributeError:  # (a private helper: an interpreter without it spawns plainly)
+        return []
 
 
 def train_here(seed: int, sentences: Sequence[str], options: dict) -> bytes:

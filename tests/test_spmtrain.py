@@ -372,3 +372,21 @@ def test_training_works_with_a_thousand_files_open():
     finally:
         for fd in held:
             os.close(fd)
+
+
+@posix_only
+def test_a_stdlib_name_in_the_working_directory_breaks_no_child(tmp_path, monkeypatch):
+    """The child imports with this process's sys.path: "python -c" put the working directory
+    first, and a random.py there (not on mt-train's path) failed the child's imports."""
+    (tmp_path / "random.py").write_text("raise ImportError('the random.py of the cwd')\n")
+    monkeypatch.chdir(tmp_path)
+    assert spmtrain.train_model(0, SRC, **OPTIONS) == spmtrain.train_here(0, SRC, OPTIONS)
+
+
+
+def test_a_frozen_application_trains_in_process(monkeypatch):
+    """A frozen mt (PyInstaller) has the application as sys.executable: "-c" would start it
+    again, not an interpreter."""
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    monkeypatch.setattr(spmtrain.subprocess, "Popen", lambda *a, **k: 1 / 0)
+    assert spmtrain.train_model(0, SRC, **OPTIONS) == spmtrain.train_here(0, SRC, OPTIONS)
