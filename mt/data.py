@@ -317,9 +317,16 @@ def _may_read_as_start(char: str, tag: str, normalization: str) -> bool:
 def _normalized_rest(text: str, tag: str, normalization: str) -> str | None:
     """What follows the tag that ``text`` starts with as the tokenizer's ``normalization`` reads
     it, None if it does not start with it."""
+    head = text[:len(tag) + 16]  # the tag and a few characters that the rule may remove
+    if head.isascii() and head.isprintable():
+        # every rule but a case fold reads printable ASCII as written (the exact match was
+        # tested): no normalizer, which took 14 us a line where each source starts with '<'
+        # (a multilingual corpus's "<2de> ...": 10x the tagging's time)
+        if normalization.endswith("_cf") and head.lower().startswith(tag):
+            return text[len(tag):]
+        return None
     if (normalizer := _normalizer(normalization)) is None:
         return None
-    head = text[:len(tag) + 16]  # the tag and a few characters that the rule may remove
     read, offsets = normalizer.normalize(head, with_offsets=True)
     if not read.startswith("\u2581" + tag):  # SentencePiece's word mark before the first word
         return None
