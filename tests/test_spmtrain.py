@@ -390,3 +390,25 @@ def test_a_frozen_application_trains_in_process(monkeypatch):
     monkeypatch.setattr(sys, "frozen", True, raising=False)
     monkeypatch.setattr(spmtrain.subprocess, "Popen", lambda *a, **k: 1 / 0)
     assert spmtrain.train_model(0, SRC, **OPTIONS) == spmtrain.train_here(0, SRC, OPTIONS)
+
+
+@posix_only
+def test_an_isolated_parent_has_an_isolated_child(tmp_path):
+    """Under "python -I" mt ignores PYTHONPATH; the child, spawned without the flag, took it
+    (here a sitecustomize that breaks SentencePiece; elsewhere another SentencePiece)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import sentencepiece as spm\n"
+        "spm.SentencePieceTrainer.train = lambda *a, **k: 1 / 0\n")
+    code = textwrap.dedent(f"""\
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from mt import spmtrain
+        from test_spmtrain import OPTIONS, SRC
+        print(spmtrain.train_model(0, SRC, **OPTIONS) == spmtrain.train_here(0, SRC, OPTIONS))
+        """)
+    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(hook)})
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
