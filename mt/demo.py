@@ -37,7 +37,7 @@ from pathlib import Path
 
 from mt import described
 from mt.config import positive_int
-from mt.textio import replace_file
+from mt.textio import blank_name_mistake, replace_file
 
 SRC_LANG = "en"
 TGT_LANG = "zz"
@@ -392,6 +392,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--test", type=positive_int, default=500, help="test pairs")
     parser.add_argument("--seed", type=int, default=1234, help="sentence sampler seed")
     args = parser.parse_args(argv)
+    # an empty name ("$UNSET") is the working directory: seven files scattered there
+    if blank := blank_name_mistake("out_dir", args.out_dir, "directory"):
+        parser.error(blank)
     try:
         counts = write_demo_corpus(args.out_dir, args.train, args.valid, args.test, args.seed)
     except OSError as err:  # a file in the way, a folder that cannot be written: a traceback

@@ -96,6 +96,19 @@ def check_direction(paths: list[str], test: TestSet, tokenize: str | None) -> No
             log.warning("%s was trained for %s targets, but test set %s has no language pair, so "
                         "BLEU tokenizes with 13a, not as for %s (as mt-train's test score did): "
                         "pass --langpair %s", path, tgt, test.name, tgt, pair)
-        elif test.langpair and "src_lang" in data and tgt and pair != test.langpair:
+        elif test.langpair and "src_lang" in data and tgt and not _covers(data["src_lang"], tgt,
+                                                                      test.langpair):
             log.warning("%s was trained for %s, test set %s is %s: check the direction "
                         "(--langpair)", path, pair, test.name, test.langpair)
+
+
+def _covers(src: str | None, tgt: str, langpair: str) -> bool:
+    """Whether a model trained for ``src``-``tgt`` (its data config's) translates the test
+    set's ``langpair``: a side may list languages joined by '+', as a multilingual OPUS-MT
+    model's tokenizer_config.json does (``fr+fr_BE+...+es+...+it``, which mt-import records),
+    and each of them is that side's; 'trained for en-fr+fr_BE+..., test set is en-fr: check
+    the direction' was said of the right model."""
+    test = langpair.split("-")
+    if len(test) != 2:  # not a plain pair: the same words, or no match
+        return f"{src}-{tgt}" == langpair
+    return all(t == m or t in str(m).split("+") for m, t in zip((src, tgt), test, strict=True))

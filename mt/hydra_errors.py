@@ -402,6 +402,12 @@ def one_line_refusals(prog: str) -> Iterator[None]:
                 given = line.removeprefix(f"{prog}: ").partition(": ")[0]
                 line = (f"{prog}: {given}: --hydra-help shows Hydra's own options and reads "
                         f"no {prog} config; leave the override out (--help takes it)")
+            args = _hydra_args()
+            if getattr(args, "multirun", False) and "Ambiguous value for argument" in str(err):
+                # -m was given: 'sweeps only under -m' told the user to give what they gave
+                given = line.removeprefix(f"{prog}: ").partition(": ")[0]
+                line = (f"{prog}: {given}: --help shows one job's config, not a sweep's; give "
+                        f"{given.partition('=')[0]} one value there")
             raise SystemExit(line) from None
         finally:
             if original is not None:

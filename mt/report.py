@@ -50,12 +50,22 @@ _THREE_LETTER = {"zho": "zh", "cmn": "zh", "jpn": "ja", "kor": "ko"}
 def bleu_target(lang: str) -> str:
     """The ``trg_lang`` sacrebleu picks BLEU's tokenizer by (it knows ``zh``, ``ja``, ``ko``
     only, exactly): ``zh-CN``, ``zh_Hant``, ``ZH``, ``jpn`` went to 13a, which keeps a Chinese or
-    Japanese line (no spaces) as one token, BLEU near 0. Other codes are kept as given."""
+    Japanese line (no spaces) as one token, BLEU near 0. Other codes are kept as given.
+
+    A multilingual OPUS-MT model names its side as a list joined by '+' (tokenizer_config.json
+    of opus-mt-de-ZH: ``cmn+cn+yue+ze_zh+zh_cn+...+zh``, which mt-import records): the language
+    of the tokenizer its members have, where they name one only (else 13a, as for any other
+    list); read whole, the list was no code sacrebleu knows, and Chinese went to 13a."""
     from sacrebleu.metrics import BLEU
 
-    primary = re.split(r"[-_]", lang.strip())[0].lower()
-    primary = _THREE_LETTER.get(primary, primary)
-    return primary if primary in BLEU._TOKENIZER_MAP else lang
+    def one(code: str) -> str:
+        primary = re.split(r"[-_]", code.strip())[0].lower()
+        return _THREE_LETTER.get(primary, primary)
+
+    own = {one(code) for code in lang.split("+")} & BLEU._TOKENIZER_MAP.keys()
+    if "+" in lang:
+        return own.pop() if len(own) == 1 else lang
+    return one(lang) if own else lang
 
 
 def model_bleu(path: str, tgt_lang: str | None = None):

@@ -215,6 +215,29 @@ def _null_group(argv: list[str]) -> str | None:
     return None
 
 
+# Hydra's modes, of which a command takes one ("Only one of --run, --multirun, --cfg, --info and
+# --shell_completion can be specified", a ValueError that Hydra raises outside its error report)
+_MODES = {"-r": "--run", "--run": "--run", "-m": "--multirun", "--multirun": "--multirun",
+          "-c": "--cfg", "--cfg": "--cfg", "-i": "--info", "--info": "--info",
+          "-sc": "--shell-completion", "--shell-completion": "--shell-completion"}
+
+
+def _two_modes(argv: list[str]) -> str | None:
+    """Two of Hydra's modes on one command line, in words: ``mt-train -m ... --cfg job`` (to see
+    a sweep's config) was a traceback. ``--help`` goes before them all, as Hydra takes it."""
+    if {"-h", "--help", "--hydra-help"} & set(argv):
+        return None
+    given = {_MODES[a.partition("=")[0]]: a.partition("=")[0] for a in argv
+             if a.partition("=")[0] in _MODES}
+    if len(given) < 2:
+        return None
+    first, second = list(given.values())[:2]
+    hint = ("--cfg and --info show one job's config: leave -m out and give one value per key"
+            if "--multirun" in given and {"--cfg", "--info"} & given.keys()
+            else "give one of them")
+    return f"mt-train: {first} and {second} cannot be given together; {hint}"
+
+
 # Hydra's flags that print and make no run directory: they work from any folder.
 _NO_RUN = {"-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc",
            "--shell-completion", "--version"}
@@ -251,7 +274,8 @@ def main() -> None:
     if "--version" in sys.argv[1:]:  # Hydra's own names Hydra's version only
         print(version_line())
         return
-    if mistake := _null_group(sys.argv[1:]) or _unwritable_run_dir(sys.argv[1:]):
+    if mistake := (_null_group(sys.argv[1:]) or _two_modes(sys.argv[1:])
+                   or _unwritable_run_dir(sys.argv[1:])):
         raise SystemExit(mistake)
     cap_kernel_caches()  # before the first product: see its docstring
     register_configs()

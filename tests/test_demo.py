@@ -89,6 +89,18 @@ def test_the_command_says_a_folder_it_cannot_write_in_one_line(tmp_path, capsys)
         assert said in err and len(err.splitlines()) == 1, err
 
 
+def test_an_empty_folder_name_is_refused(tmp_path, capsys, monkeypatch):
+    """``python -m mt.demo "$UNSET"`` wrote the corpus's seven files into the working
+    directory, among whatever was there."""
+    monkeypatch.chdir(tmp_path)
+    for given in ("", "  "):
+        with pytest.raises(SystemExit) as stop:
+            mt.demo.main([given, "--train", "5", "--valid", "1", "--test", "1"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and "out_dir" in err and "name the directory" in err, err
+    assert not list(tmp_path.iterdir())
+
+
 def test_an_interrupted_write_is_redone(tmp_path, monkeypatch):
     """The folder is the demo's from its first write on: files half written, then a rerun."""
     from mt import demo

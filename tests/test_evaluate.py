@@ -704,6 +704,32 @@ def test_a_chinese_target_without_a_langpair_is_said(tmp_path, capsys, caplog):
         assert "trained for" not in caplog.text
 
 
+# tokenizer_config.json's target_lang of OPUS-MT's multilingual models (opus-mt-en-ROMANCE,
+# opus-mt-de-ZH, abridged), which mt-import records as data.tgt_lang
+ROMANCE, ZH = "fr+fr_BE+fr_CA+es+es_AR+pt+pt_BR+it+ro+la", "cmn+cn+yue+ze_zh+zh_cn+zh_TW+zhs+zh"
+
+
+def test_a_multilingual_opus_mt_side_is_each_of_its_languages(tmp_path, capsys, caplog):
+    """An imported en-ROMANCE model scored on an en-fr test set was said to be 'trained for
+    en-fr+fr_BE+..., check the direction'; an opus-mt-de-ZH model's BLEU took 13a (the list
+    read whole is no language sacrebleu knows), which keeps a Chinese line as one token."""
+    from mt.report import bleu_target, make_metric
+
+    src_file, ref_file = _tiny_model_and_test_set(tmp_path, tgt_lang=ROMANCE)
+    argv = ["-m", str(tmp_path / "m.pt"), "--src", src_file, "--ref", ref_file, "--beam", "1",
+            "--max-len-b", "3"]
+    for pair in ("en-fr", "en-pt"):
+        with caplog.at_level("WARNING", logger="mt.evaluate"):
+            _run([*argv, "--langpair", pair], capsys)
+        assert "trained for" not in caplog.text, pair
+    with caplog.at_level("WARNING", logger="mt.evaluate"):  # a language not in the list
+        _run([*argv, "--langpair", "en-de"], capsys)
+    assert f"m.pt was trained for en-{ROMANCE}, test set" in caplog.text
+    assert bleu_target(ZH) == "zh" and bleu_target(ROMANCE) == ROMANCE
+    assert bleu_target("zh+ja") == "zh+ja"  # two tokenizers: neither
+    assert make_metric("bleu", trg_lang=ZH).tokenizer.signature() == "zh"
+
+
 def test_each_test_set_is_checked_against_the_models_direction(tmp_path, capsys, caplog,
                                                                 monkeypatch):
     """The direction was checked only on the test set the model was loaded for: an en-de model

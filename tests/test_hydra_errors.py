@@ -123,6 +123,14 @@ def test_a_typo_on_the_command_line_is_one_line_naming_it(args, line, fresh_hydr
     (["--cfg", "hydra", "--resolve"],  # hydra.run.dir names data.name, not in Hydra's part
      "--resolve: Interpolation key 'data.name' not found; --cfg hydra shows Hydra's settings "
      "without mt-train's config, which they name: --cfg all --resolve shows both"),
+    (["-m", "--help", "trainer.max_steps=1,2"],  # not 'sweep only under -m': -m is there
+     "trainer.max_steps=1,2: --help shows one job's config, not a sweep's; give "
+     "trainer.max_steps one value there"),
+    (["-m", "--help", "model=transformer_tiny,transformer_small"],
+     "model=transformer_tiny,transformer_small: --help shows one job's config, not a sweep's; "
+     "give model one value there"),
+    (["--help", "trainer.max_steps=1,2"],  # without -m, as before
+     "trainer.max_steps=1,2: several values sweep only under -m (--multirun)"),
     (["--hydra-help", "trainer.max_steps=3"],  # Hydra's help has no mt-train config to set
      "trainer.max_steps=3: --hydra-help shows Hydra's own options and reads no mt-train config; "
      "leave the override out (--help takes it)"),

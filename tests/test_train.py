@@ -100,6 +100,26 @@ def test_a_misspelt_key_added_with_plus_fails_with_its_name(override, name):
         compose([override])
 
 
+def test_two_of_hydras_modes_are_one_line(tmp_path):
+    """``mt-train -m ... --cfg job`` (a sweep's config, asked to see) was Hydra's traceback
+    'ValueError: Only one of --run, --multirun, --cfg, --info and --shell_completion can be
+    specified'; --help with -m still prints the help."""
+    from mt import train
+
+    assert train._two_modes(["-m", "trainer.max_steps=1,2", "--cfg", "job"]) == (
+        "mt-train: -m and --cfg cannot be given together; --cfg and --info show one job's "
+        "config: leave -m out and give one value per key")
+    assert train._two_modes(["--run", "-sc=install=bash"]) == (
+        "mt-train: --run and -sc cannot be given together; give one of them")
+    for alone in (["-m", "trainer.max_steps=1,2"], ["--cfg", "job"], ["-m", "--help"]):
+        assert train._two_modes(alone) is None, alone
+    said = subprocess.run([PYTHON, "-m", "mt.train", "-m", "trainer.max_steps=1,2", "--cfg",
+                           "job"], env=cli_env(tmp_path), capture_output=True, text=True,
+                          timeout=120)
+    assert said.returncode == 1 and said.stderr.startswith("mt-train: -m and --cfg"), said.stderr
+    assert "Traceback" not in said.stderr
+
+
 def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, monkeypatch):
     """Hydra makes the run directory before mt's code runs, and said why it could not in a
     traceback: a read-only working folder (a shared checkout), or a path under a file."""
