@@ -3,7 +3,9 @@
 The package follows the path from raw text to BLEU, one module per stage:
 ``tokenizer`` -> ``data`` (read corpora) -> ``batching`` (encode, filter, token batches) ->
 ``corpus`` (the training corpus, tokenized and cached) -> ``model`` -> ``search`` -> ``train``
-(the command line; ``trainer`` the loop, with ``loss``; ``resume`` what last.pt keeps of it) ->
+(the command line; ``hydra_errors`` says Hydra's refusals of it in one line and ``hydra_dirs``
+takes away the directories a refused one made; ``trainer`` the loop, with ``loss``; ``resume``
+what last.pt keeps of it) ->
 ``lines`` (text to n-best lists, each line's a ``results.LineResult``) -> ``translate`` (its
 command line; ``translate_checks`` what it refuses first) -> ``evaluate`` (its command line in
 ``evaluate_args``; with ``testsets`` and ``report``).

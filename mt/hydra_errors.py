@@ -44,6 +44,7 @@ from omegaconf.errors import (
 )
 
 from mt.config import conf_dir
+from mt.hydra_dirs import REFUSALS, unmade_on_refusal
 
 # conf/testsets/ is a folder of conf/, hence a group to Hydra, but its files are mt-eval's
 TESTSETS = ("conf/testsets/ holds mt-eval's named test sets (mt-eval --test NAME), not a config "
@@ -358,7 +359,7 @@ def _no_key(overrides: list[str]) -> str | None:
 def one_line_refusals(prog: str) -> Iterator[None]:
     """Within it, Hydra's command-line refusals that ``in_words`` knows end the program with
     ``prog: <the line>`` (exit status 1, as Hydra's own) instead of Hydra's report, and a ``-m``
-    sweep that Hydra refuses leaves no sweep directory behind (``_unmade_on_refusal``).
+    sweep that Hydra refuses leaves no sweep directory behind (``mt.hydra_dirs``).
 
     Hydra prints its errors inside ``hydra._internal.utils.run_and_report``, which wraps each
     stage of a run (composing the config, ``--cfg``, a sweep); the wrapper is put in its place for
@@ -376,7 +377,7 @@ def one_line_refusals(prog: str) -> Iterator[None]:
         line = _no_key(_overrides()) or in_words(err)
         return None if line is None else f"{prog}: {line}"
 
-    with _unmade_on_refusal():
+    with unmade_on_refusal():
         original: Callable[[Any], Any] | None = getattr(utils, "run_and_report", None)
 
         def run_and_report(func: Callable[[], Any]) -> Any:
@@ -429,47 +430,3 @@ def _hydra_args() -> Any | None:
             return utils.get_args_parser().parse_args()
     except SystemExit:
         return None
-
-
-REFUSALS = (ConfigCompositionException, MissingConfigException, OverrideParseException)
-
-
-@contextmanager
-def _unmade_on_refusal() -> Iterator[None]:
-    """Hydra's sweeper makes the sweep directory (multirun/DATE_TIME/, with multirun.yaml) before
-    it composes the jobs' configs: a sweep refused for a bad value (``-m
-    trainer.max_steps=5,abc``) left an empty sweep behind at each try. Within this block, such a
-    refusal takes away what the sweeper made, where it holds nothing but multirun.yaml."""
-    from hydra.core.plugins import Plugins
-
-    # Hydra loads its plugins anew from their files: the class it instantiates is its registry's,
-    # not the one `import hydra._internal.core_plugins.basic_sweeper` gives.
-    sweeper: Any = Plugins.instance().class_name_to_class.get(
-        "hydra._internal.core_plugins.basic_sweeper.BasicSweeper")
-    if sweeper is None:  # a later Hydra: its sweeps as they are
-        yield
-        return
-    original = sweeper.sweep
-
-    def sweep(self: Any, arguments: list[str]) -> Any:
-        folder = Path(self.config.hydra.sweep.dir)  # ${now:...} resolves once (cached)
-        made = [folder, *folder.parents]
-        made = made[:next(i for i, d in enumerate(made) if d.exists())]  # mkdir's, deepest first
-        try:
-            return original(self, arguments)
-        except REFUSALS:
-            # (refused before the sweeper made it, or with more in it by now: left as it is)
-            if made and folder.is_dir() and sorted(os.listdir(folder)) == ["multirun.yaml"]:
-                (folder / "multirun.yaml").unlink()
-                for place in made:
-                    try:
-                        place.rmdir()
-                    except OSError:  # something else is in it now
-                        break
-            raise
-
-    sweeper.sweep = sweep
-    try:
-        yield
-    finally:
-        sweeper.sweep = original
