@@ -36,6 +36,7 @@ from hydra.errors import (
     MissingConfigException,
     OverrideParseException,
 )
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
@@ -120,7 +121,14 @@ def in_words(err: BaseException) -> str | None:
         return f"{where}{top}: {str(merging.msg or merging).splitlines()[0]}"
     gone = re.match(r"Could not delete from config\. '([^']+)' does not exist", text)
     if gone:  # ~foo
-        return f"~{gone.group(1)}: the config has no {gone.group(1)} to drop"
+        key = gone.group(1)
+        parent, _, last = key.rpartition(".")
+        cfg = _hydra_local(err, DictConfig)  # the config Hydra applied the overrides to
+        node = OmegaConf.select(cfg, parent) if cfg is not None and parent else cfg
+        if isinstance(node, DictConfig) and last in node:
+            # Hydra takes a null value for no key: ~init_from, with init_from null by default
+            return f"~{key}: {key} is null (unset) already; there is nothing to drop"
+        return f"~{key}: the config has no {key} to drop"
     unlisted = re.match(r"Could not (override|delete) '([^']+)'\. No match in the defaults list"
                         r"(?:\.\nTo append to your default list use \+(\S*))?", text)
     if unlisted and unlisted.group(2):  # a group that the root config's defaults do not choose

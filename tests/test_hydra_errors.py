@@ -85,6 +85,12 @@ def fresh_hydra():
     (["trainer max_steps=2"], "trainer max_steps=2: 'trainer max_steps' is not a key"),
     (["-m", "trainer.max_steps=[1,"], "trainer.max_steps=[1,: its '[' is not closed"),
     (["~foo"], "~foo: the config has no foo to drop"),
+    # a key of the schema whose default is null: Hydra takes null for no key ('has no
+    # init_from to drop' was false)
+    (["~init_from"], "~init_from: init_from is null (unset) already; there is nothing to drop"),
+    (["~data.tokenizer.path"], "~data.tokenizer.path: data.tokenizer.path is null (unset) "
+                               "already; there is nothing to drop"),
+    (["~data.nope"], "~data.nope: the config has no data.nope to drop"),
     # conf/testsets/ is mt-eval's: Hydra's advice (+testsets=..., then '# @package _global_')
     # would make its files keys that mt-train refuses
     (["testsets=multi30k_valid"], "testsets=multi30k_valid: conf/testsets/ holds mt-eval's named "
