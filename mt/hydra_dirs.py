@@ -1,16 +1,21 @@
 """What a refused ``mt-train`` leaves on disk: nothing that it made itself.
 
 Hydra makes a directory before the config it is for is known to be good: the sweeper makes the
-sweep directory (multirun/DATE_TIME/, with multirun.yaml) before it composes the jobs' configs.
-``unmade_on_refusal`` takes such a directory away again when the command is refused, where it
-holds nothing but what Hydra wrote in it; ``mt.hydra_errors`` says the refusal in words.
+sweep directory (multirun/DATE_TIME/, with multirun.yaml) before it composes the jobs' configs,
+and a run makes its run directory (with train.log and .hydra/) before mt's own checks
+(``mt.config_checks``) read the config. ``unmade_on_refusal`` takes such a directory away again
+when the command is refused, where this command made it and it holds nothing but what Hydra
+wrote in it; a directory that was there before is never touched. ``mt.hydra_errors`` says the
+refusal in words.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +28,32 @@ from hydra.errors import (
 # Hydra's refusals of a command line (mt.hydra_errors.in_words says them in one line)
 REFUSALS = (ConfigCompositionException, MissingConfigException, OverrideParseException)
 
+# the files Hydra writes in a run's output subfolder (hydra.output_subdir, .hydra by default)
+SAVED_CONFIGS = ("config.yaml", "hydra.yaml", "overrides.yaml")
+
+
+class ConfigRefused(SystemExit):
+    """A config that mt's own checks refused after Hydra made the run directory: ends the
+    program with its one line, as a SystemExit does, and lets ``unmade_on_refusal`` take away
+    the run directory, which holds nothing of the run's yet."""
+
 
 @contextmanager
 def unmade_on_refusal() -> Iterator[None]:
-    """Hydra's sweeper makes the sweep directory (multirun/DATE_TIME/, with multirun.yaml) before
-    it composes the jobs' configs: a sweep refused for a bad value (``-m
-    trainer.max_steps=5,abc``) left an empty sweep behind at each try. Within this block, such a
-    refusal takes away what the sweeper made, where it holds nothing but multirun.yaml."""
+    """Within this block, a refused command takes away the directory Hydra made for it: a sweep
+    refused for a bad value (``-m trainer.max_steps=5,abc``) left an empty sweep behind at each
+    try, and a run whose config mt's checks refuse (``+extra=nope``, a value out of range,
+    ``ConfigRefused``) left a run directory with only train.log and .hydra/ in it."""
+    with ExitStack() as patches:
+        patches.enter_context(_unmade_sweep())
+        patches.enter_context(_unmade_run())
+        yield
+
+
+@contextmanager
+def _unmade_sweep() -> Iterator[None]:
+    """The sweeper's directory, taken away where Hydra refused the sweep (``REFUSALS``) and it
+    holds nothing but multirun.yaml."""
     from hydra.core.plugins import Plugins
 
     # Hydra loads its plugins anew from their files: the class it instantiates is its registry's,
@@ -43,19 +67,13 @@ def unmade_on_refusal() -> Iterator[None]:
 
     def sweep(self: Any, arguments: list[str]) -> Any:
         folder = Path(self.config.hydra.sweep.dir)  # ${now:...} resolves once (cached)
-        made = [folder, *folder.parents]
-        made = made[:next(i for i, d in enumerate(made) if d.exists())]  # mkdir's, deepest first
+        made = _to_make(folder)
         try:
             return original(self, arguments)
         except REFUSALS:
             # (refused before the sweeper made it, or with more in it by now: left as it is)
-            if made and folder.is_dir() and sorted(os.listdir(folder)) == ["multirun.yaml"]:
-                (folder / "multirun.yaml").unlink()
-                for place in made:
-                    try:
-                        place.rmdir()
-                    except OSError:  # something else is in it now
-                        break
+            if made and _holds_only(folder, {"multirun.yaml"}):
+                _remove(folder, made, {"multirun.yaml"})
             raise
 
     sweeper.sweep = sweep
@@ -63,3 +81,98 @@ def unmade_on_refusal() -> Iterator[None]:
         yield
     finally:
         sweeper.sweep = original
+
+
+@contextmanager
+def _unmade_run() -> Iterator[None]:
+    """The run directory of a run (not a sweep's job: its directory is named in the sweep's
+    summary of failed jobs), taken away where the task refused its config (``ConfigRefused``),
+    this command made the directory and it holds only train.log and Hydra's saved configs."""
+    from hydra._internal import hydra as runner  # Hydra.run calls run_job by this name
+
+    original: Any = getattr(runner, "run_job", None)
+    if original is None:  # a later Hydra: its run directories as they are
+        yield
+        return
+
+    def run_job(*args: Any, **kwargs: Any) -> Any:
+        try:
+            given = inspect.signature(original).bind(*args, **kwargs).arguments
+            folder = _resolved_dir(given["config"], given["job_dir_key"])
+        except Exception:  # not the interface this was written for, or no folder to find
+            return original(*args, **kwargs)
+        made = _to_make(folder)
+        try:
+            return original(*args, **kwargs)
+        except ConfigRefused:
+            subdir = given["config"].hydra.output_subdir
+            logs = [h for h in logging.getLogger().handlers
+                    if isinstance(h, logging.FileHandler)
+                    and Path(h.baseFilename).parent == folder]
+            expected = {Path(h.baseFilename).name for h in logs}
+            if subdir is not None:
+                expected |= {(Path(str(subdir)) / name).as_posix() for name in SAVED_CONFIGS}
+            if made and _holds_only(folder, expected):
+                for handler in logs:  # the log goes with its folder, and no later record
+                    logging.getLogger().removeHandler(handler)  # makes it anew
+                    handler.close()
+                _remove(folder, made, expected)
+            raise
+
+    runner.run_job = run_job
+    try:
+        yield
+    finally:
+        runner.run_job = original
+
+
+def _resolved_dir(config: Any, key: str) -> Path:
+    """The folder ``key`` (hydra.run.dir) names, as run_job resolves it: with Hydra's config set,
+    for a ``${hydra:...}`` in it, and ``${now:...}`` cached in ``config`` for run_job's own
+    reading. Absolute: with hydra.job.chdir=true, run_job changes into it."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    before = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(config)
+    try:
+        return Path(str(OmegaConf.select(config, key))).absolute()
+    finally:
+        HydraConfig.instance().cfg = before
+
+
+def _to_make(folder: Path) -> list[Path]:
+    """The folders ``folder.mkdir(parents=True)`` would make, deepest first: none where it is
+    there already."""
+    chain = [folder, *folder.parents]
+    return chain[:next(i for i, d in enumerate(chain) if d.exists())]
+
+
+def _holds_only(folder: Path, expected: set[str]) -> bool:
+    """Whether ``folder`` is a folder whose files are all among ``expected`` (paths relative to
+    it), with no folder in it but those they lie in."""
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    places = {p for e in expected for p in Path(e).parents} - {Path(".")}
+    for root, dirs, files in os.walk(folder):
+        here = Path(root).relative_to(folder)
+        if any(here / d not in places or (Path(root) / d).is_symlink() for d in dirs):
+            return False
+        if any((here / f).as_posix() not in expected for f in files):
+            return False
+    return True
+
+
+def _remove(folder: Path, made: list[Path], expected: set[str]) -> None:
+    """Removes ``expected``'s files in ``folder``, their folders and the folders this command
+    made (``made``, deepest first), stopping at one that holds something else by now."""
+    for name in expected:
+        (folder / name).unlink(missing_ok=True)
+    places = {folder / p for e in expected for p in Path(e).parents} - {folder}
+    for place in [*sorted(places, key=lambda p: len(p.parts), reverse=True), *made]:
+        try:
+            place.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:  # something else is in it now
+            break

@@ -37,6 +37,7 @@ from mt.distributed import (
     share_run,
 )
 from mt.divergence import Diverged
+from mt.hydra_dirs import ConfigRefused
 from mt.hydra_errors import one_line_refusals
 from mt.inference import cap_kernel_caches
 from mt.interrupts import terminate_as_interrupt
@@ -60,7 +61,14 @@ def hydra_main(dcfg: DictConfig) -> float | None:
         # does, in words (it killed the process without one); the training loop has a handler
         # of its own, which saves the step it stops at
         with terminate_as_interrupt(STOP_SIGNALS):
-            return _run(dcfg)
+            try:
+                cfg = _checked(dcfg)
+            except (ValueError, OmegaConfBaseException) as err:
+                said = _in_words(err)
+                if said is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                return _refused(said)
+            return _run(cfg)
     except (KeyboardInterrupt, Exception) as err:
         if signum := _ctrl_c_within(err):  # how to go on, not a traceback from inside torch
             raise SystemExit(_interrupted(signum)) from None
@@ -111,6 +119,34 @@ def _in_words(err: BaseException) -> str | None:
 
 
 _failed_jobs: list[str] = []  # the sweep's jobs that failed, by number and directory (hydra_main)
+
+
+def _checked(dcfg: DictConfig) -> TrainConfig:
+    """The config as dataclasses, once mt's checks have passed it: its keys (a ``+key`` the
+    schema lacks), its types and interpolations, the ranges of its values."""
+    check_keys(dcfg)
+    cfg: TrainConfig = OmegaConf.to_object(dcfg)
+    check_values(cfg)
+    return cfg
+
+
+def _refused(said: str) -> None:
+    """A config that ``_checked`` refused: a mistake in the command, not a crash, so no
+    traceback and nothing that points at one. The line goes to train.log too (for a run
+    directory that stays: one that was there before, or a sweep's job); a run ends with
+    ``ConfigRefused``, on which ``mt.hydra_dirs`` takes away the run directory this command made;
+    a sweep goes on to its next job."""
+    line = f"mt-train: {said}"
+    record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, "%s", (line,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+    if _in_sweep():
+        print(line, file=sys.stderr, flush=True)
+        job = HydraConfig.get()
+        _failed_jobs.append(f"#{job.job.num} in {job.runtime.output_dir}")
+        return None
+    raise ConfigRefused(line)
 
 
 def _in_sweep() -> bool:
@@ -167,11 +203,8 @@ def _one_line_per_record() -> None:
                 library.removeHandler(handler)
 
 
-def _run(dcfg: DictConfig) -> float | None:
-    check_keys(dcfg)
+def _run(cfg: TrainConfig) -> float | None:
     _one_line_per_record()
-    cfg: TrainConfig = OmegaConf.to_object(dcfg)
-    check_values(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         setup_distributed(cfg.trainer.device)

@@ -368,3 +368,41 @@ def test_a_config_dir_of_ones_own_is_named(arg, line, tmp_path, fresh_hydra, mon
     assert capsys.readouterr().err == ""
     if "did you mean experiment=sub/x" in line:
         assert str(stop.value.code).endswith(", wmt14_en_de_big, sub/x")
+
+
+@pytest.mark.parametrize("arg, line", [
+    ("+extra=nope", "unknown config key extra: the config has data, init_from, model, optim, "
+                    "trainer"),
+    ("trainer.log_every=0", "trainer.log_every must be at least 1, got 0"),
+])
+def test_a_config_mt_refuses_leaves_no_run_directory(arg, line, fresh_hydra, tmp_path,
+                                                     monkeypatch):
+    """Hydra makes the run directory (train.log, .hydra/) before mt's checks read the config: a
+    refused config left it behind, and its line pointed at a traceback in train.log for what is
+    no crash. A directory that was there before is left with all it had."""
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from mt import train
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "mine"
+    (mine / "checkpoints").mkdir(parents=True)
+    (mine / "checkpoints" / "last.pt").write_text("a run's")
+    for where in (["hydra.run.dir=new/deep/run"],  # parents made too: all go
+                  ["hydra.run.dir=moved", "hydra.job.chdir=true"],  # run_job changes into it
+                  ["hydra.run.dir=bare", "hydra.output_subdir=null"],  # no .hydra/
+                  [f"hydra.run.dir={mine}"]):
+        GlobalHydra.instance().clear()
+        monkeypatch.setattr(sys, "argv", ["mt-train", arg, *where])
+        with pytest.raises(SystemExit) as stop:
+            train.main()
+        assert stop.value.code == f"mt-train: {line}", where  # no '(traceback in ...)'
+        for handler in logging.getLogger().handlers:
+            handler.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    assert (mine / "checkpoints" / "last.pt").read_text() == "a run's"
+    log = (mine / "train.log").read_text()
+    assert f"mt-train: {line}" in log and "Traceback" not in log
