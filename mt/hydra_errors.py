@@ -366,8 +366,9 @@ def _no_key(overrides: list[str]) -> str | None:
 @contextmanager
 def one_line_refusals(prog: str) -> Iterator[None]:
     """Within it, Hydra's command-line refusals that ``in_words`` knows end the program with
-    ``prog: <the line>`` (exit status 1, as Hydra's own) instead of Hydra's report, and a ``-m``
-    sweep that Hydra refuses leaves no sweep directory behind (``mt.hydra_dirs``).
+    ``prog: <the line>`` (exit status 1, as Hydra's own) instead of Hydra's report, and a refused
+    command leaves no directory it made behind (``mt.hydra_dirs``: a ``-m`` sweep's that Hydra
+    refuses, a run's whose config mt's checks refuse).
 
     Hydra prints its errors inside ``hydra._internal.utils.run_and_report``, which wraps each
     stage of a run (composing the config, ``--cfg``, a sweep); the wrapper is put in its place for
