@@ -52,6 +52,9 @@ def out_of_memory(err: BaseException) -> bool:
                                            or "allocate memory" in str(err)))
 
 
+LOCK = ".lock"  # run_dir_lock's file in the run directory; it stays when the run ends
+
+
 @contextlib.contextmanager
 def run_dir_lock(run_dir: Path) -> Iterator[None]:
     """Holds ``RUN/.lock`` for as long as a run trains there.
@@ -68,7 +71,7 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
         yield
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / ".lock", "a+", encoding="utf-8") as f:
+    with open(run_dir / LOCK, "a+", encoding="utf-8") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -24,6 +24,13 @@ from mt.config import (
 )
 
 
+class SetupRefused(ValueError):
+    """A value that only the model and optimizer built from the config refuse
+    (``mt.startup.check_setup``: model.heads=3, optim.schedule=linear): a mistake in the command
+    like those ``check_values`` finds, found once the run holds its directory, so ``mt.train``
+    says it without a traceback and takes away the directory it made."""
+
+
 def check_keys(node, schema: type | None = None, prefix: str = "") -> None:
     """Raises ValueError naming the first key of a composed config that ``schema`` (default
     TrainConfig) does not have.

@@ -35,7 +35,12 @@ SAVED_CONFIGS = ("config.yaml", "hydra.yaml", "overrides.yaml")
 class ConfigRefused(SystemExit):
     """A config that mt's own checks refused after Hydra made the run directory: ends the
     program with its one line, as a SystemExit does, and lets ``unmade_on_refusal`` take away
-    the run directory, which holds nothing of the run's yet."""
+    the run directory, which holds nothing of the run's yet but the files named in ``leaves``
+    (its lock, ``mt.checkpoint.LOCK``, where the run took it before the refusal)."""
+
+    def __init__(self, line: str, leaves: tuple[str, ...] = ()) -> None:
+        super().__init__(line)
+        self.leaves = leaves
 
 
 @contextmanager
@@ -104,12 +109,12 @@ def _unmade_run() -> Iterator[None]:
         made = _to_make(folder)
         try:
             return original(*args, **kwargs)
-        except ConfigRefused:
+        except ConfigRefused as refused:
             subdir = given["config"].hydra.output_subdir
             logs = [h for h in logging.getLogger().handlers
                     if isinstance(h, logging.FileHandler)
                     and Path(h.baseFilename).parent == folder]
-            expected = {Path(h.baseFilename).name for h in logs}
+            expected = {Path(h.baseFilename).name for h in logs} | set(refused.leaves)
             if subdir is not None:
                 expected |= {(Path(str(subdir)) / name).as_posix() for name in SAVED_CONFIGS}
             if made and _holds_only(folder, expected):

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from mt import checkpoint
 from mt.config import TrainConfig, finetune_model_config, start_tokenizer_config
+from mt.config_checks import SetupRefused
 from mt.corpus import Corpus
 from mt.data import check_splits, tokenizer_config, tokenizer_dir
 from mt.model import build_model, count_parameters
@@ -64,12 +65,15 @@ def check_setup(cfg: TrainConfig) -> None:
     only they check (model.norm=Pre, a d_model that model.heads does not divide, a freeze
     pattern that matches nothing, optim.schedule=linear) stops the run now, not after the
     tokenizer and the corpus, which can take many minutes, are built."""
-    with torch.device("meta"):  # any vocabulary size: the tokenizer's comes later
-        model = build_model(replace(cfg.model, src_vocab_size=8, tgt_vocab_size=8))
-    if cfg.trainer.freeze:
-        freeze(model, cfg.trainer.freeze)
-    build_optimizer(model, cfg)
-    lr_lambda(cfg)
+    try:
+        with torch.device("meta"):  # any vocabulary size: the tokenizer's comes later
+            model = build_model(replace(cfg.model, src_vocab_size=8, tgt_vocab_size=8))
+        if cfg.trainer.freeze:
+            freeze(model, cfg.trainer.freeze)
+        build_optimizer(model, cfg)
+        lr_lambda(cfg)
+    except ValueError as err:
+        raise SetupRefused(str(err)) from err
 
 
 def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:

@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mt import checkpoint, version_line
 from mt.config import TrainConfig, conf_dir, register_configs
-from mt.config_checks import check_keys, check_values
+from mt.config_checks import SetupRefused, check_keys, check_values
 from mt.distributed import (
     STOP_SIGNALS,
     PeerFailed,
@@ -83,6 +83,8 @@ def hydra_main(dcfg: DictConfig) -> float | None:
         said = _in_words(err)
         if said is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
+        if isinstance(err, SetupRefused):  # model.heads=3: refused under the run's lock
+            return _refused(said, leaves=(checkpoint.LOCK,))
         record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, "mt-train failed",
                                    None, sys.exc_info())
         logs = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
@@ -130,12 +132,13 @@ def _checked(dcfg: DictConfig) -> TrainConfig:
     return cfg
 
 
-def _refused(said: str) -> None:
+def _refused(said: str, leaves: tuple[str, ...] = ()) -> None:
     """A config that ``_checked`` refused: a mistake in the command, not a crash, so no
     traceback and nothing that points at one. The line goes to train.log too (for a run
     directory that stays: one that was there before, or a sweep's job); a run ends with
-    ``ConfigRefused``, on which ``mt.hydra_dirs`` takes away the run directory this command made;
-    a sweep goes on to its next job."""
+    ``ConfigRefused``, on which ``mt.hydra_dirs`` takes away the run directory this command made
+    (with ``leaves``, the files the run wrote there before the refusal); a sweep goes on to its
+    next job."""
     line = f"mt-train: {said}"
     record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, "%s", (line,), None)
     for handler in logging.getLogger().handlers:
@@ -146,7 +149,7 @@ def _refused(said: str) -> None:
         job = HydraConfig.get()
         _failed_jobs.append(f"#{job.job.num} in {job.runtime.output_dir}")
         return None
-    raise ConfigRefused(line)
+    raise ConfigRefused(line, leaves)
 
 
 def _in_sweep() -> bool:

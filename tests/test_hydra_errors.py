@@ -374,6 +374,8 @@ def test_a_config_dir_of_ones_own_is_named(arg, line, tmp_path, fresh_hydra, mon
     ("+extra=nope", "unknown config key extra: the config has data, init_from, model, optim, "
                     "trainer"),
     ("trainer.log_every=0", "trainer.log_every must be at least 1, got 0"),
+    # refused by the model built on the meta device, once the run holds its directory's lock
+    ("model.heads=3", "model.d_model=128 is not divisible by model.heads=3"),
 ])
 def test_a_config_mt_refuses_leaves_no_run_directory(arg, line, fresh_hydra, tmp_path,
                                                      monkeypatch):
@@ -389,8 +391,8 @@ def test_a_config_mt_refuses_leaves_no_run_directory(arg, line, fresh_hydra, tmp
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     monkeypatch.chdir(tmp_path)
     mine = tmp_path / "mine"
-    (mine / "checkpoints").mkdir(parents=True)
-    (mine / "checkpoints" / "last.pt").write_text("a run's")
+    (mine / "notes").mkdir(parents=True)
+    (mine / "notes" / "todo.txt").write_text("a user's")
     for where in (["hydra.run.dir=new/deep/run"],  # parents made too: all go
                   ["hydra.run.dir=moved", "hydra.job.chdir=true"],  # run_job changes into it
                   ["hydra.run.dir=bare", "hydra.output_subdir=null"],  # no .hydra/
@@ -403,6 +405,6 @@ def test_a_config_mt_refuses_leaves_no_run_directory(arg, line, fresh_hydra, tmp
         for handler in logging.getLogger().handlers:
             handler.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
-    assert (mine / "checkpoints" / "last.pt").read_text() == "a run's"
+    assert (mine / "notes" / "todo.txt").read_text() == "a user's"
     log = (mine / "train.log").read_text()
     assert f"mt-train: {line}" in log and "Traceback" not in log
