@@ -133,9 +133,10 @@ def _checked(dcfg: DictConfig) -> TrainConfig:
 
 
 def _refused(said: str, leaves: tuple[str, ...] = ()) -> None:
-    """A config that ``_checked`` refused: a mistake in the command, not a crash, so no
-    traceback and nothing that points at one. The line goes to train.log too (for a run
-    directory that stays: one that was there before, or a sweep's job); a run ends with
+    """A config that mt's checks refused (``_checked``, or ``check_setup``'s ``SetupRefused``):
+    a mistake in the command, not a crash, so no traceback and nothing that points at one. The
+    line goes to train.log too (for a run directory that stays: one that was there before, or
+    a sweep's job); a run ends with
     ``ConfigRefused``, on which ``mt.hydra_dirs`` takes away the run directory this command made
     (with ``leaves``, the files the run wrote there before the refusal); a sweep goes on to its
     next job."""
