@@ -60,6 +60,15 @@ def slow_spm_env(tmp_path: Path, env: dict[str, str]) -> tuple[dict[str, str], P
     return {**env, "PYTHONPATH": path, "MT_TEST_SLOW_SPM": str(marker)}, marker
 
 
+def kill_left(proc: subprocess.Popen, child: int) -> None:
+    """Kills what a failed test left running: mt-train's process group and the training child."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    if child and alive(child):
+        os.kill(child, signal.SIGKILL)
+
+
 def wait_for(marker: Path, proc: subprocess.Popen, seconds: float = 60) -> int:
     """The id in ``marker`` once the slow training has started."""
     deadline = time.monotonic() + seconds
@@ -294,11 +303,7 @@ def test_a_stop_signal_while_the_tokenizer_trains_ends_mt_train_at_once(
             raise AssertionError(f"mt-train still ran 20 s after the {sig}") from err
         took = time.monotonic() - sent
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        if child and alive(child):
-            os.kill(child, signal.SIGKILL)
+        kill_left(proc, child)
     assert proc.returncode == 128 + getattr(signal, sig), said[-3000:]
     how = "interrupted" if sig == "SIGINT" else f"terminated ({sig})"
     assert f"{how} before the first checkpoint; nothing to resume" in said, said[-3000:]
@@ -342,11 +347,7 @@ def test_a_sigterm_to_torchrun_while_rank_0_trains_the_tokenizer_ends_every_rank
         except subprocess.TimeoutExpired as err:
             raise AssertionError("the run still went on 25 s after torchrun's SIGTERM") from err
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        if child and alive(child):
-            os.kill(child, signal.SIGKILL)
+        kill_left(proc, child)
     assert proc.returncode != 0
     assert "terminated (SIGTERM) before the first checkpoint; nothing to resume" in said, \
         said[-3000:]
