@@ -128,7 +128,8 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True,
                          "fine-tuned from one model)")
     if warn and len(runs) < len(paths) and len(paths) > 1:
         unknown = [str(p) for p in paths if p not in runs]
-        warn(f"{', '.join(unknown)}: no run id (saved before runs had one, or imported): "
+        warn(f"{', '.join(unknown)}: no run id (saved before runs had one, imported, or "
+             "an average of several runs' files): "
              "not checked to come from the same training run as the others")
     for p, sources in made_of.items():
         if inside := [str(q) for q, d in zip(paths, digests, strict=True)

@@ -329,3 +329,9 @@ def export_ctranslate2(model: Transformer, tokenizer: Tokenizer | None,
         (out / "src.model").write_bytes(tokenizer.src_proto)
         (out / "tgt.model").write_bytes(tokenizer.tgt_proto)
     return out
+
+
+if __name__ == "__main__":  # python -m mt.export exited 0 without a word and wrote nothing
+    from mt.interop import export_main
+
+    export_main()

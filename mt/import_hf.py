@@ -391,3 +391,9 @@ def _remap_file(path: Path, proto: bytes, pieces: list[str], language_codes: boo
         return remap_spm(proto, pieces, language_codes)
     except DecodeError as err:
         raise ValueError(f"{path}: not a SentencePiece model ({err})") from None
+
+
+if __name__ == "__main__":  # python -m mt.import_hf exited 0 without a word and wrote nothing
+    from mt.interop import import_main
+
+    import_main()

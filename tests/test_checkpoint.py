@@ -160,6 +160,13 @@ def test_average_refuses_checkpoints_of_two_runs_unless_asked(tmp_path, tokenize
     said = []
     assert "run_id" not in average([paths["a1"], paths["old"]], warn=said.append)
     assert len(said) == 1 and "old.pt: no run id" in said[0]
+    # a soup has no run id either: the warning named only old files and imported models
+    checkpoint.save_atomic(average([paths["a1"], paths["b1"]], across_runs=True),
+                           tmp_path / "ab.pt")
+    said.clear()
+    average([paths["a2"], tmp_path / "ab.pt"], warn=said.append)
+    assert len(said) == 1 and "ab.pt: no run id" in said[0], said
+    assert "an average of several runs' files" in said[0], said
     with pytest.raises(SystemExit, match=r"^mt-average: .*b1\.pt: from another training run "
                                          r"than .*a1\.pt; .*--across-runs"):
         main([str(paths["a1"]), str(paths["b1"]), "-o", str(tmp_path / "soup.pt")])

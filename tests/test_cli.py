@@ -244,6 +244,18 @@ def test_every_command_runs_as_python_m_its_module(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing run
 
 
+def test_python_m_of_the_conversion_modules_runs_their_command(tmp_path):
+    """``python -m mt.export -m RUN --format hf --out DIR`` (the module named like mt-export)
+    exited 0 without a word and wrote nothing, as did ``python -m mt.import_hf``: a script
+    that went on after it found no export. Each runs the command it converts for."""
+    for module, command in [("mt.export", "mt-export"), ("mt.import_hf", "mt-import")]:
+        result = subprocess.run([PYTHON, "-m", module, "--bogus"], cwd=tmp_path,
+                                env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, (module, result.stderr)
+        assert result.stderr.startswith(f"usage: {command} "), (module, result.stderr)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_python_m_usage_names_a_command_that_runs(tmp_path):
     """``python -m mt.train --bogus`` and ``python -m mt.demo --bogus`` said "usage: train.py",
     "demo.py: error": argparse's name from sys.argv[0], a command nobody can type. Each usage
