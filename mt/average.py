@@ -126,7 +126,8 @@ def average(paths: list[str | os.PathLike], refuse_copies: bool = True,
         raise ValueError(f"{other}: from another training run than {first}; their average "
                          "would be a broken model (give --across-runs for a model soup of runs "
                          "fine-tuned from one model)")
-    if warn and len(runs) < len(paths) and len(paths) > 1:
+    if warn and not across_runs and len(runs) < len(paths) and len(paths) > 1:
+        # (across_runs: files of other runs asked for, so none is checked to be of one)
         unknown = [str(p) for p in paths if p not in runs]
         warn(f"{', '.join(unknown)}: no run id (saved before runs had one, imported, or "
              "an average of several runs' files): "
