@@ -164,7 +164,12 @@ def make_corpus(run: Run, start: dict | None, origin: str) -> Corpus:
     mistake in a split before, and after, a trainer.best_metric=loss that no valid pair can
     give (tied embeddings over two vocabularies: ``check_tied``, before)."""
     cfg = run.cfg
-    check_splits(cfg.data, test=cfg.trainer.test_at_end)
+    try:
+        check_splits(cfg.data, test=cfg.trainer.test_at_end)
+    except (ValueError, OSError) as err:
+        # a data.* mistake (a missing file: a typo in data.dir), found before the run wrote
+        # anything: said as the command's mistake, and the run directory it made goes
+        raise SetupRefused(str(err)) from err
     corpus = Corpus(cfg, run.run_dir, run.rank, run.world,
                     Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
     tok = corpus.tokenizer

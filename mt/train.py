@@ -84,7 +84,7 @@ def hydra_main(dcfg: DictConfig) -> float | None:
         if said is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         if isinstance(err, SetupRefused):  # model.heads=3: refused under the run's lock
-            return _refused(said, leaves=(checkpoint.LOCK,))
+            return _refused(_in_words(err.__cause__) or said, leaves=(checkpoint.LOCK,))
         record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, "mt-train failed",
                                    None, sys.exc_info())
         logs = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]

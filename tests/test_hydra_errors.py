@@ -376,6 +376,9 @@ def test_a_config_dir_of_ones_own_is_named(arg, line, tmp_path, fresh_hydra, mon
     ("trainer.log_every=0", "trainer.log_every must be at least 1, got 0"),
     # refused by the model built on the meta device, once the run holds its directory's lock
     ("model.heads=3", "model.d_model=128 is not divisible by model.heads=3"),
+    # refused by the split check, the first read of data.dir (a typo in it)
+    ("data=multi30k data.dir=/nonexistent/mt-data",
+     "/nonexistent/mt-data/valid.en: no such file (nor valid.en.gz)"),
 ])
 def test_a_config_mt_refuses_leaves_no_run_directory(arg, line, fresh_hydra, tmp_path,
                                                      monkeypatch):
@@ -398,7 +401,7 @@ def test_a_config_mt_refuses_leaves_no_run_directory(arg, line, fresh_hydra, tmp
                   ["hydra.run.dir=bare", "hydra.output_subdir=null"],  # no .hydra/
                   [f"hydra.run.dir={mine}"]):
         GlobalHydra.instance().clear()
-        monkeypatch.setattr(sys, "argv", ["mt-train", arg, *where])
+        monkeypatch.setattr(sys, "argv", ["mt-train", *arg.split(), *where])
         with pytest.raises(SystemExit) as stop:
             train.main()
         assert stop.value.code == f"mt-train: {line}", where  # no '(traceback in ...)'
