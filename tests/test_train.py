@@ -453,10 +453,12 @@ def test_empty_valid_or_test_files_are_refused_at_start_naming_them(trainer_fact
     for split in ("valid", "test"):
         for lang in ("en", "zz"):
             (data / f"{split}.{lang}").write_text("")
-        with pytest.raises(DataError, match=f"^{data}/{split}.en and {data}/{split}.zz: no "
-                                            f"sentence pairs in them \\(the split "
-                                            f"'{split}'\\)$"):
+        with pytest.raises(ValueError, match=f"^{data}/{split}.en and {data}/{split}.zz: no "
+                                             f"sentence pairs in them \\(the split "
+                                             f"'{split}'\\)$") as caught:
             trainer_factory(f"empty_{split}", f"data.dir={data}", "trainer.test_at_end=true")
+        # a SetupRefused (the command's mistake: no traceback, the new run directory goes)
+        assert isinstance(caught.value.__cause__, DataError)
         shutil.copy(corpus_dir / f"{split}.en", data / f"{split}.en")
         shutil.copy(corpus_dir / f"{split}.zz", data / f"{split}.zz")
     # lines, but blank on one side or the other: a BLEU of 0 at every validation
@@ -475,8 +477,9 @@ def test_empty_valid_or_test_files_are_refused_at_start_naming_them(trainer_fact
     # and a bad line in the test set is found now, not after the training
     lines = (corpus_dir / "test.zz").read_bytes().splitlines(keepends=True)
     (data / "test.zz").write_bytes(b"".join(lines[:2] + [b"caf\xe9\n"] + lines[3:]))
-    with pytest.raises(DataError, match=f"^{data}/test.zz:3: invalid UTF-8"):
+    with pytest.raises(ValueError, match=f"^{data}/test.zz:3: invalid UTF-8") as caught:
         trainer_factory("bad_test", f"data.dir={data}", "trainer.test_at_end=true")
+    assert isinstance(caught.value.__cause__, DataError)
 
 
 @pytest.mark.parametrize("layout", ["save_to_disk", "data_files"])
