@@ -268,7 +268,7 @@ def marian_languages(directory: str | os.PathLike,
     config, found = _read_json(path), {}
     for key, name in (("source_lang", "src_lang"), ("target_lang", "tgt_lang")):
         value = config.get(key)
-        if value is None or name not in wanted:
+        if value in (None, "") or name not in wanted:  # "" names none (transformers loads it so)
             continue
         if not isinstance(value, str) or not re.fullmatch(r"\S+", value):
             raise ValueError(f"{path}: {key}={value!r} is not a language code (such as 'zh'); "

@@ -43,8 +43,10 @@ def make_metric(name: str, *, tokenize: str | None = None, lowercase: bool = Fal
     raise EvalError(f"unknown metric {name!r} (choose from {', '.join(METRICS)})")
 
 
-# ISO 639-3 codes (OPUS's zho, jpn, kor) of the languages sacrebleu has a BLEU tokenizer for.
-_THREE_LETTER = {"zho": "zh", "cmn": "zh", "jpn": "ja", "kor": "ko"}
+# ISO 639-3 codes (OPUS's zho, jpn, kor) of the languages sacrebleu has a BLEU tokenizer for,
+# and the ISO 639-5 families whose members all write that way (zhx Chinese, jpx Japanese and the
+# Ryukyuan languages). Other groups (mul, roa) get 13a: their members are not known.
+_THREE_LETTER = {"zho": "zh", "cmn": "zh", "jpn": "ja", "kor": "ko", "zhx": "zh", "jpx": "ja"}
 
 
 def bleu_target(lang: str) -> str:

@@ -730,6 +730,29 @@ def test_a_multilingual_opus_mt_side_is_each_of_its_languages(tmp_path, capsys, 
     assert make_metric("bleu", trg_lang=ZH).tokenizer.signature() == "zh"
 
 
+def test_a_language_group_side_is_not_checked_against_the_test_set(tmp_path, capsys, caplog):
+    """A model imported with a group code (mt-import --tgt-lang roa; opus-mt-en-mul's
+    tokenizer_config.json) was 'trained for en-roa, test set is en-fr: check the direction': a
+    group's members are not known, so that side cannot be checked; the other side still is."""
+    from mt.report import bleu_target, make_metric
+
+    for tgt in ("roa", "mul", "ROMANCE", "gem", "zle+zlw"):
+        src_file, ref_file = _tiny_model_and_test_set(tmp_path, tgt_lang=tgt)
+        argv = ["-m", str(tmp_path / "m.pt"), "--src", src_file, "--ref", ref_file, "--beam",
+                "1", "--max-len-b", "3"]
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mt.evaluate"):
+            _run([*argv, "--langpair", "en-fr"], capsys)
+            _run(argv, capsys)  # no langpair: 13a, and no Chinese target to warn of
+        assert "trained for" not in caplog.text, tgt
+        with caplog.at_level("WARNING", logger="mt.evaluate"):  # the source is still checked
+            _run([*argv, "--langpair", "de-fr"], capsys)
+        assert f"m.pt was trained for en-{tgt}, test set" in caplog.text, tgt
+    assert bleu_target("mul") == "mul" and bleu_target("ROMANCE") == "ROMANCE"  # 13a
+    assert make_metric("bleu", trg_lang="mul").tokenizer.signature() == "13a"
+    assert bleu_target("zhx") == "zh" and bleu_target("jpx") == "ja"  # families of one script
+
+
 def test_each_test_set_is_checked_against_the_models_direction(tmp_path, capsys, caplog,
                                                                 monkeypatch):
     """The direction was checked only on the test set the model was loaded for: an en-de model

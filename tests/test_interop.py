@@ -893,5 +893,18 @@ def test_import_records_the_languages_that_bleu_is_tokenized_for(tmp_path, corpu
     assert languages("--tgt-lang", "zh") == {"tgt_lang": "zh"}  # the way round it
 
 
+def test_an_empty_language_in_tokenizer_config_is_none(tmp_path):
+    """tokenizer_config.json with source_lang "" (transformers loads such a folder, and reads
+    the language as unset) was refused by mt-import: "source_lang='' is not a language code"."""
+    from mt.import_hf import marian_languages
+
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"source_lang": "", "target_lang": "de"}))
+    assert marian_languages(tmp_path) == {"tgt_lang": "de"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"target_lang": " "}))
+    with pytest.raises(ValueError, match="target_lang=' ' is not a language code"):
+        marian_languages(tmp_path)  # a blank is not a code either
+
+
 def _write_lines(path: Path, lines: list[str]) -> None:
     path.write_text("".join(line + "\n" for line in lines))
