@@ -283,11 +283,18 @@ def _check_init_from(trainer: Run, state: dict, saved_config: dict, path: Path) 
     # the run's own model, deleted or moved since; or as an older last.pt named it, kept as written
     if (found is None and asked == saved_init) or asked == started:
         return started
-    if found is None or (str(found.resolve()) != started
-                         and not _same_weights(found, state.get("started_digest"))):
-        log.warning("init_from=%s is not used: %s resumes the run of %s, which started from %s; "
-                    "to start from %s, give the run another directory (hydra.run.dir)", asked,
-                    path.parent.parent, path, started or "no model (no init_from)", asked)
+    if found is not None and str(found.resolve()) != started and _same_weights(
+            found, state.get("started_digest")):
+        # Moved or renamed since: its new name is the one to tell (a later warning named the
+        # old path, where no file was), and the one the next resume compares.
+        log.info("init_from=%s holds the weights this run started from (as %s; the same by "
+                 "their digest): the run goes on, and names it so from now on", asked, started)
+        return str(found.resolve())
+    if found is None or str(found.resolve()) != started:
+        gone = " (no file there now)" if started and not os.path.exists(started) else ""
+        log.warning("init_from=%s is not used: %s resumes the run of %s, which started from %s%s;"
+                    " to start from %s, give the run another directory (hydra.run.dir)", asked,
+                    path.parent.parent, path, started or "no model (no init_from)", gone, asked)
     return started
 
 

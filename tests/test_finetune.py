@@ -181,9 +181,14 @@ def test_a_resume_says_when_init_from_names_another_model_than_the_run_started_f
     (base / "checkpoints" / "best.pt").rename(moved)
     said = fit_here("tuned", *steps, f"init_from={moved}", "trainer.max_steps=7")
     assert "at step 6" in said and "is not used" not in said
+    assert (f"init_from={moved} holds the weights this run started from (as "
+            f"{base / 'checkpoints' / 'best.pt'}; the same by their digest)") in said
+    # from then on the run's starting model is named as the command named it: the warning
+    # named the old path, where no file was
     said = fit_here("tuned", *steps, f"init_from={other / 'checkpoints' / 'best.pt'}",
                     "trainer.max_steps=8")
-    assert "is not used" in said
+    assert f"is not used: {tmp_path / 'tuned'} resumes" in said
+    assert f"which started from {moved}; to start" in said
 
 
 def test_a_resume_of_a_last_pt_without_started_from_whose_model_is_gone_keeps_its_name(
@@ -207,7 +212,7 @@ def test_a_resume_of_a_last_pt_without_started_from_whose_model_is_gone_keeps_it
     said = fit_here("tuned", *steps, "init_from=start.pt", "trainer.max_steps=3")
     assert "at step 2" in said and "is not used" not in said
     said = fit_here("tuned", *steps, f"init_from={tmp_path / 'base'}", "trainer.max_steps=4")
-    assert "which started from start.pt;" in said and "no model" not in said
+    assert "which started from start.pt (no file there now);" in said and "no model" not in said
     start.write_bytes((tmp_path / "base" / "checkpoints" / "best.pt").read_bytes())  # back
     said = fit_here("tuned", *steps, "init_from=start.pt", "trainer.max_steps=5")
     assert "at step 4" in said and "is not used" not in said
