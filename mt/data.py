@@ -46,9 +46,10 @@ from mt.hub import check_hub_splits, load_hub
 from mt.textio import carriage_returns_only, utf8_text
 
 # Part of the text cache's key: bump it when reading changes what a file's lines become (2: a
-# byte-order mark before line 1 is dropped, a blank TSV line is an empty pair), so that a cache
-# written by an older mt is not served as the text.
-READ_VERSION = 2
+# byte-order mark before line 1 is dropped, a blank TSV line is an empty pair; 3: one before
+# any line, as `cat a.txt b.txt` leaves b's), so that a cache written by an older mt is not
+# served as the text.
+READ_VERSION = 3
 
 
 class DataError(ValueError):
@@ -64,14 +65,14 @@ def _open_text(path: Path):
 
 
 def _decode(raw: bytes, path: Path, lineno: int) -> str:
-    """A line's text; the byte-order mark that Windows editors put before line 1 is no text."""
+    """A line's text; a byte-order mark before it is no text (``utf8_text``): Windows editors
+    put one before line 1, and ``cat a.txt b.txt`` leaves b's before a line in mid-file."""
     if (mistake := carriage_returns_only(raw, lineno)) is not None:
         raise DataError(f"{path}:{lineno}: {mistake}")
     try:
-        text = utf8_text(raw)
+        return utf8_text(raw)
     except ValueError as err:
         raise DataError(f"{path}:{lineno}: {err}") from None
-    return text.removeprefix("\ufeff") if lineno == 1 else text
 
 
 def _find(path: Path) -> Path:
@@ -278,11 +279,13 @@ def _tagged(src: str, tag: str, normalization: str = "identity") -> str:
     ``normalization``) is tagged already (back-translations tagged before, as other toolkits
     want them) and keeps its one tag: "<BT> <BT> ..." was another input than the tag's. Under
     a case-folding rule (``*_cf``) that is "<BT>" for the tag "<bt>"; under NFKC a fullwidth
-    "＜BT＞" (as CJK text tools write it), and under the nmt_* rules a byte-order mark before
-    the tag (a file joined to another by ``cat``, its BOM now in mid-file); tagging them again
-    gave the model two tags. That includes the tag glued to the text (``sed 's/^/<BT>/'``),
-    since the tokenizer reads "<BT>Hello" as the tag and "Hello" too; it gets the space, so that
-    the text after the tag encodes as it would untagged ("Hello" as a word, not as its middle).
+    "＜BT＞" (as CJK text tools write it), and under the nmt_* rules a format character before
+    the tag, such as a zero-width space (a byte-order mark, which ``cat`` leaves in mid-file,
+    is gone already under every rule: files are read without one at a line's start); tagging
+    them again gave the model two tags. That includes the tag glued to the text
+    (``sed 's/^/<BT>/'``), since the tokenizer reads "<BT>Hello" as the tag and "Hello" too; it
+    gets the space, so that the text after the tag encodes as it would untagged ("Hello" as a
+    word, not as its middle).
     """
     text = src.lstrip()
     if not text:

@@ -68,9 +68,10 @@ class TestSet:
 
 def read_text(path: str | os.PathLike) -> list[str]:
     """A file's lines as the sacrebleu CLI reads them (UTF-8, trailing whitespace stripped), but
-    for a byte-order mark at the start: not text, so not part of the first line, as ``mt-train``
-    and ``translate`` read it (sacrebleu keeps it, which moved the test chrF of a run whose
-    reference file had one in its 4th decimal against the run's own ``test.json``)."""
+    for a byte-order mark at the start of a line (the file's, or one ``cat`` left in mid-file):
+    not text, so not part of the line, as ``mt-train`` and ``translate`` read it (sacrebleu keeps
+    it, which moved the test chrF of a run whose reference file had one in its 4th decimal
+    against the run's own ``test.json``)."""
     p = Path(path)
     try:
         if str(path) == "-":  # `translate ... | mt-eval --hyp - --ref REF`, as sacrebleu reads it
@@ -89,8 +90,6 @@ def read_text(path: str | os.PathLike) -> list[str]:
     if lines[-1] == b"":
         lines.pop()  # the final newline ends the last line
     out = []
-    if lines and lines[0].startswith(b"\xef\xbb\xbf"):
-        lines[0] = lines[0][3:]
     for lineno, raw in enumerate(lines, start=1):
         try:
             out.append(utf8_text(raw).rstrip())

@@ -40,27 +40,35 @@ def carriage_returns_only(raw: bytes, lineno: int) -> str | None:
     return None
 
 
+# U+FEFF, the byte-order mark that "UTF-8 with BOM" files start with. At the start of a line it
+# is never text: a file's own, or the second file's of `cat a.txt b.txt`, now in mid-file.
+BOM = "\ufeff"
+
+
 def utf8_text(raw: bytes) -> str:
-    """A line's bytes as text without its line end (``\\n``, ``\\r\\n``); invalid UTF-8 raises
-    ValueError in the words that translate, mt-eval and mt-train share: the reason and the
-    byte's offset, in the line without its end. (Decoded with the end, a character cut short
-    just before it read as "invalid continuation byte" to one command and "unexpected end of
-    data" to another.)"""
+    """A line's bytes as text without its line end (``\\n``, ``\\r\\n``) and without byte-order
+    marks before it (``BOM``: kept, the identity and nfkc normalizations, which keep it, made
+    the line's first piece <unk>; a tagged back-translation's tag was not seen, and tagged
+    again); invalid UTF-8 raises ValueError in the words that translate, mt-eval and mt-train
+    share: the reason and the byte's offset, in the line without its end. (Decoded with the
+    end, a character cut short just before it read as "invalid continuation byte" to one command
+    and "unexpected end of data" to another.)"""
     line = raw.removesuffix(b"\n").rstrip(b"\r")
     try:
-        return line.decode("utf-8")
+        return line.decode("utf-8").lstrip(BOM)
     except UnicodeDecodeError as err:
         raise ValueError(f"invalid UTF-8 ({err.reason} at byte {err.start})") from None
 
 
 def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> str:
-    """One line read as bytes, as text without its line end; invalid UTF-8 raises InputError
+    """One line read as bytes, as text without its line end (nor a byte-order mark before it,
+    as ``utf8_text``); invalid UTF-8 raises InputError
     with the file's name and the line number (``errors="replace"``: U+FFFD instead), and so
     does a file whose lines end in ``\\r`` alone (``carriage_returns_only``)."""
     if (mistake := carriage_returns_only(raw, lineno)) is not None:
         raise InputError(f"{name}:{lineno}: {mistake}")
     if errors != "strict":
-        return raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r")
+        return raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r").lstrip(BOM)
     try:
         return utf8_text(raw)
     except ValueError as err:

@@ -87,6 +87,23 @@ def test_a_byte_order_mark_before_line_one_is_not_text(tmp_path, fmt):
     assert read_lines(tmp_path / "d" / f"train.{'en' if fmt == 'text' else fmt}")[0][0] != "\ufeff"
 
 
+@pytest.mark.parametrize("fmt", ["text", "tsv", "jsonl"])
+def test_a_byte_order_mark_before_a_line_in_mid_file_is_not_text(tmp_path, fmt):
+    """`cat a.txt b.txt > train.txt`, b saved "UTF-8 with BOM": b's BOM is now before a line in
+    mid-file. It stuck to that source, where the identity and nfkc normalizations keep it (the
+    line's first piece <unk>), and broke a JSON line."""
+    _write_split(tmp_path / "a", fmt, "train", PAIRS[:2])
+    _write_split(tmp_path / "b", fmt, "train", PAIRS[2:], bom=True)
+    for a in (tmp_path / "a").iterdir():  # cat a/train.X b/train.X > d/train.X
+        (tmp_path / "d").mkdir(exist_ok=True)
+        (tmp_path / "d" / a.name).write_bytes(a.read_bytes()
+                                              + (tmp_path / "b" / a.name).read_bytes())
+    ds = load_split(_cfg(tmp_path / "d", fmt), "train", cache_dir=str(tmp_path / "cache"))
+    assert _pairs(ds) == PAIRS
+    lines = read_lines(tmp_path / "d" / f"train.{'en' if fmt == 'text' else fmt}")
+    assert not any(line.startswith("\ufeff") for line in lines)
+
+
 def test_splits_joined_by_plus_are_concatenated_in_order(tmp_path):
     """`data.train=train+bt`: the original pairs then the synthetic ones, with a fingerprint of
     their own that is stable across loads (the encoding cache is keyed by it)."""

@@ -445,12 +445,14 @@ def test_json_and_another_format_is_refused(files):
 
 def test_a_byte_order_mark_is_not_text(files, capsys):
     """A file saved with a BOM scores as the same file without one, as mt-train reads its test
-    references (the run's test.json and mt-eval on the same files gave different chrF)."""
+    references (the run's test.json and mt-eval on the same files gave different chrF); so does
+    one with a BOM before a line in mid-file (`cat a.txt b.txt`, b saved with one)."""
     marked = {}
     for name in ("ref", "good"):
-        text = Path(files[name]).read_text(encoding="utf-8")
+        lines = Path(files[name]).read_text(encoding="utf-8").splitlines(keepends=True)
         marked[name] = files["tmp"] / f"bom.{name}"
-        marked[name].write_text("\ufeff" + text, encoding="utf-8")
+        marked[name].write_text("\ufeff" + "".join(lines[:3]) + "\ufeff" + "".join(lines[3:]),
+                                encoding="utf-8")
     plain = _run(["--hyp", files["good"], "--ref", files["ref"], "--name", "t"], capsys)
     bom = _run(["--hyp", str(marked["good"]), "--ref", str(marked["ref"]), "--name", "t"], capsys)
     assert [s["scores"] for s in bom["tests"][0]["systems"]] == [

@@ -173,7 +173,8 @@ def test_a_source_tagged_beforehand_is_found_as_the_tokenizers_normalization_rea
     """Under nmt_nfkc (the default) the tokenizer reads a fullwidth "＜BT＞" (as CJK text
     tools write it) as the tag "<BT>", and a byte-order mark before the tag (a file joined to
     another by ``cat``, the second's BOM in mid-file) as nothing: such sources were tagged
-    again, and encoded to two tags. Under identity both are other text, and are tagged."""
+    again, and encoded to two tags. Under identity "＜BT＞" is other text, and is tagged; the
+    BOM is not read at all under any rule (it was, under identity: "<BT> \ufeff<BT> water")."""
     src = ["\uff1cBT\uff1e green tree", "\uff1cBT\uff1egreen", "\ufeff<BT> water",
            "\ufeff\uff1cBT\uff1e stone", "green"]
     _write(tmp_path / "d", "train", TRAIN[0][:3], TRAIN[1][:3])
@@ -188,7 +189,8 @@ def test_a_source_tagged_beforehand_is_found_as_the_tokenizers_normalization_rea
     identity = TokenizerConfig(vocab_size=60, normalization="identity")
     ds = load_train(dataclasses.replace(cfg, tokenizer=identity),
                     cache_dir=str(tmp_path / "cache"))  # not served the nmt_nfkc cache
-    assert list(ds["src"][3:]) == [f"<BT> {s}" for s in src]
+    assert list(ds["src"][3:]) == ["<BT> \uff1cBT\uff1e green tree", "<BT> \uff1cBT\uff1egreen",
+                                   "<BT> water", "<BT> \uff1cBT\uff1e stone", "<BT> green"]
 
 
 @pytest.mark.parametrize("rule", ["nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf"])

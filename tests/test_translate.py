@@ -137,6 +137,31 @@ def test_lines_of_nothing_the_tokenizer_keeps_are_empty_lines(models, tmp_path, 
         assert per_line[1] == per_line[2] == per_line[3] == per_line[4], fmt
 
 
+@pytest.mark.parametrize("normalization", ["identity", "nfkc"])
+def test_a_byte_order_mark_at_a_lines_start_is_not_translated(tmp_path, capsys, normalization):
+    """Files joined by `cat a.txt b.txt`, b saved "UTF-8 with BOM", have b's BOM before a line
+    in mid-file (and a's before line 1). The identity and nfkc normalizations keep it, so the
+    line began with <unk> and was translated as another sentence; a line of a BOM alone was a
+    sentence. Read as not there: each line translates as without it, one line out per line."""
+    rng = random.Random(4)
+    text = [_sentence(rng) for _ in range(300)]
+    tok = train_tokenizer(text[:150], text[150:],
+                          TokenizerConfig(vocab_size=100, normalization=normalization))
+    model = _save_model(tmp_path / "m.pt", tok, 0)
+    plain = ["the dog runs", "red ball near the park", "", "a cat sits"]
+    a = _write(tmp_path / "a.txt", plain[:2])
+    b = tmp_path / "b.txt"
+    b.write_bytes(b"\xef\xbb\xbf" + "".join(line + "\n" for line in plain[2:]).encode())
+    joined = tmp_path / "joined.txt"
+    joined.write_bytes(b"\xef\xbb\xbf" + Path(a).read_bytes() + b.read_bytes()
+                       + "\ufeffthe man\n".encode())
+    args = ["-m", model, "--beam", "1", *FAST]
+    expected = _run([*args, "-i", _write(tmp_path / "plain.txt", [*plain, "the man"])], capsys)
+    for errors in ("strict", "replace"):
+        assert _run([*args, "-i", str(joined), "--errors", errors], capsys) == expected, errors
+    assert expected[2] == ""  # the BOM-only line: an empty line, as an empty line gives
+
+
 def test_a_model_that_writes_line_breaks_still_gives_one_line_per_input_line(tmp_path, capsys):
     """A model with byte fallback can write the pieces of a line feed, a carriage return or a tab
     (sampling from an under-trained one did: 62 lines out for 60 in, every later line shifted
