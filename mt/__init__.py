@@ -26,7 +26,8 @@ vocabulary shortlists that restrict each line's output layer, ``mbr`` minimum Ba
 alignments and word scores; ``export`` / ``import_hf`` (CLIs in ``interop``) move models to and
 from Hugging Face Marian and CTranslate2; ``demo`` generates the default corpus.
 ``entry`` holds the console scripts (an interrupt while torch loads is one line); ``spmtrain``
-trains SentencePiece in a child process a stop signal can end, ``spm_spec`` reads a tokenizer's
+trains SentencePiece in a child process a stop signal can end (``pdeathsig`` makes it, and
+``workers``' processes, die with a parent killed outright), ``spm_spec`` reads a tokenizer's
 settings from its models; ``startup`` sets a training run up and ``stopping`` says when its
 budget ends it.
 """

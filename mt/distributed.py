@@ -13,12 +13,14 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import takewhile
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from mt.hydra_dirs import SAVED_CONFIGS, holds_only, remove_made
 from mt.interrupts import HANGUP
 
 log = logging.getLogger("mt.distributed")
@@ -124,7 +126,9 @@ def leave_run_dir(own: Path, shared: Path, remove: bool, meta: str | None = ".hy
     multi-process run leaves one run directory, not one per rank.
 
     Only what Hydra wrote is removed: its ``meta`` folder (``hydra.output_subdir``) with its three
-    files and the log files this process had open there; a directory holding anything else stays.
+    files and the log files this process had open there (``mt.hydra_dirs.holds_only``, as for a
+    refused command's directory); a directory holding anything else, or a link (itself, its log,
+    its meta folder: someone's, reached through it), stays.
     Tidying up never stops the run: a failure is a warning. A process that Hydra moved into
     ``own`` (``hydra.job.chdir=true``) moves to ``shared``, where rank 0 works, so that relative
     paths mean the same on every rank and its working directory is never one that was removed.
@@ -139,34 +143,21 @@ def leave_run_dir(own: Path, shared: Path, remove: bool, meta: str | None = ".hy
             logs.add(Path(handler.baseFilename).name)
     if not remove or not own.is_dir() or own.resolve() == shared.resolve():
         return
-    meta_dir = own / meta if meta else None
-    hydra_files = {"config.yaml", "hydra.yaml", "overrides.yaml"}
-
-    def hydras(p: Path) -> bool:
-        if p.is_symlink():
-            return False
-        if p == meta_dir:
-            return p.is_dir() and {q.name for q in p.iterdir()} <= hydra_files
-        return p.name in logs and p.is_file()
-
+    expected = set(logs)
+    if meta:
+        expected |= {(Path(meta) / name).as_posix() for name in SAVED_CONFIGS}
+    # With it go the folders the template made for it alone (``runs/${now:%Y-%m-%d}/
+    # ${now:%H-%M-%S}`` with the second rank past midnight): those not on rank 0's path, once
+    # empty.
+    on_shared_path = shared.resolve().parents
+    made = [own, *takewhile(lambda p: p not in on_shared_path, own.resolve().parents)]
     try:
-        entries = list(own.iterdir())
-        if not all(hydras(p) for p in entries):
+        # A link in it is someone's, not Hydra's (holds_only refuses linked folders, this files).
+        if any(p.is_symlink() for p in own.iterdir()) or not holds_only(own, expected):
             return
-        for p in entries:
-            if p == meta_dir:
-                for q in p.iterdir():
-                    q.unlink()
-                p.rmdir()
-            else:
-                p.unlink()
-        own.rmdir()
-        # Folders the template made for it alone (``runs/${now:%Y-%m-%d}/${now:%H-%M-%S}`` with
-        # the second rank past midnight): empty, and not on rank 0's path.
-        parent = own.resolve().parent
-        while parent not in shared.resolve().parents and not any(parent.iterdir()):
-            parent.rmdir()
-            parent = parent.parent
+        remove_made(own, made, expected)
+        if own.exists():  # remove_made stops quietly at a folder that will not go: say why
+            own.rmdir()
     except OSError as err:
         log.warning("could not remove %s, the run directory this process named before it took "
                     "rank 0's (%s): %s", own, shared, err)

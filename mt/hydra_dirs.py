@@ -77,8 +77,8 @@ def _unmade_sweep() -> Iterator[None]:
             return original(self, arguments)
         except REFUSALS:
             # (refused before the sweeper made it, or with more in it by now: left as it is)
-            if made and _holds_only(folder, {"multirun.yaml"}):
-                _remove(folder, made, {"multirun.yaml"})
+            if made and holds_only(folder, {"multirun.yaml"}):
+                remove_made(folder, made, {"multirun.yaml"})
             raise
 
     sweeper.sweep = sweep
@@ -117,11 +117,11 @@ def _unmade_run() -> Iterator[None]:
             expected = {Path(h.baseFilename).name for h in logs} | set(refused.leaves)
             if subdir is not None:
                 expected |= {(Path(str(subdir)) / name).as_posix() for name in SAVED_CONFIGS}
-            if made and _holds_only(folder, expected):
+            if made and holds_only(folder, expected):
                 for handler in logs:  # the log goes with its folder, and no later record
                     logging.getLogger().removeHandler(handler)  # makes it anew
                     handler.close()
-                _remove(folder, made, expected)
+                remove_made(folder, made, expected)
             raise
 
     runner.run_job = run_job
@@ -153,7 +153,7 @@ def _to_make(folder: Path) -> list[Path]:
     return chain[:next(i for i, d in enumerate(chain) if d.exists())]
 
 
-def _holds_only(folder: Path, expected: set[str]) -> bool:
+def holds_only(folder: Path, expected: set[str]) -> bool:
     """Whether ``folder`` is a folder whose files are all among ``expected`` (paths relative to
     it), with no folder in it but those they lie in."""
     if not folder.is_dir() or folder.is_symlink():
@@ -168,7 +168,7 @@ def _holds_only(folder: Path, expected: set[str]) -> bool:
     return True
 
 
-def _remove(folder: Path, made: list[Path], expected: set[str]) -> None:
+def remove_made(folder: Path, made: list[Path], expected: set[str]) -> None:
     """Removes ``expected``'s files in ``folder``, their folders and the folders this command
     made (``made``, deepest first), stopping at one that holds something else by now."""
     for name in expected:

@@ -42,6 +42,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from mt.config import BOS_ID, BYTE_PIECES, EOS_ID, PAD_ID, UNK_ID, TokenizerConfig
+from mt.pdeathsig import die_with
 
 SPAWN = os.name == "posix"
 # Ctrl-C reaches the terminal's whole process group, a scheduler's SIGTERM maybe every process
@@ -52,7 +53,6 @@ STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
               if hasattr(signal, name))
 _LENGTH = struct.Struct("<I")
 _CHUNK = 1 << 20  # bytes written to the child at a time
-_PR_SET_PDEATHSIG = 1
 # The child's program: argv[1] the directory that holds the mt this process runs (whatever the
 # working directory), argv[2] this process's id, argv[3:] this process's sys.path, which becomes
 # the child's (as multiprocessing's spawn does): "python -c" put the working directory first, so
@@ -249,19 +249,6 @@ def _held() -> Iterator[None]:
             signal.raise_signal(signum)  # its own handler, now: one that came meanwhile
 
 
-def _die_with(parent: int) -> None:
-    """The child dies with a parent killed outright (SIGKILL, which no handler sees): Linux's
-    PR_SET_PDEATHSIG. A parent gone before the call is seen as a parent id that changed.
-    Elsewhere the child trains on and exits as it finishes, its answer unread."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def _sentences(stream: io.BufferedReader, count: int) -> Iterator[str]:
     """The ``count`` sentences on ``stream``, one at a time, as SentencePiece reads them."""
     for _ in range(count):
@@ -284,7 +271,7 @@ def child_main(parent: int) -> None:  # pragma: no cover - runs in the child
         signal.signal(s, signal.SIG_IGN)  # (a signal pending from the block is dropped)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
-    _die_with(parent)
+    die_with(parent)  # a parent killed outright (SIGKILL) takes the training with it
     answer_to = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     try:

@@ -10,9 +10,9 @@ length-sorted items into token-budget batches, runs a function over them on ``wo
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import multiprocessing
+import os
 import pickle
 import signal
 import sys
@@ -29,6 +29,7 @@ import torch
 
 from mt.batching import budget_batches
 from mt.interrupts import HANGUP
+from mt.pdeathsig import die_with
 
 
 def balanced_batches(lengths: list[int], order: list[int], budget: int,
@@ -186,7 +187,8 @@ def worker_processes(fn: Callable[[Any], Any], items: Sequence, workers: int
             for _ in range(workers):
                 here, there = ctx.Pipe()
                 proc = ctx.Process(target=_serve,
-                                   args=(there, fn, items, [*conns, here], ignore_term),
+                                   args=(there, fn, items, [*conns, here], ignore_term,
+                                         os.getpid()),
                                    name="mt-search", daemon=True)
                 proc.start()  # a fork: fn and what it holds (the model) need no pickling
                 there.close()
@@ -237,7 +239,7 @@ def _signals_held() -> Iterator[None]:
 
 
 def _serve(conn, fn: Callable[[Any], Any], items: Sequence, parents: list,
-           ignore_term: bool) -> None:
+           ignore_term: bool, parent: int) -> None:
     """A worker's loop: an item's index in, ``(True, answer)`` or ``(False, (exception, its
     traceback))`` out, until None or until the parent is gone.
 
@@ -245,12 +247,12 @@ def _serve(conn, fn: Callable[[Any], Any], items: Sequence, parents: list,
     ends a worker at once (translate's handler, inherited, would make it an exception), unless
     the parent ignored it. The parent's ends of the pipes, copied by the fork, are closed here:
     while a worker held one, a parent killed outright would leave it waiting on that pipe for
-    ever; the kernel also kills the worker when the parent dies (``PR_SET_PDEATHSIG``).
+    ever; the kernel also kills the worker when the parent (``parent``, its process id) dies
+    (``mt.pdeathsig``).
     """
     for end in parents:
         end.close()
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_term else signal.SIG_DFL)
     for s in HANGUP:  # translate's handler, inherited, would raise here too: end at once
@@ -292,17 +294,6 @@ class _WorkerTraceback(Exception):
 
     def __str__(self) -> str:
         return f'\n"""\n{self.args[0]}"""'
-
-
-def _prctl() -> Callable | None:
-    """libc's prctl, looked up once here rather than in each child just after its fork."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _prctl() if FORK else None
 
 
 def _in_order(n: int, procs: list, conns: list) -> Iterator:

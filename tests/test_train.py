@@ -1885,6 +1885,67 @@ def test_a_rank_leaves_only_a_directory_that_hydra_alone_wrote(tmp_path, monkeyp
     assert Path.cwd() == shared.resolve() and not own.exists()
 
 
+def test_a_rank_keeps_links_and_folders_other_than_hydra_output_subdir(tmp_path, monkeypatch,
+                                                                       caplog):
+    """What leave_run_dir counts as Hydra's: no link (a log linked elsewhere, a linked .hydra or
+    run directory is someone's), the saved configs only in hydra.output_subdir (``meta``, which
+    may be another name or null); and a directory that will not go is a warning, not an error."""
+    from mt.distributed import leave_run_dir
+
+    shared, elsewhere = tmp_path / "rank0", tmp_path / "elsewhere"
+    (elsewhere / "saved").mkdir(parents=True)
+    (elsewhere / "saved" / "config.yaml").write_text("a: 1\n")
+    (elsewhere / "mine.log").write_text("mine\n")
+    (elsewhere / "run" / ".hydra").mkdir(parents=True)  # another run's, reached by a link
+    (elsewhere / "run" / ".hydra" / "config.yaml").write_text("b: 2\n")
+
+    def made(name: str, *files: str) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        for f in files:
+            (d / f).parent.mkdir(parents=True, exist_ok=True)
+            (d / f).write_text("x\n")
+        return d
+
+    linked_log = made("linked-log", ".hydra/config.yaml")
+    (linked_log / "train.log").symlink_to(elsewhere / "mine.log")
+    linked_meta = made("linked-meta")
+    (linked_meta / ".hydra").symlink_to(elsewhere / "saved")
+    (tmp_path / "linked-run").symlink_to(elsewhere / "run")
+    root = logging.getLogger()
+    root.addHandler(logging.FileHandler(linked_log / "train.log"))  # this process's log, linked
+    for d in (linked_log, linked_meta, tmp_path / "linked-run"):
+        leave_run_dir(d, shared, remove=True)
+        assert d.is_symlink() or d.is_dir(), d.name
+    assert (elsewhere / "saved" / "config.yaml").exists() and (elsewhere / "mine.log").exists()
+    assert (elsewhere / "run" / ".hydra" / "config.yaml").exists()
+    # hydra.output_subdir=null: a .hydra folder is not Hydra's; =meta: meta/ is
+    kept, gone = made("no-meta", ".hydra/config.yaml"), made("no-meta-log", "train.log")
+    gone_too = made("other-meta", "meta/config.yaml", "meta/hydra.yaml", "meta/overrides.yaml")
+    handler = logging.FileHandler(gone / "train.log")
+    root.addHandler(handler)
+    leave_run_dir(kept, shared, remove=True, meta=None)
+    leave_run_dir(gone, shared, remove=True, meta=None)
+    leave_run_dir(gone_too, shared, remove=True, meta="meta")
+    assert handler not in root.handlers
+    assert (kept / ".hydra" / "config.yaml").exists() and not gone.exists()
+    assert not gone_too.exists()
+    # a directory that cannot be removed (here: rmdir refused) is said, and the run goes on
+    stuck = made("stuck", ".hydra/config.yaml")
+    rmdir = Path.rmdir
+
+    def refused(self: Path) -> None:
+        if self == stuck:
+            raise PermissionError(13, "Permission denied", str(self))
+        rmdir(self)
+
+    monkeypatch.setattr(Path, "rmdir", refused)
+    with caplog.at_level(logging.WARNING, logger="mt.distributed"):
+        leave_run_dir(stuck, shared, remove=True)
+    assert stuck.is_dir() and f"could not remove {stuck}" in caplog.text
+    assert "Permission denied" in caplog.text
+
+
 def test_two_process_ddp_with_dropout_resumes_exactly(tmp_path, corpus_dir, tokenizer_dir):
     """Each rank draws its own dropout masks, and a resumed run draws on from where each stopped."""
     common = ["trainer.validate_every=3", "trainer.test_at_end=false", "model.dropout=0.3"]
