@@ -11,7 +11,7 @@ from test_train import weights
 
 from mt.config import ModelConfig, TokenizerConfig, finetune_model_config
 from mt.data import read_lines
-from mt.tokenizer import Tokenizer, place, train_tokenizer
+from mt.tokenizer import Tokenizer, TokenizerMismatch, place, train_tokenizer
 
 
 def test_finetune_config_keeps_the_models_shape_and_the_runs_dropout():
@@ -47,10 +47,12 @@ def test_place_writes_a_models_tokenizer_and_refuses_another(tmp_path, corpus_di
     assert place(tmp_path / "tok", mine, "init_from=x").fingerprint == mine.fingerprint  # again
     other = train_tokenizer(read_lines(corpus_dir / "train.en"),
                             read_lines(corpus_dir / "train.zz"), TokenizerConfig(vocab_size=150))
-    with pytest.raises(ValueError, match=r"init_from=x: the model's tokenizer is not the one in"
-                                         r" .*: start in another run directory \(that one"):
+    # a TokenizerMismatch: the command's mistake, which mt-train says in one line
+    with pytest.raises(TokenizerMismatch, match=r"init_from=x: the model's tokenizer is not the "
+                                                r"one in .*: start in another run directory "
+                                                r"\(that one"):
         place(tmp_path / "tok", other, "init_from=x")
-    with pytest.raises(ValueError, match=r"keeps its own: unset data.tokenizer.path$"):
+    with pytest.raises(TokenizerMismatch, match=r"keeps its own: unset data.tokenizer.path$"):
         place(tmp_path / "tok", other, "init_from=x", shared=True)
 
 

@@ -379,20 +379,53 @@ def test_a_config_dir_of_ones_own_is_named(arg, line, tmp_path, fresh_hydra, mon
     # refused by the split check, the first read of data.dir (a typo in it)
     ("data=multi30k data.dir=/nonexistent/mt-data",
      "/nonexistent/mt-data/valid.en: no such file (nor valid.en.gz)"),
+    # the training split, which the split check did not look for: found as the corpus was read
+    ("{files} data.train=trian", "{corpus}/trian.en: no such file (nor trian.en.gz)"),
+    # refused as the corpus was read (mt.data.DataError), or as its tokenizer was taken
+    ("{files} data.dir={bad}", "{bad}/train.en:3: invalid UTF-8 (invalid start byte at byte 2)"),
+    ("{files} data.tokenizer.path={tok} data.tokenizer.normalization=identity",
+     "{tok}: its tokenizer was trained with data.tokenizer.normalization=nmt_nfkc, this run asks "
+     "for identity: set data.tokenizer.normalization=nmt_nfkc to use it, or point "
+     "data.tokenizer.path at a new directory to train one"),
+    # refused before the corpus is read (mt.startup.check_tied)
+    ("model.tie_embeddings=all data.tokenizer.joint=false",
+     "model.tie_embeddings=all needs a joint vocabulary: set data.tokenizer.joint=true, or "
+     "model.tie_embeddings=decoder"),
 ])
 def test_a_config_mt_refuses_leaves_no_run_directory(arg, line, fresh_hydra, tmp_path,
-                                                     monkeypatch):
+                                                     monkeypatch, corpus_dir, tmp_path_factory):
     """Hydra makes the run directory (train.log, .hydra/) before mt's checks read the config: a
     refused config left it behind, and its line pointed at a traceback in train.log for what is
     no crash. A directory that was there before is left with all it had."""
     import logging
+    import shutil
 
+    import datasets
     from hydra.core.global_hydra import GlobalHydra
 
     from mt import train
+    from mt.config import TokenizerConfig
+    from mt.data import read_lines
+    from mt.tokenizer import load_or_train
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     monkeypatch.chdir(tmp_path)
+    if "{" in arg:  # data of its own, outside tmp_path (which must end with mine/ alone)
+        outside = tmp_path_factory.mktemp("data")
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(outside / "hf"))
+        bad = outside / "bad"
+        shutil.copytree(corpus_dir, bad)
+        lines = (bad / "train.en").read_bytes().split(b"\n")
+        lines[2] = b"ab\xff"
+        (bad / "train.en").write_bytes(b"\n".join(lines))
+        tok = outside / "tok"  # trained as a run trains it: tokenizer.json says how
+        load_or_train(tok, lambda: (read_lines(corpus_dir / "train.en"),
+                                    read_lines(corpus_dir / "train.zz")),
+                      TokenizerConfig(vocab_size=100))
+        named = {"corpus": corpus_dir, "bad": bad, "tok": tok,
+                 "files": f"data.source=files data.dir={corpus_dir} data.tgt_lang=zz "
+                          "data.tokenizer.vocab_size=100 trainer.device=cpu"}
+        arg, line = arg.format(**named), line.format(**named)
     mine = tmp_path / "mine"
     (mine / "notes").mkdir(parents=True)
     (mine / "notes" / "todo.txt").write_text("a user's")
