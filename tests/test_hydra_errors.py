@@ -429,10 +429,17 @@ def test_a_config_mt_refuses_leaves_no_run_directory(arg, line, fresh_hydra, tmp
     mine = tmp_path / "mine"
     (mine / "notes").mkdir(parents=True)
     (mine / "notes" / "todo.txt").write_text("a user's")
+    # the configs Hydra saved for the run trained in it (overrides.yaml lost since): Hydra
+    # wrote the refused command's over them, and .hydra/config.yaml no longer said the run's
+    meta = {"config.yaml": b"the run's config\n", "hydra.yaml": b"the run's hydra\n"}
+    (mine / ".hydra").mkdir()
+    for name, data in meta.items():
+        (mine / ".hydra" / name).write_bytes(data)
     for where in (["hydra.run.dir=new/deep/run"],  # parents made too: all go
                   ["hydra.run.dir=moved", "hydra.job.chdir=true"],  # run_job changes into it
                   ["hydra.run.dir=bare", "hydra.output_subdir=null"],  # no .hydra/
-                  [f"hydra.run.dir={mine}"]):
+                  [f"hydra.run.dir={mine}"],
+                  [f"hydra.run.dir={mine}", "hydra.output_subdir=meta/deep"]):  # made: it goes
         GlobalHydra.instance().clear()
         monkeypatch.setattr(sys, "argv", ["mt-train", *arg.split(), *where])
         with pytest.raises(SystemExit) as stop:
@@ -442,5 +449,11 @@ def test_a_config_mt_refuses_leaves_no_run_directory(arg, line, fresh_hydra, tmp
             handler.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
     assert (mine / "notes" / "todo.txt").read_text() == "a user's"
+    # (and .lock, where the refusal came under the run's lock: a lock file stays, as after a run)
+    assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")
+                  if p.name != ".lock") == [
+        ".hydra", ".hydra/config.yaml", ".hydra/hydra.yaml", "notes", "notes/todo.txt",
+        "train.log"]
+    assert {name: (mine / ".hydra" / name).read_bytes() for name in meta} == meta
     log = (mine / "train.log").read_text()
     assert f"mt-train: {line}" in log and "Traceback" not in log
