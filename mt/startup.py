@@ -88,7 +88,10 @@ def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:
     if last is not None:
         start, origin = checkpoint.load(last, mmap=True), str(last)
     elif cfg.init_from:
-        start = checkpoint.load_setting("init_from", cfg.init_from)
+        try:
+            start = checkpoint.load_setting("init_from", cfg.init_from)
+        except (FileNotFoundError, ValueError) as err:  # no model there: a typo, a wrong file
+            raise SetupRefused(str(err)) from err
         origin = f"init_from={cfg.init_from}"
     if start is not None:
         cfg.model, replaced = finetune_model_config(cfg.model, start["model_config"])

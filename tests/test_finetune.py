@@ -277,7 +277,11 @@ def test_a_fine_tune_records_and_reads_the_tokenizer_the_model_has(tmp_path, cor
 
 def test_an_init_from_that_names_no_model_says_the_key(tmp_path, trainer_factory):
     """mt-train's one line named the path only ('/x/runs/old: no checkpoint in it'), not which of
-    the run's settings gave it; a file with mt's format tag and no weights was a KeyError."""
+    the run's settings gave it; a file with mt's format tag and no weights was a KeyError. The
+    command's mistake (``SetupRefused``): mt-train said it pointing at a traceback in train.log,
+    and left the run directory it had made."""
+    from mt.config_checks import SetupRefused
+
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not a model\n")
     torch.save({"format": "mt-checkpoint-1", "config": {}}, tmp_path / "bare.pt")
@@ -286,12 +290,12 @@ def test_an_init_from_that_names_no_model_says_the_key(tmp_path, trainer_factory
                            (tmp_path / "notes.txt", r"not a readable mt checkpoint"),
                            (tmp_path / "bare.pt", r"not an mt model checkpoint \(it has no "
                                                   r"'model_config' or 'model' or 'tokenizer'\)")]:
-        with pytest.raises((ValueError, OSError), match=rf"^init_from={given}: {message}"):
+        with pytest.raises(SetupRefused, match=rf"^init_from={given}: {message}"):
             trainer_factory("tuned", f"init_from={given}")
     (tmp_path / "old" / "checkpoints").mkdir(parents=True)  # a run directory: its best.pt's
     (tmp_path / "old" / "checkpoints" / "best.pt").write_text("cut short")
-    with pytest.raises(ValueError, match=rf"^init_from={tmp_path / 'old'}: "
-                                         rf"{tmp_path / 'old'}/checkpoints/best.pt: not a "):
+    with pytest.raises(SetupRefused, match=rf"^init_from={tmp_path / 'old'}: "
+                                           rf"{tmp_path / 'old'}/checkpoints/best.pt: not a "):
         trainer_factory("tuned", f"init_from={tmp_path / 'old'}")
 
 

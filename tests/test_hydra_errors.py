@@ -387,7 +387,10 @@ def test_a_config_dir_of_ones_own_is_named(arg, line, tmp_path, fresh_hydra, mon
      "{tok}: its tokenizer was trained with data.tokenizer.normalization=nmt_nfkc, this run asks "
      "for identity: set data.tokenizer.normalization=nmt_nfkc to use it, or point "
      "data.tokenizer.path at a new directory to train one"),
-    # refused before the corpus is read (mt.startup.check_tied)
+    # refused before the corpus is read: init_from names no model, tied embeddings over two
+    # vocabularies (mt.startup.check_tied)
+    ("init_from={corpus}/none.pt", "init_from={corpus}/none.pt: no such model file or run "
+                                   "directory"),
     ("model.tie_embeddings=all data.tokenizer.joint=false",
      "model.tie_embeddings=all needs a joint vocabulary: set data.tokenizer.joint=true, or "
      "model.tie_embeddings=decoder"),
