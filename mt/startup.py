@@ -190,8 +190,8 @@ def make_corpus(run: Run, start: dict | None, origin: str) -> Corpus:
                         Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
     except (DataError, TokenizerMismatch) as err:
         # a bad line in a training file (file:line), a tokenizer that does not fit the config:
-        # the command's mistake too, said so; the run directory goes where it holds nothing yet
-        # (a tokenizer trained into it before the refusal keeps it)
+        # the command's mistake too, said so; the run directory goes where it holds nothing of
+        # the run's yet (as for the SetupRefused of a corpus that leaves nothing to train on)
         raise SetupRefused(str(err)) from err
     tok = corpus.tokenizer
     cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
@@ -200,7 +200,7 @@ def make_corpus(run: Run, start: dict | None, origin: str) -> Corpus:
     if cfg.trainer.best_metric == "loss":  # a loss over no pair would be NaN at every check
         src, tgt = corpus.valid[cfg.data.valid]
         if not fitting(tok.encode_src(src), tok.encode_tgt(tgt), cfg.model.max_positions):
-            raise ValueError(f"trainer.best_metric=loss: no pair of data.valid="
+            raise SetupRefused(f"trainer.best_metric=loss: no pair of data.valid="
                              f"{cfg.data.valid} fits model.max_positions="
                              f"{cfg.model.max_positions}, so it has no valid loss; raise "
                              "model.max_positions or choose trainer.best_metric=bleu")

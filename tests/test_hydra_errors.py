@@ -387,6 +387,14 @@ def test_a_config_dir_of_ones_own_is_named(arg, line, tmp_path, fresh_hydra, mon
      "{tok}: its tokenizer was trained with data.tokenizer.normalization=nmt_nfkc, this run asks "
      "for identity: set data.tokenizer.normalization=nmt_nfkc to use it, or point "
      "data.tokenizer.path at a new directory to train one"),
+    # found once the corpus is encoded: nothing to validate on, nothing to train on
+    ("{files} data.tokenizer.path={tok} data.dir={blank}",
+     "data.valid: split 'valid' has no pair with text on both sides (of 30), so nothing to "
+     "validate on"),
+    ("{files} data.tokenizer.path={tok} data.filter.max_tokens=1",
+     "no training pair of {corpus} survived filtering (kept 0 of 400 pairs (dropped: empty 0, too "
+     "short (< 1 tokens) 0, too long (> 1 tokens) 400, length ratio (> 3) 0, duplicate 0)); see "
+     "data.filter"),
     # refused before the corpus is read: init_from names no model, tied embeddings over two
     # vocabularies (mt.startup.check_tied)
     ("init_from={corpus}/none.pt", "init_from={corpus}/none.pt: no such model file or run "
@@ -421,11 +429,14 @@ def test_a_config_mt_refuses_leaves_no_run_directory(arg, line, fresh_hydra, tmp
         lines = (bad / "train.en").read_bytes().split(b"\n")
         lines[2] = b"ab\xff"
         (bad / "train.en").write_bytes(b"\n".join(lines))
+        blank = outside / "blank"
+        shutil.copytree(corpus_dir, blank)
+        (blank / "valid.zz").write_text("\n" * len(read_lines(blank / "valid.en")))
         tok = outside / "tok"  # trained as a run trains it: tokenizer.json says how
         load_or_train(tok, lambda: (read_lines(corpus_dir / "train.en"),
                                     read_lines(corpus_dir / "train.zz")),
                       TokenizerConfig(vocab_size=100))
-        named = {"corpus": corpus_dir, "bad": bad, "tok": tok,
+        named = {"corpus": corpus_dir, "bad": bad, "tok": tok, "blank": blank,
                  "files": f"data.source=files data.dir={corpus_dir} data.tgt_lang=zz "
                           "data.tokenizer.vocab_size=100 trainer.device=cpu"}
         arg, line = arg.format(**named), line.format(**named)

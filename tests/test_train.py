@@ -522,9 +522,11 @@ def test_a_split_the_hub_dataset_lacks_is_refused_at_start_naming_its_key(
 def test_a_model_too_short_for_every_pair_names_model_max_positions(trainer_factory):
     """Every pair dropped as too long because model.max_positions caps the length was said as
     "see data.filter", a key that was not the cause."""
-    with pytest.raises(ValueError, match=r"survived filtering \(.*\); see data.filter and "
-                                         r"model.max_positions=4, which lets no pair be longer "
-                                         r"than 3 tokens$"):
+    from mt.config_checks import SetupRefused
+
+    with pytest.raises(SetupRefused, match=r"survived filtering \(.*\); see data.filter and "
+                                           r"model.max_positions=4, which lets no pair be longer "
+                                           r"than 3 tokens$"):
         trainer_factory("short", "model.max_positions=4")
 
 
@@ -549,8 +551,11 @@ def test_no_valid_loss_is_nan_and_best_metric_loss_is_refused_for_it(trainer_fac
     trainer.metrics.write({"step": 1, "epoch": 0, **scores})
     line = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()[-1]
     assert "NaN" not in line and json.loads(line)["valid_loss"] is None
-    with pytest.raises(ValueError, match="^trainer.best_metric=loss: no pair of data.valid=valid "
-                                         "fits model.max_positions=128"):
+    # the command's mistake (mt-train: one line, no traceback; the new run directory goes)
+    from mt.config_checks import SetupRefused
+
+    with pytest.raises(SetupRefused, match="^trainer.best_metric=loss: no pair of data.valid="
+                                           "valid fits model.max_positions=128"):
         trainer_factory("long_loss", f"data.dir={data}", "trainer.best_metric=loss")
 
 
