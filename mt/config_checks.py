@@ -26,11 +26,14 @@ from mt.config import (
 
 class SetupRefused(ValueError):
     """A value that only the model and optimizer built from the config refuse
-    (``mt.startup.check_setup``: model.heads=3, optim.schedule=linear), or a split that the
-    data.* keys name wrongly (``mt.data.check_splits``: a missing file): a mistake in the
-    command like those ``check_values`` finds, found once the run holds its directory, so
-    ``mt.train`` says it without a traceback and takes away the directory it made. Its cause is
-    the error as raised."""
+    (``mt.startup.check_setup``: model.heads=3, optim.schedule=linear), a split that the
+    data.* keys name wrongly (``mt.data.check_splits``: a missing file), a bad line in a
+    training file (``mt.data.DataError``), a tokenizer reused or taken that the config does
+    not fit (``mt.startup.check_tied``, ``mt.tokenizer.TokenizerMismatch``), a corpus whose
+    valid split or filtered training pairs leave nothing (``mt.corpus.Corpus``): a mistake in
+    the command like those ``check_values`` finds, found once the run holds its directory, so
+    ``mt.train`` says it without a traceback and takes away the directory it made where it holds
+    nothing of the run's yet. Its cause, where it has one, is the error as raised."""
 
 
 def check_keys(node, schema: type | None = None, prefix: str = "") -> None:

@@ -18,6 +18,7 @@ import torch
 
 from mt.batching import EncodedPairs, encode_split, has_text_pair, token_batches
 from mt.config import TokenizerConfig, TrainConfig
+from mt.config_checks import SetupRefused
 from mt.data import (
     data_identity,
     load_split,
@@ -79,7 +80,7 @@ class Corpus:
         if not len(self.pairs):
             capped = rules.max_tokens < data.filter.max_tokens and self.pairs.report.too_long
             name = data.hub_name if data.source == "hub" else data.dir
-            raise ValueError(f"no training pair of {name} survived filtering "
+            raise SetupRefused(f"no training pair of {name} survived filtering "
                              f"({self.pairs.report}); see data.filter" + (
                                  f" and model.max_positions={cfg.model.max_positions}, which "
                                  f"lets no pair be longer than {rules.max_tokens} tokens"
@@ -114,9 +115,9 @@ class Corpus:
             if not has_text_pair(self.tokenizer, *self.valid[split]):
                 # else a BLEU of 0 at every validation, and trainer.patience ends the run
                 key = "data.valid" if split == data.valid else "data.extra_valid"
-                raise ValueError(f"{key}: split {split!r} has no pair with text on both sides "
-                                 f"(of {len(self.valid[split][0])}), so "
-                                 "nothing to validate on")
+                raise SetupRefused(f"{key}: split {split!r} has no pair with text on both "
+                                   f"sides (of {len(self.valid[split][0])}), so nothing to "
+                                   "validate on")
 
     @staticmethod
     def _tokenizer(cfg: TrainConfig, tok_cfg: TokenizerConfig, run_dir: Path, train,

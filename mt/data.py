@@ -381,9 +381,10 @@ def _check_split_names(key: str, value: str, local: bool) -> None:
 
 
 def check_splits(cfg: DataConfig, *, test: bool) -> None:
-    """Refuses a mistake in a split that data.valid, data.extra_valid, (``test``) data.test or,
-    from the hub, data.train names, at the start of a run: not after the tokenizer, the
-    encoding or the training."""
+    """Refuses a mistake in a split that data.train, data.valid, data.extra_valid or (``test``)
+    data.test names, at the start of a run: not after the tokenizer, the encoding or the
+    training. A training file is only found and its first pair read: the rest of it is read
+    (and checked line by line) as the corpus is made."""
     named = [("data.train", cfg.train), ("data.valid", cfg.valid),
              *((f"data.extra_valid[{i}]", v) for i, v in enumerate(cfg.extra_valid)),
              *([("data.test", cfg.test)] if test and cfg.test else [])]
@@ -394,6 +395,8 @@ def check_splits(cfg: DataConfig, *, test: bool) -> None:
     if cfg.source == "files":
         for split in [*valid, *tested]:
             check_split(cfg, split, whole=True)
+        for split in cfg.train.split("+"):  # there, with a pair; its lines are read later
+            check_split(cfg, split)
     elif cfg.source == "hub":
         extra = "+".join(cfg.extra_valid).split("+") if cfg.extra_valid else []
         check_hub_splits(cfg, {f"data.train={cfg.train}": cfg.train.split("+"),

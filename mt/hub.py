@@ -152,8 +152,8 @@ def load_hub(cfg: DataConfig, split: str, cache_dir: str | None):
         s_col, t_col = s, t
     missing = [c for c in (s_col, t_col) if c not in ds.column_names]
     if missing:
-        raise ValueError(f"{name} split {split!r} has columns {ds.column_names}, not {missing}: "
-                         "check data.src_lang and data.tgt_lang")
+        raise DataError(f"{name} split {split!r} has columns {ds.column_names}, not {missing}: "
+                        "check data.src_lang and data.tgt_lang")
     for col in (s_col, t_col):  # numbers or lists: a traceback in the tokenizer or at validation
         feature = ds.features[col]
         kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__

@@ -5,8 +5,9 @@ sweep directory (multirun/DATE_TIME/, with multirun.yaml) before it composes the
 and a run makes its run directory (with train.log and .hydra/) before mt's own checks
 (``mt.config_checks``) read the config. ``unmade_on_refusal`` takes such a directory away again
 when the command is refused, where this command made it and it holds nothing but what Hydra
-wrote in it; a directory that was there before is never touched. ``mt.hydra_errors`` says the
-refusal in words.
+wrote in it; a directory that was there before is never removed, and the configs Hydra saved in
+it (.hydra/config.yaml, ...) are put back as they were: they say the run trained there, not the
+command refused. ``mt.hydra_errors`` says the refusal in words.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def _unmade_sweep() -> Iterator[None]:
 def _unmade_run() -> Iterator[None]:
     """The run directory of a run (not a sweep's job: its directory is named in the sweep's
     summary of failed jobs), taken away where the task refused its config (``ConfigRefused``),
-    this command made the directory and it holds only train.log and Hydra's saved configs."""
+    this command made the directory and it holds only train.log and Hydra's saved configs; in
+    a directory that stays, the saved configs as they were before the command."""
     from hydra._internal import hydra as runner  # Hydra.run calls run_job by this name
 
     original: Any = getattr(runner, "run_job", None)
@@ -103,25 +105,27 @@ def _unmade_run() -> Iterator[None]:
     def run_job(*args: Any, **kwargs: Any) -> Any:
         try:
             given = inspect.signature(original).bind(*args, **kwargs).arguments
-            folder = _resolved_dir(given["config"], given["job_dir_key"])
+            folder, subdir = _resolved_dir(given["config"], given["job_dir_key"])
+            saved, meta_made = _saved_configs(folder, subdir)
         except Exception:  # not the interface this was written for, or no folder to find
             return original(*args, **kwargs)
         made = _to_make(folder)
         try:
             return original(*args, **kwargs)
         except ConfigRefused as refused:
-            subdir = given["config"].hydra.output_subdir
             logs = [h for h in logging.getLogger().handlers
                     if isinstance(h, logging.FileHandler)
                     and Path(h.baseFilename).parent == folder]
             expected = {Path(h.baseFilename).name for h in logs} | set(refused.leaves)
             if subdir is not None:
-                expected |= {(Path(str(subdir)) / name).as_posix() for name in SAVED_CONFIGS}
+                expected |= {(Path(subdir) / name).as_posix() for name in SAVED_CONFIGS}
             if made and holds_only(folder, expected):
                 for handler in logs:  # the log goes with its folder, and no later record
                     logging.getLogger().removeHandler(handler)  # makes it anew
                     handler.close()
                 remove_made(folder, made, expected)
+            else:  # a run directory that stays: its saved configs are its run's, not this one's
+                _put_back(saved, meta_made)
             raise
 
     runner.run_job = run_job
@@ -131,19 +135,62 @@ def _unmade_run() -> Iterator[None]:
         runner.run_job = original
 
 
-def _resolved_dir(config: Any, key: str) -> Path:
+def _resolved_dir(config: Any, key: str) -> tuple[Path, str | None]:
     """The folder ``key`` (hydra.run.dir) names, as run_job resolves it: with Hydra's config set,
     for a ``${hydra:...}`` in it, and ``${now:...}`` cached in ``config`` for run_job's own
-    reading. Absolute: with hydra.job.chdir=true, run_job changes into it."""
+    reading. Absolute: with hydra.job.chdir=true, run_job changes into it. With it,
+    hydra.output_subdir, where run_job saves the configs in it (None: nowhere)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     before = HydraConfig.instance().cfg
     HydraConfig.instance().set_config(config)
     try:
-        return Path(str(OmegaConf.select(config, key))).absolute()
+        subdir = OmegaConf.select(config, "hydra.output_subdir")
+        return (Path(str(OmegaConf.select(config, key))).absolute(),
+                None if subdir is None else str(subdir))
     finally:
         HydraConfig.instance().cfg = before
+
+
+def _saved_configs(folder: Path, subdir: str | None) -> tuple[dict[Path, bytes | None],
+                                                              list[Path]]:
+    """The bytes of the configs (``SAVED_CONFIGS``) that run_job is about to write over in
+    ``folder``'s ``subdir``, None for one that is not there (an unreadable one is left out, to
+    Hydra), and the folders under ``folder`` that it will make for them, deepest first. Read
+    before every run: a command that runs (a resume) writes its own, as Hydra documents."""
+    if subdir is None:
+        return {}, []
+    saved: dict[Path, bytes | None] = {}
+    for name in SAVED_CONFIGS:
+        path = folder / subdir / name
+        try:
+            saved[path] = path.read_bytes() if path.exists() else None
+        except OSError:
+            continue
+    return saved, [d for d in _to_make(folder / subdir) if folder in d.parents]
+
+
+def _put_back(saved: dict[Path, bytes | None], made: list[Path]) -> None:
+    """The saved configs as ``_saved_configs`` read them (``saved``), in a run directory that a
+    refused command leaves: Hydra had written the refused config over those of the run trained
+    there (``mt-train hydra.run.dir=R trainer.log_every=0``), which users and tools read as the
+    run's. One that was not there goes, and so do the folders made for it (``made``). A failure
+    to put one back is a warning: the command's own refusal is what it says."""
+    for path, data in saved.items():
+        try:
+            if data is None:
+                path.unlink(missing_ok=True)
+            elif not path.exists() or path.read_bytes() != data:
+                path.write_bytes(data)
+        except OSError as err:
+            logging.getLogger(__name__).warning("could not put back %s as it was before this "
+                                                "command: %s", path, err.strerror or err)
+    for place in made:
+        try:
+            place.rmdir()
+        except OSError:  # something else is in it now
+            break
 
 
 def _to_make(folder: Path) -> list[Path]:

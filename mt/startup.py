@@ -18,13 +18,13 @@ from mt import checkpoint
 from mt.config import TrainConfig, finetune_model_config, start_tokenizer_config
 from mt.config_checks import SetupRefused
 from mt.corpus import Corpus
-from mt.data import check_splits, tokenizer_config, tokenizer_dir
+from mt.data import DataError, check_splits, tokenizer_config, tokenizer_dir
 from mt.model import build_model, count_parameters
 from mt.optim import EMA, build_optimizer, freeze, lr_lambda
 from mt.runlog import fitting
 from mt.spm_spec import tokenizer_settings
 from mt.subwords import sampling_mistake
-from mt.tokenizer import META_FILE, Tokenizer, placed_by_hand
+from mt.tokenizer import META_FILE, Tokenizer, TokenizerMismatch, placed_by_hand
 
 log = logging.getLogger("mt.train")
 
@@ -82,12 +82,16 @@ def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:
     settings taken from it into the config (whatever model=... says now), as are those of a
     SentencePiece model put in data.tokenizer.path by hand. Mistakes only the model and
     optimizer show, and those of the tokenizer the run takes or reuses (``check_tied``,
-    ``check_sampling``), are refused here, before the tokenizer and corpus are built."""
+    ``check_sampling``), are refused here (``SetupRefused``), before the tokenizer and corpus
+    are built."""
     cfg, start, origin = run.cfg, None, ""
     if last is not None:
         start, origin = checkpoint.load(last, mmap=True), str(last)
     elif cfg.init_from:
-        start = checkpoint.load_setting("init_from", cfg.init_from)
+        try:
+            start = checkpoint.load_setting("init_from", cfg.init_from)
+        except (FileNotFoundError, ValueError) as err:  # no model there: a typo, a wrong file
+            raise SetupRefused(str(err)) from err
         origin = f"init_from={cfg.init_from}"
     if start is not None:
         cfg.model, replaced = finetune_model_config(cfg.model, start["model_config"])
@@ -96,8 +100,20 @@ def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:
     check_setup(cfg)
     cfg.data.tokenizer = tokenizer_config(cfg.data)  # recorded as used: data.tag a symbol
     run.tokenizer_asked = asdict(cfg.data.tokenizer)
+    try:  # the tokenizer the run takes or reuses, refused where the config does not fit it
+        _take_tokenizer(cfg, run.run_dir, start, origin, last is not None)
+    except ValueError as err:  # the command's mistake: the run directory it made goes
+        raise SetupRefused(str(err)) from err
+    return start, origin
+
+
+def _take_tokenizer(cfg: TrainConfig, run_dir: Path, start: dict | None, origin: str,
+                    resumed: bool) -> None:
+    """data.tokenizer set to the settings of the tokenizer the run takes (``start``'s) or
+    reuses (one put in data.tokenizer.path by hand), and the checks of it that need no corpus:
+    ``check_tied``, ``check_sampling``."""
     if start is not None:
-        asked = (start.get("trainer") or {}).get("tokenizer_asked") if last is not None else None
+        asked = (start.get("trainer") or {}).get("tokenizer_asked") if resumed else None
         cfg.data.tokenizer, ignored = start_tokenizer_config(
             cfg.data.tokenizer, start.get("config"), tokenizer_settings(start["tokenizer"]),
             asked)
@@ -111,9 +127,8 @@ def load_start(run: Run, last: Path | None) -> tuple[dict | None, str]:
                                      **tokenizer_settings(Tokenizer.load(directory).to_state()))
     if start is None and cfg.model.tie_embeddings == "all":
         # a checkpoint's tokenizer came with its tie (mt-import: one vocabulary)
-        check_tied(cfg, run.run_dir)
-    check_sampling(cfg, run.run_dir, start, origin)
-    return start, origin
+        check_tied(cfg, run_dir)
+    check_sampling(cfg, run_dir, start, origin)
 
 
 def check_tied(cfg: TrainConfig, run_dir: Path) -> None:
@@ -170,8 +185,14 @@ def make_corpus(run: Run, start: dict | None, origin: str) -> Corpus:
         # a data.* mistake (a missing file: a typo in data.dir), found before the run wrote
         # anything: said as the command's mistake, and the run directory it made goes
         raise SetupRefused(str(err)) from err
-    corpus = Corpus(cfg, run.run_dir, run.rank, run.world,
-                    Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
+    try:
+        corpus = Corpus(cfg, run.run_dir, run.rank, run.world,
+                        Tokenizer.from_state(start["tokenizer"]) if start else None, origin)
+    except (DataError, TokenizerMismatch) as err:
+        # a bad line in a training file (file:line), a tokenizer that does not fit the config:
+        # the command's mistake too, said so; the run directory goes where it holds nothing of
+        # the run's yet (as for the SetupRefused of a corpus that leaves nothing to train on)
+        raise SetupRefused(str(err)) from err
     tok = corpus.tokenizer
     cfg.model.src_vocab_size, cfg.model.tgt_vocab_size = tok.src_vocab_size, tok.tgt_vocab_size
     # recorded as it is: one reused from data.tokenizer.path may be made otherwise, by hand
@@ -179,7 +200,7 @@ def make_corpus(run: Run, start: dict | None, origin: str) -> Corpus:
     if cfg.trainer.best_metric == "loss":  # a loss over no pair would be NaN at every check
         src, tgt = corpus.valid[cfg.data.valid]
         if not fitting(tok.encode_src(src), tok.encode_tgt(tgt), cfg.model.max_positions):
-            raise ValueError(f"trainer.best_metric=loss: no pair of data.valid="
+            raise SetupRefused(f"trainer.best_metric=loss: no pair of data.valid="
                              f"{cfg.data.valid} fits model.max_positions="
                              f"{cfg.model.max_positions}, so it has no valid loss; raise "
                              "model.max_positions or choose trainer.best_metric=bleu")

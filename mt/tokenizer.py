@@ -52,6 +52,12 @@ META_FILE = "tokenizer.json"
 MODEL_FILES = ("spm.model", "src.model", "tgt.model")
 
 
+class TokenizerMismatch(ValueError):
+    """A tokenizer that the run reuses or takes (data.tokenizer.path's, a checkpoint's) and that
+    does not fit what the config asks of it: the command's mistake, which ``mt-train`` says in
+    one line, taking away the run directory it made (``mt.startup.make_corpus``)."""
+
+
 # Closing quotes and brackets that may follow a sentence's final punctuation.
 _CLOSERS = "\"'\u00bb\u201d\u2019)]\u300d\u300f\uff09"
 
@@ -286,8 +292,8 @@ def require_symbols(tok: Tokenizer, symbols: Sequence[str], which: str, fix: str
     piece: the model could not tell tagged sources from others."""
     for symbol in symbols:
         if tok.symbol_id(symbol) is None:
-            raise ValueError(f"data.tagged / data.tokenizer.user_symbols: {which} has no single "
-                             f"piece for {symbol!r}; {fix}")
+            raise TokenizerMismatch(f"data.tagged / data.tokenizer.user_symbols: {which} has "
+                                    f"no single piece for {symbol!r}; {fix}")
 
 
 def place(directory: str | os.PathLike, tokenizer: Tokenizer, origin: str,
@@ -308,11 +314,12 @@ def place(directory: str | os.PathLike, tokenizer: Tokenizer, origin: str,
     if (directory / META_FILE).exists() or shared and placed_by_hand(directory):
         there = Tokenizer.load(directory)
         if there.fingerprint != tokenizer.fingerprint:
-            raise ValueError(f"{origin}: the model's tokenizer is not the one in {directory}; "
-                             "a model keeps its own: " + (
-                                 "unset data.tokenizer.path" if shared else
-                                 "start in another run directory (that one is an earlier "
-                                 "attempt's, made from other data or settings)"))
+            raise TokenizerMismatch(
+                f"{origin}: the model's tokenizer is not the one in {directory}; "
+                "a model keeps its own: " + (
+                    "unset data.tokenizer.path" if shared else
+                    "start in another run directory (that one is an earlier "
+                    "attempt's, made from other data or settings)"))
         return there
     tokenizer.save(directory, {"from": origin})
     log.info("tokenizer of %s -> %s", origin, directory)
@@ -345,9 +352,9 @@ def check_spelling(made: dict | None, cfg: TokenizerConfig, directory: str | os.
 
         was = " ".join(f"data.tokenizer.{k}={show(trained[k])}" for k in differ)
         now = " ".join(show(asked[k]) for k in differ)
-        raise ValueError(f"{directory}: its tokenizer was trained with {was}, this run asks for "
-                         f"{now}: set {was} to use it, or point data.tokenizer.path at a new "
-                         "directory to train one")
+        raise TokenizerMismatch(f"{directory}: its tokenizer was trained with {was}, this run "
+                                f"asks for {now}: set {was} to use it, or point "
+                                "data.tokenizer.path at a new directory to train one")
 
 
 def load_or_train(

@@ -202,6 +202,19 @@ def test_a_slice_of_a_hub_split_is_a_split_it_has(tmp_path):
         check_hub_splits(cfg, {"data.test": ["test[:2]"]})
 
 
+def test_a_hub_dataset_without_a_languages_column_is_a_data_error(tmp_path):
+    """A data.tgt_lang that names no column of the dataset is the command's mistake (a
+    DataError: mt-train says it in one line and takes away the run directory it made), not a
+    crash whose traceback train.log keeps."""
+    src, tgt = zip(*PAIRS, strict=True)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"en": src, "de": tgt})}
+                         ).save_to_disk(tmp_path / "d")
+    cfg = DataConfig(source="hub", hub_name=str(tmp_path / "d"), src_lang="en", tgt_lang="fr")
+    with pytest.raises(DataError, match=r"split 'train' has columns \['en', 'de'\], not "
+                                        r"\['fr'\]: check data.src_lang and data.tgt_lang$"):
+        load_split(cfg, "train")
+
+
 @pytest.mark.parametrize("values, kind", [([1, 2, 3, 4], "int64"), ([["a"], ["b"], ["c"], ["d"]],
                                                                     "List")])
 def test_a_hub_column_that_is_not_text_names_its_split_and_column(tmp_path, values, kind):

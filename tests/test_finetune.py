@@ -11,7 +11,7 @@ from test_train import weights
 
 from mt.config import ModelConfig, TokenizerConfig, finetune_model_config
 from mt.data import read_lines
-from mt.tokenizer import Tokenizer, place, train_tokenizer
+from mt.tokenizer import Tokenizer, TokenizerMismatch, place, train_tokenizer
 
 
 def test_finetune_config_keeps_the_models_shape_and_the_runs_dropout():
@@ -47,10 +47,12 @@ def test_place_writes_a_models_tokenizer_and_refuses_another(tmp_path, corpus_di
     assert place(tmp_path / "tok", mine, "init_from=x").fingerprint == mine.fingerprint  # again
     other = train_tokenizer(read_lines(corpus_dir / "train.en"),
                             read_lines(corpus_dir / "train.zz"), TokenizerConfig(vocab_size=150))
-    with pytest.raises(ValueError, match=r"init_from=x: the model's tokenizer is not the one in"
-                                         r" .*: start in another run directory \(that one"):
+    # a TokenizerMismatch: the command's mistake, which mt-train says in one line
+    with pytest.raises(TokenizerMismatch, match=r"init_from=x: the model's tokenizer is not the "
+                                                r"one in .*: start in another run directory "
+                                                r"\(that one"):
         place(tmp_path / "tok", other, "init_from=x")
-    with pytest.raises(ValueError, match=r"keeps its own: unset data.tokenizer.path$"):
+    with pytest.raises(TokenizerMismatch, match=r"keeps its own: unset data.tokenizer.path$"):
         place(tmp_path / "tok", other, "init_from=x", shared=True)
 
 
@@ -280,7 +282,11 @@ def test_a_fine_tune_records_and_reads_the_tokenizer_the_model_has(tmp_path, cor
 
 def test_an_init_from_that_names_no_model_says_the_key(tmp_path, trainer_factory):
     """mt-train's one line named the path only ('/x/runs/old: no checkpoint in it'), not which of
-    the run's settings gave it; a file with mt's format tag and no weights was a KeyError."""
+    the run's settings gave it; a file with mt's format tag and no weights was a KeyError. The
+    command's mistake (``SetupRefused``): mt-train said it pointing at a traceback in train.log,
+    and left the run directory it had made."""
+    from mt.config_checks import SetupRefused
+
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not a model\n")
     torch.save({"format": "mt-checkpoint-1", "config": {}}, tmp_path / "bare.pt")
@@ -289,12 +295,12 @@ def test_an_init_from_that_names_no_model_says_the_key(tmp_path, trainer_factory
                            (tmp_path / "notes.txt", r"not a readable mt checkpoint"),
                            (tmp_path / "bare.pt", r"not an mt model checkpoint \(it has no "
                                                   r"'model_config' or 'model' or 'tokenizer'\)")]:
-        with pytest.raises((ValueError, OSError), match=rf"^init_from={given}: {message}"):
+        with pytest.raises(SetupRefused, match=rf"^init_from={given}: {message}"):
             trainer_factory("tuned", f"init_from={given}")
     (tmp_path / "old" / "checkpoints").mkdir(parents=True)  # a run directory: its best.pt's
     (tmp_path / "old" / "checkpoints" / "best.pt").write_text("cut short")
-    with pytest.raises(ValueError, match=rf"^init_from={tmp_path / 'old'}: "
-                                         rf"{tmp_path / 'old'}/checkpoints/best.pt: not a "):
+    with pytest.raises(SetupRefused, match=rf"^init_from={tmp_path / 'old'}: "
+                                           rf"{tmp_path / 'old'}/checkpoints/best.pt: not a "):
         trainer_factory("tuned", f"init_from={tmp_path / 'old'}")
 
 

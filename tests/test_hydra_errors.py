@@ -379,27 +379,81 @@ def test_a_config_dir_of_ones_own_is_named(arg, line, tmp_path, fresh_hydra, mon
     # refused by the split check, the first read of data.dir (a typo in it)
     ("data=multi30k data.dir=/nonexistent/mt-data",
      "/nonexistent/mt-data/valid.en: no such file (nor valid.en.gz)"),
+    # the training split, which the split check did not look for: found as the corpus was read
+    ("{files} data.train=trian", "{corpus}/trian.en: no such file (nor trian.en.gz)"),
+    # refused as the corpus was read (mt.data.DataError), or as its tokenizer was taken
+    ("{files} data.dir={bad}", "{bad}/train.en:3: invalid UTF-8 (invalid start byte at byte 2)"),
+    ("{files} data.tokenizer.path={tok} data.tokenizer.normalization=identity",
+     "{tok}: its tokenizer was trained with data.tokenizer.normalization=nmt_nfkc, this run asks "
+     "for identity: set data.tokenizer.normalization=nmt_nfkc to use it, or point "
+     "data.tokenizer.path at a new directory to train one"),
+    # found once the corpus is encoded: nothing to validate on, nothing to train on
+    ("{files} data.tokenizer.path={tok} data.dir={blank}",
+     "data.valid: split 'valid' has no pair with text on both sides (of 30), so nothing to "
+     "validate on"),
+    ("{files} data.tokenizer.path={tok} data.filter.max_tokens=1",
+     "no training pair of {corpus} survived filtering (kept 0 of 400 pairs (dropped: empty 0, too "
+     "short (< 1 tokens) 0, too long (> 1 tokens) 400, length ratio (> 3) 0, duplicate 0)); see "
+     "data.filter"),
+    # refused before the corpus is read: init_from names no model, tied embeddings over two
+    # vocabularies (mt.startup.check_tied)
+    ("init_from={corpus}/none.pt", "init_from={corpus}/none.pt: no such model file or run "
+                                   "directory"),
+    ("model.tie_embeddings=all data.tokenizer.joint=false",
+     "model.tie_embeddings=all needs a joint vocabulary: set data.tokenizer.joint=true, or "
+     "model.tie_embeddings=decoder"),
 ])
 def test_a_config_mt_refuses_leaves_no_run_directory(arg, line, fresh_hydra, tmp_path,
-                                                     monkeypatch):
+                                                     monkeypatch, corpus_dir, tmp_path_factory):
     """Hydra makes the run directory (train.log, .hydra/) before mt's checks read the config: a
     refused config left it behind, and its line pointed at a traceback in train.log for what is
     no crash. A directory that was there before is left with all it had."""
     import logging
+    import shutil
 
+    import datasets
     from hydra.core.global_hydra import GlobalHydra
 
     from mt import train
+    from mt.config import TokenizerConfig
+    from mt.data import read_lines
+    from mt.tokenizer import load_or_train
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     monkeypatch.chdir(tmp_path)
+    if "{" in arg:  # data of its own, outside tmp_path (which must end with mine/ alone)
+        outside = tmp_path_factory.mktemp("data")
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(outside / "hf"))
+        bad = outside / "bad"
+        shutil.copytree(corpus_dir, bad)
+        lines = (bad / "train.en").read_bytes().split(b"\n")
+        lines[2] = b"ab\xff"
+        (bad / "train.en").write_bytes(b"\n".join(lines))
+        blank = outside / "blank"
+        shutil.copytree(corpus_dir, blank)
+        (blank / "valid.zz").write_text("\n" * len(read_lines(blank / "valid.en")))
+        tok = outside / "tok"  # trained as a run trains it: tokenizer.json says how
+        load_or_train(tok, lambda: (read_lines(corpus_dir / "train.en"),
+                                    read_lines(corpus_dir / "train.zz")),
+                      TokenizerConfig(vocab_size=100))
+        named = {"corpus": corpus_dir, "bad": bad, "tok": tok, "blank": blank,
+                 "files": f"data.source=files data.dir={corpus_dir} data.tgt_lang=zz "
+                          "data.tokenizer.vocab_size=100 trainer.device=cpu"}
+        arg, line = arg.format(**named), line.format(**named)
     mine = tmp_path / "mine"
     (mine / "notes").mkdir(parents=True)
     (mine / "notes" / "todo.txt").write_text("a user's")
+    # the configs Hydra saved for the run trained in it (overrides.yaml lost since): Hydra
+    # wrote the refused command's over them, and .hydra/config.yaml no longer said the run's
+    meta = {"config.yaml": b"the run's config\n", "hydra.yaml": b"the run's hydra\n"}
+    (mine / ".hydra").mkdir()
+    for name, data in meta.items():
+        (mine / ".hydra" / name).write_bytes(data)
     for where in (["hydra.run.dir=new/deep/run"],  # parents made too: all go
                   ["hydra.run.dir=moved", "hydra.job.chdir=true"],  # run_job changes into it
                   ["hydra.run.dir=bare", "hydra.output_subdir=null"],  # no .hydra/
-                  [f"hydra.run.dir={mine}"]):
+                  [f"hydra.run.dir={mine}"],
+                  [f"hydra.run.dir={mine}", "hydra.output_subdir=meta/deep"]):  # made: it goes
         GlobalHydra.instance().clear()
         monkeypatch.setattr(sys, "argv", ["mt-train", *arg.split(), *where])
         with pytest.raises(SystemExit) as stop:
@@ -409,5 +463,11 @@ def test_a_config_mt_refuses_leaves_no_run_directory(arg, line, fresh_hydra, tmp
             handler.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
     assert (mine / "notes" / "todo.txt").read_text() == "a user's"
+    # (and .lock, where the refusal came under the run's lock: a lock file stays, as after a run)
+    assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")
+                  if p.name != ".lock") == [
+        ".hydra", ".hydra/config.yaml", ".hydra/hydra.yaml", "notes", "notes/todo.txt",
+        "train.log"]
+    assert {name: (mine / ".hydra" / name).read_bytes() for name in meta} == meta
     log = (mine / "train.log").read_text()
     assert f"mt-train: {line}" in log and "Traceback" not in log

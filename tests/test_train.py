@@ -522,9 +522,11 @@ def test_a_split_the_hub_dataset_lacks_is_refused_at_start_naming_its_key(
 def test_a_model_too_short_for_every_pair_names_model_max_positions(trainer_factory):
     """Every pair dropped as too long because model.max_positions caps the length was said as
     "see data.filter", a key that was not the cause."""
-    with pytest.raises(ValueError, match=r"survived filtering \(.*\); see data.filter and "
-                                         r"model.max_positions=4, which lets no pair be longer "
-                                         r"than 3 tokens$"):
+    from mt.config_checks import SetupRefused
+
+    with pytest.raises(SetupRefused, match=r"survived filtering \(.*\); see data.filter and "
+                                           r"model.max_positions=4, which lets no pair be longer "
+                                           r"than 3 tokens$"):
         trainer_factory("short", "model.max_positions=4")
 
 
@@ -549,8 +551,11 @@ def test_no_valid_loss_is_nan_and_best_metric_loss_is_refused_for_it(trainer_fac
     trainer.metrics.write({"step": 1, "epoch": 0, **scores})
     line = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()[-1]
     assert "NaN" not in line and json.loads(line)["valid_loss"] is None
-    with pytest.raises(ValueError, match="^trainer.best_metric=loss: no pair of data.valid=valid "
-                                         "fits model.max_positions=128"):
+    # the command's mistake (mt-train: one line, no traceback; the new run directory goes)
+    from mt.config_checks import SetupRefused
+
+    with pytest.raises(SetupRefused, match="^trainer.best_metric=loss: no pair of data.valid="
+                                           "valid fits model.max_positions=128"):
         trainer_factory("long_loss", f"data.dir={data}", "trainer.best_metric=loss")
 
 
@@ -622,20 +627,31 @@ def test_subword_sampling_with_a_checkpoints_bpe_tokenizer_stops_before_the_corp
     """data.subword_alpha with init_from a BPE model: refused only after the corpus was read,
     and after the checkpoint's tokenizer was written into the run directory, which then refused
     the corrected command (init_from a unigram model: "the model's tokenizer is not the one in
-    .../tokenizer"). Refused at start-up now, leaving nothing behind."""
+    .../tokenizer"). Refused at start-up now, leaving nothing behind. Both are the command's
+    mistakes (``SetupRefused``: mt-train says them in one line, and the run directory it made
+    goes), not crashes whose traceback train.log keeps."""
     import mt.corpus
+    from mt.config_checks import SetupRefused
+    from mt.tokenizer import TokenizerMismatch
 
     bpe = trainer_factory("bpe", "data.tokenizer.path=null", "data.tokenizer.model_type=bpe",
                           "data.tokenizer.vocab_size=150")
     validate_with(bpe, SCORES[:1])
+    # the checkpoint's tokenizer is not the one in data.tokenizer.path (found as the corpus is
+    # read)
+    with pytest.raises(SetupRefused, match=r"^init_from=\S+best.pt: the model's tokenizer is "
+                                           r"not the one in \S+; a model keeps its own: unset "
+                                           r"data.tokenizer.path$") as caught:
+        trainer_factory("other", f"init_from={bpe.ckpt_dir / 'best.pt'}")
+    assert isinstance(caught.value.__cause__, TokenizerMismatch)
 
     def read(*args, **kwargs):
         raise AssertionError("the corpus was read")
 
     monkeypatch.setattr(mt.corpus, "load_train", read)
-    with pytest.raises(ValueError, match=r"^data.subword_alpha samples among a unigram model's "
-                                         r"segmentations, but the tokenizer is the one of "
-                                         r"init_from=\S+best.pt, a BPE model"):
+    with pytest.raises(SetupRefused, match=r"^data.subword_alpha samples among a unigram "
+                                           r"model's segmentations, but the tokenizer is the one "
+                                           r"of init_from=\S+best.pt, a BPE model"):
         trainer_factory("ft", f"init_from={bpe.ckpt_dir / 'best.pt'}", "data.subword_alpha=0.5",
                         "data.tokenizer.path=null")
     assert not (tmp_path / "ft" / "tokenizer").exists()
@@ -2021,7 +2037,8 @@ def test_the_sigterm_watch_keeps_an_ignored_sigterm_ignored(sig):
 def test_a_data_error_under_torchrun_is_one_line_on_every_rank(tmp_path, corpus_dir,
                                                                tokenizer_dir):
     """Rank 0 says what is wrong with the data; rank 1, waiting for it at a barrier, printed
-    gloo's 'Connection closed by peer' traceback beside that line."""
+    gloo's 'Connection closed by peer' traceback beside that line. The bad line is the
+    command's mistake, no crash: no traceback to point at, and the run directory it made goes."""
     data = tmp_path / "data"
     shutil.copytree(corpus_dir, data)
     lines = (corpus_dir / "train.zz").read_bytes().splitlines(keepends=True)
@@ -2033,11 +2050,11 @@ def test_a_data_error_under_torchrun_is_one_line_on_every_rank(tmp_path, corpus_
                             timeout=300)
     ours = [line for line in result.stderr.splitlines() if line.startswith("mt-train: ")]
     assert result.returncode != 0 and sorted(ours) == sorted([
-        f"mt-train: {data}/train.zz:5: invalid UTF-8 (unexpected end of data at byte 3) "
-        f"(traceback in {tmp_path / 'run' / 'train.log'})",
+        f"mt-train: {data}/train.zz:5: invalid UTF-8 (unexpected end of data at byte 3)",
         "mt-train: rank 1 stopped: another process of the run ended or did not answer while it "
         "waited (that process's error says why)"]), result.stderr[-3000:]
     assert "Connection closed by peer" not in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 KILLED_RANK = """
