@@ -1832,8 +1832,9 @@ def test_a_resume_mid_epoch_across_an_mt_update_names_it_among_the_causes(fit_he
 
 def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, corpus_dir,
                                                                      tokenizer_dir):
+    # 5 batches an epoch: its third step is partial, one batch that rank 1 has no share of
     common = ["trainer.max_steps=4", "trainer.validate_every=4", "trainer.test_at_end=false",
-              "model.dropout=0.0"]
+              "model.dropout=0.0", "trainer.max_tokens=3000"]
     single = tmp_path / "single"
     run_train(tmp_path, single, corpus_dir, tokenizer_dir, *common, "trainer.accumulation=2")
     # Each process names the run directory by its own clock (to the microsecond here, so they
@@ -2341,12 +2342,34 @@ def test_non_finite_weights_at_a_validation_stop_as_a_divergence(trainer_factory
         trainer._validate_and_save()
 
 
+def test_an_epoch_trains_every_pair_once_its_last_partial_step_included(trainer_factory):
+    """45 batches an epoch under trainer.accumulation=7 made 6 steps and left the last 3 batches
+    (about 27 of the 400 pairs, other ones each epoch) untrained; a last step takes them, an
+    update of its own tokens' mean loss, as fairseq's last accumulation at an epoch's end."""
+    trainer = trainer_factory("run", "trainer.accumulation=7", "trainer.max_epochs=1",
+                              "trainer.validate_every=1000", "trainer.test_at_end=false")
+    batches = trainer.corpus.batches(300, 1, 0)
+    assert len(batches) % 7  # a tail to take
+    steps, train_step = [], trainer.train_step
+
+    def recorded(micro_batches, step_tokens, *weight):
+        steps.append(([i for b in micro_batches for i in b], step_tokens))
+        return train_step(micro_batches, step_tokens, *weight)
+
+    trainer.train_step = recorded
+    trainer.fit()
+    assert trainer.step == len(steps) == -(-len(batches) // 7)
+    trained = sorted(i for pairs, _ in steps for i in pairs)
+    assert trained == list(range(len(trainer.corpus.tgt_lens)))
+    tail, tokens = steps[-1]
+    assert tokens == sum(trainer.corpus.tgt_lens[i] + 1 for i in tail)  # its own tokens' mean
+
+
 def test_an_epoch_too_small_for_a_step_names_the_upsample_that_shrank_it(fit_here):
     """data.upsample.train=0.001 trains a share of the pairs each epoch: an epoch without a batch
     stopped the run with a line that did not name data.upsample. The line said the share was
     drawn at random; it is the next stretch of a shuffled pass."""
-    with pytest.raises(ValueError, match=r"^epoch \d+ has 0 batches, fewer than "
-                                         r"trainer.accumulation x processes = 1 \(data.upsample "
+    with pytest.raises(ValueError, match=r"^epoch \d+ has no batch to train on \(data.upsample "
                                          r"train=0.001 trains the next share of a shuffled pass "
                                          r"each epoch: here too few\)$"):
         fit_here("run", "+data.upsample.train=0.001", "trainer.max_steps=50")
