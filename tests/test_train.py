@@ -755,6 +755,24 @@ def test_label_smoothed_loss_matches_its_definition():
     assert loss.item() == pytest.approx(expect.item(), rel=1e-5)
 
 
+def test_an_accumulated_step_equals_one_batch_of_its_pairs(trainer_factory):
+    """trainer.accumulation: two micro-batches give the loss and gradient of one batch holding
+    both (the loss is divided by the step's target tokens, not averaged per micro-batch)."""
+    trainer = trainer_factory("run", "model.dropout=0.0")
+    first, second = trainer.corpus.batches(300, 1, 0)[:2]
+    tokens = sum(trainer.corpus.tgt_lens[i] + 1 for i in first + second)
+    start = copy.deepcopy(trainer.model.state_dict())
+    runs = []
+    for micro_batches in ([first, second], [first + second]):
+        trainer.model.load_state_dict(start)
+        loss, _ = trainer.train_step(micro_batches, tokens)
+        runs.append((loss, {n: p.grad.clone() for n, p in trainer.model.named_parameters()}))
+    (loss_a, grad_a), (loss_b, grad_b) = runs
+    torch.testing.assert_close(loss_a, loss_b)
+    for name in grad_a:
+        torch.testing.assert_close(grad_a[name], grad_b[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_label_smoothed_loss_gradient_equals_cross_entropy(dtype):
     """The hand-written backward gives autograd's gradient of F.cross_entropy."""
