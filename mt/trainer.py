@@ -241,8 +241,9 @@ class Trainer:
                         "all 0): training goes on until you stop it; the same command with %s "
                         "resumes it", resume.resume_override(self.run_dir))
         o = self.cfg.optim  # cosine refuses this (mt.optim.lr_lambda); the others only ramp up
-        if t.max_steps and o.warmup_steps >= t.max_steps and self.rank == 0:
-            log.warning("optim.warmup_steps=%d is not below trainer.max_steps=%d: the learning "
+        # step warmup_steps runs at optim.lr: a run of exactly that many steps reaches it
+        if t.max_steps and o.warmup_steps > t.max_steps and self.rank == 0:
+            log.warning("optim.warmup_steps=%d is above trainer.max_steps=%d: the learning "
                         "rate rises all run and never reaches optim.lr=%g (%.3g at the last "
                         "step); lower optim.warmup_steps", o.warmup_steps, t.max_steps, o.lr,
                         o.lr * t.max_steps / o.warmup_steps)

@@ -1719,12 +1719,13 @@ def test_a_run_says_which_budget_ended_it(trainer_factory, caplog):
 
 def test_a_run_shorter_than_its_warmup_says_it_never_reaches_optim_lr(fit_here):
     """'~experiment' keeps 4,000 warmup steps: a shorter run trained at a fraction of optim.lr
-    all along, unsaid."""
+    all along, unsaid. A run exactly as long as its warmup reaches optim.lr at its last step; it
+    was told it never did ("never reaches optim.lr=0.001 (0.001 at the last step)")."""
     common = ["trainer.validate_every=100", "trainer.test_at_end=false", "optim.lr=1e-3"]
     said = fit_here("short", *common, "trainer.max_steps=2", "optim.warmup_steps=4")
-    assert ("optim.warmup_steps=4 is not below trainer.max_steps=2: the learning rate rises all "
+    assert ("optim.warmup_steps=4 is above trainer.max_steps=2: the learning rate rises all "
             "run and never reaches optim.lr=0.001 (0.0005 at the last step)") in said
-    assert "never reaches" not in fit_here("long", *common, "trainer.max_steps=3",
+    assert "never reaches" not in fit_here("long", *common, "trainer.max_steps=2",
                                            "optim.warmup_steps=2")
 
 
