@@ -356,11 +356,19 @@ def step_batches(batches: list[list[int]], step: int, accumulation: int,
                  world: int) -> list[list[list[int]]]:
     """The batches of an epoch's optimizer step ``step`` (from 0), one list per rank: the step
     takes the next ``accumulation x world`` batches and rank r the r-th ``accumulation`` of them.
-    An epoch has ``len(batches) // (accumulation x world)`` steps: the tail that cannot fill one
-    (fewer batches than that) is left out of this epoch, so that all ranks step together."""
+    An epoch has ``epoch_steps`` steps: its last one takes the tail that cannot fill a step (fewer
+    batches than that), where a rank may get none (``Trainer.train_step`` then steps with the
+    others, adding nothing), so that every pair of the epoch is trained on."""
     per_step = accumulation * world
     group = batches[step * per_step : (step + 1) * per_step]
     return [group[r * accumulation : (r + 1) * accumulation] for r in range(world)]
+
+
+def epoch_steps(batches: int, accumulation: int, world: int) -> int:
+    """Optimizer steps in an epoch of ``batches`` batches: the last may be partial. Leaving out
+    the tail (as mt did) skipped up to ``accumulation x world - 1`` batches of every epoch, a
+    share of the corpus that is large where the corpus is small and the steps large."""
+    return -(-batches // (accumulation * world))
 
 
 def budget_batches(lengths: Sequence[int], order: Sequence[int], budget: int

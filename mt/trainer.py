@@ -4,9 +4,9 @@ takes optimizer steps, validates, and writes checkpoints; ``mt.train`` is its co
 Under ``torchrun`` each process takes its share of every optimizer step (DistributedDataParallel,
 gloo on CPU, NCCL on GPU); only rank 0 writes. One optimizer step consumes ``accumulation *
 world_size`` consecutive batches of the epoch's shuffled batch list, rank r taking micro-batches
-``r * accumulation ...``; the loss is the sum of token losses divided by the number of target
-tokens in the whole step. So the same product ``accumulation * world_size`` gives the same update,
-whatever the split.
+``r * accumulation ...`` (an epoch's last step takes the batches left, fewer); the loss is the
+sum of token losses divided by the number of target tokens in the whole step. So the same
+product ``accumulation * world_size`` gives the same update, whatever the split.
 
 A run directory started again resumes by itself from ``checkpoints/last.pt``: model, optimizer,
 schedule, RNG states and the position in the data (epoch, step within the epoch).
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from mt import checkpoint, resume, startup
-from mt.batching import step_batches
+from mt.batching import epoch_steps, step_batches
 from mt.config import BEST_METRICS, TrainConfig, improves
 from mt.corpus import Corpus
 from mt.distributed import (
@@ -179,9 +179,12 @@ class Trainer:
 
     # -- the loop
 
-    def train_step(self, micro_batches: list[list[int]],
-                   step_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, micro_batches: list[list[int]], step_tokens: int,
+                   weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches.
+
+        ``weight`` 0: a rank without a batch in an epoch's last, partial step runs another
+        rank's through (DDP needs every rank's backward) and adds nothing to the update or loss.
 
         Returns the summed label-smoothed loss and NLL (a (2,) tensor: the NLL is what the valid
         loss measures, so the two curves compare) and whether they are finite, device tensors:
@@ -201,8 +204,8 @@ class Trainer:
                     logits = self.net(src, tgt_in)
                 loss, nll = label_smoothed_nll(logits, tgt_out, self.cfg.optim.label_smoothing)
                 # DDP averages gradients over ranks; scale so the result is sum / step_tokens.
-                self.scaler.scale(loss * self.world / step_tokens).backward()
-            loss_total += torch.stack([loss.detach(), nll.detach()]).float()
+                self.scaler.scale(loss * (self.world * weight / step_tokens)).backward()
+            loss_total += torch.stack([loss.detach(), nll.detach()]).float() * weight
         finite = torch.isfinite(loss_total).all().float()
         if self.world > 1:  # skip on every rank, or on none
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
@@ -238,8 +241,9 @@ class Trainer:
                         "all 0): training goes on until you stop it; the same command with %s "
                         "resumes it", resume.resume_override(self.run_dir))
         o = self.cfg.optim  # cosine refuses this (mt.optim.lr_lambda); the others only ramp up
-        if t.max_steps and o.warmup_steps >= t.max_steps and self.rank == 0:
-            log.warning("optim.warmup_steps=%d is not below trainer.max_steps=%d: the learning "
+        # step warmup_steps runs at optim.lr: a run of exactly that many steps reaches it
+        if t.max_steps and o.warmup_steps > t.max_steps and self.rank == 0:
+            log.warning("optim.warmup_steps=%d is above trainer.max_steps=%d: the learning "
                         "rate rises all run and never reaches optim.lr=%g (%.3g at the last "
                         "step); lower optim.warmup_steps", o.warmup_steps, t.max_steps, o.lr,
                         o.lr * t.max_steps / o.warmup_steps)
@@ -292,14 +296,13 @@ class Trainer:
             stopped = self.stop_reason()  # trainer.patience may have run out at it
         while not stopped:
             batches = self.corpus.batches(t.max_tokens, t.seed, self.epoch)
-            steps_in_epoch = len(batches) // per_step
+            steps_in_epoch = epoch_steps(len(batches), t.accumulation, self.world)
             if steps_in_epoch == 0:
                 shrunk = {s: f for s, f in self.cfg.data.upsample.items() if f < 1}
                 why = (f" (data.upsample {', '.join(f'{s}={f:g}' for s, f in shrunk.items())} "
                        "trains the next share of a shuffled pass each epoch: here too few)"
                        if shrunk else "")
-                raise ValueError(f"epoch {self.epoch} has {len(batches)} batches, fewer than "
-                                 f"trainer.accumulation x processes = {per_step}{why}")
+                raise ValueError(f"epoch {self.epoch} has no batch to train on{why}")
             ends = steps_in_epoch * t.max_epochs  # about: a drawn share or segmentation varies
             if (self.step == 0 and self.rank == 0 and self.cfg.optim.schedule == "cosine"
                     and t.max_epochs and 0 < ends < t.max_steps):
@@ -311,7 +314,9 @@ class Trainer:
                 shares = step_batches(batches, self.step_in_epoch, t.accumulation, self.world)
                 step_tokens = sum(self.corpus.tgt_lens[i] + 1
                                   for share in shares for b in share for i in b)
-                loss, finite = self.train_step(shares[self.rank], step_tokens)
+                mine = shares[self.rank]  # none: a partial step's rank (train_step)
+                loss, finite = self.train_step(mine or shares[0][:1], step_tokens,
+                                               1.0 if mine else 0.0)
                 self.step += 1
                 self.step_in_epoch += 1
                 self.bad_steps.count(finite)

@@ -16,6 +16,7 @@ from mt.batching import (  # noqa: E402
     EncodedPairs,
     collate,
     encode_split,
+    epoch_steps,
     filter_lengths,
     filter_pairs,
     pair_hash,
@@ -807,16 +808,21 @@ def test_padding_overhead_under_ten_percent(max_tokens):
 
 @pytest.mark.parametrize(("world", "accumulation"), [(1, 1), (2, 1), (3, 2), (4, 3)])
 def test_ranks_see_disjoint_batches_covering_the_epoch(world, accumulation):
-    """What mt.trainer.Trainer.fit trains: every batch of an epoch once, by one rank, but the tail
-    that cannot fill a step (fewer than accumulation x world batches)."""
+    """What mt.trainer.Trainer.fit trains: every batch of an epoch once, by one rank, the tail
+    that cannot fill a step (fewer than accumulation x world batches) in a last step of its own
+    (it was left out)."""
     src, tgt = _lengths(3001, 3)
     batches = token_batches(src, tgt, 700, seed=0, epoch=2)
     per_step = accumulation * world
-    steps = [step_batches(batches, k, accumulation, world) for k in range(len(batches) // per_step)]
-    assert all(len(share) == accumulation for shares in steps for share in shares)
+    steps = [step_batches(batches, k, accumulation, world)
+             for k in range(epoch_steps(len(batches), accumulation, world))]
+    assert all(len(share) == accumulation for shares in steps[:-1] for share in shares)
+    assert all(len(share) <= accumulation for share in steps[-1]) and steps[-1][0]
     trained = [b for shares in steps for share in shares for b in share]
-    assert trained == batches[: len(trained)]  # in order, none twice
-    assert len(batches) - len(trained) < per_step  # the tail left out
+    assert trained == batches  # in order, none twice, none left out
+    if world > 1:  # a tail that some rank has no batch of
+        assert any(not share for share in step_batches(batches[:per_step + 1], 1, accumulation,
+                                                       world))
     ranks = {tuple(b): r for shares in steps for r, share in enumerate(shares) for b in share}
     assert len(ranks) == len(trained)  # each batch on exactly one rank
 

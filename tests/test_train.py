@@ -771,6 +771,24 @@ def test_label_smoothed_loss_matches_its_definition():
     assert loss.item() == pytest.approx(expect.item(), rel=1e-5)
 
 
+def test_an_accumulated_step_equals_one_batch_of_its_pairs(trainer_factory):
+    """trainer.accumulation: two micro-batches give the loss and gradient of one batch holding
+    both (the loss is divided by the step's target tokens, not averaged per micro-batch)."""
+    trainer = trainer_factory("run", "model.dropout=0.0")
+    first, second = trainer.corpus.batches(300, 1, 0)[:2]
+    tokens = sum(trainer.corpus.tgt_lens[i] + 1 for i in first + second)
+    start = copy.deepcopy(trainer.model.state_dict())
+    runs = []
+    for micro_batches in ([first, second], [first + second]):
+        trainer.model.load_state_dict(start)
+        loss, _ = trainer.train_step(micro_batches, tokens)
+        runs.append((loss, {n: p.grad.clone() for n, p in trainer.model.named_parameters()}))
+    (loss_a, grad_a), (loss_b, grad_b) = runs
+    torch.testing.assert_close(loss_a, loss_b)
+    for name in grad_a:
+        torch.testing.assert_close(grad_a[name], grad_b[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_label_smoothed_loss_gradient_equals_cross_entropy(dtype):
     """The hand-written backward gives autograd's gradient of F.cross_entropy."""
@@ -1717,12 +1735,13 @@ def test_a_run_says_which_budget_ended_it(trainer_factory, caplog):
 
 def test_a_run_shorter_than_its_warmup_says_it_never_reaches_optim_lr(fit_here):
     """'~experiment' keeps 4,000 warmup steps: a shorter run trained at a fraction of optim.lr
-    all along, unsaid."""
+    all along, unsaid. A run exactly as long as its warmup reaches optim.lr at its last step; it
+    was told it never did ("never reaches optim.lr=0.001 (0.001 at the last step)")."""
     common = ["trainer.validate_every=100", "trainer.test_at_end=false", "optim.lr=1e-3"]
     said = fit_here("short", *common, "trainer.max_steps=2", "optim.warmup_steps=4")
-    assert ("optim.warmup_steps=4 is not below trainer.max_steps=2: the learning rate rises all "
+    assert ("optim.warmup_steps=4 is above trainer.max_steps=2: the learning rate rises all "
             "run and never reaches optim.lr=0.001 (0.0005 at the last step)") in said
-    assert "never reaches" not in fit_here("long", *common, "trainer.max_steps=3",
+    assert "never reaches" not in fit_here("long", *common, "trainer.max_steps=2",
                                            "optim.warmup_steps=2")
 
 
@@ -1848,8 +1867,9 @@ def test_a_resume_mid_epoch_across_an_mt_update_names_it_among_the_causes(fit_he
 
 def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, corpus_dir,
                                                                      tokenizer_dir):
+    # 5 batches an epoch: its third step is partial, one batch that rank 1 has no share of
     common = ["trainer.max_steps=4", "trainer.validate_every=4", "trainer.test_at_end=false",
-              "model.dropout=0.0"]
+              "model.dropout=0.0", "trainer.max_tokens=3000"]
     single = tmp_path / "single"
     run_train(tmp_path, single, corpus_dir, tokenizer_dir, *common, "trainer.accumulation=2")
     # Each process names the run directory by its own clock (to the microsecond here, so they
@@ -2419,12 +2439,34 @@ def test_non_finite_weights_at_a_validation_stop_as_a_divergence(trainer_factory
         trainer._validate_and_save()
 
 
+def test_an_epoch_trains_every_pair_once_its_last_partial_step_included(trainer_factory):
+    """45 batches an epoch under trainer.accumulation=7 made 6 steps and left the last 3 batches
+    (about 27 of the 400 pairs, other ones each epoch) untrained; a last step takes them, an
+    update of its own tokens' mean loss, as fairseq's last accumulation at an epoch's end."""
+    trainer = trainer_factory("run", "trainer.accumulation=7", "trainer.max_epochs=1",
+                              "trainer.validate_every=1000", "trainer.test_at_end=false")
+    batches = trainer.corpus.batches(300, 1, 0)
+    assert len(batches) % 7  # a tail to take
+    steps, train_step = [], trainer.train_step
+
+    def recorded(micro_batches, step_tokens, *weight):
+        steps.append(([i for b in micro_batches for i in b], step_tokens))
+        return train_step(micro_batches, step_tokens, *weight)
+
+    trainer.train_step = recorded
+    trainer.fit()
+    assert trainer.step == len(steps) == -(-len(batches) // 7)
+    trained = sorted(i for pairs, _ in steps for i in pairs)
+    assert trained == list(range(len(trainer.corpus.tgt_lens)))
+    tail, tokens = steps[-1]
+    assert tokens == sum(trainer.corpus.tgt_lens[i] + 1 for i in tail)  # its own tokens' mean
+
+
 def test_an_epoch_too_small_for_a_step_names_the_upsample_that_shrank_it(fit_here):
     """data.upsample.train=0.001 trains a share of the pairs each epoch: an epoch without a batch
     stopped the run with a line that did not name data.upsample. The line said the share was
     drawn at random; it is the next stretch of a shuffled pass."""
-    with pytest.raises(ValueError, match=r"^epoch \d+ has 0 batches, fewer than "
-                                         r"trainer.accumulation x processes = 1 \(data.upsample "
+    with pytest.raises(ValueError, match=r"^epoch \d+ has no batch to train on \(data.upsample "
                                          r"train=0.001 trains the next share of a shuffled pass "
                                          r"each epoch: here too few\)$"):
         fit_here("run", "+data.upsample.train=0.001", "trainer.max_steps=50")
