@@ -755,6 +755,23 @@ def test_a_language_group_side_is_not_checked_against_the_test_set(tmp_path, cap
     assert bleu_target("zhx") == "zh" and bleu_target("jpx") == "ja"  # families of one script
 
 
+def test_a_locale_in_capitals_is_one_language_not_a_group(tmp_path, caplog):
+    """is_group read any capitals of four characters or more as an OPUS-MT group (ROMANCE), so a
+    model for ZH_CN or PT_BR (mt-import --tgt-lang PT_BR) was never checked: scored on an en-fr
+    test set, BLEU near 0 and no 'check the direction'."""
+    from mt.evaluate_checks import check_direction, is_group
+
+    assert all(map(is_group, ("ROMANCE", "NORTH_EU", "INSULAR_CELTIC", "SCANDINAVIA", "roa")))
+    assert not any(map(is_group, ("ZH", "ZH_CN", "PT_BR", "SR_CYRL", "pt_BR", "zh-Hant")))
+    for tgt in ("PT_BR", "ZH_CN"):
+        src_file, ref_file = _tiny_model_and_test_set(tmp_path, tgt_lang=tgt)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mt.evaluate"):
+            check_direction([str(tmp_path / "m.pt")],
+                            testsets.TestSet("t", [ref_file], src_file, "en-fr"), None)
+        assert f"m.pt was trained for en-{tgt}, test set t is en-fr" in caplog.text, tgt
+
+
 def test_each_test_set_is_checked_against_the_models_direction(tmp_path, capsys, caplog,
                                                                 monkeypatch):
     """The direction was checked only on the test set the model was loaded for: an en-de model
