@@ -131,9 +131,19 @@ def _covers(src: str | None, tgt: str, langpair: str) -> bool:
     and each of them is that side's; 'trained for en-fr+fr_BE+..., test set is en-fr: check
     the direction' was said of the right model. A side that names a group (``is_group``: roa,
     mul, ROMANCE) cannot be checked, since its members are not known, so it covers any
-    language; the other side is still checked."""
+    language; the other side is still checked. Languages are compared by their language
+    subtag (``language``): a model for zh-Hant (mt-import --tgt-lang zh-Hant) scored on an
+    en-zh test set was told to check the direction."""
     test = langpair.split("-")
     if len(test) != 2:  # not a plain pair: the same words, or no match
         return f"{src}-{tgt}" == langpair
-    return all(t == m or any(c == t or is_group(c) for c in str(m).split("+"))
+    return all(t == m or any(c == t or is_group(c) or language(c) == language(t)
+                             for c in str(m).split("+"))
                for m, t in zip((src, tgt), test, strict=True))
+
+
+def language(code: str) -> str:
+    """A language code's language subtag, in lower case: ``zh-Hant``, ``zh_CN`` and ``ZH`` are
+    ``zh``, ``sr_Cyrl`` is ``sr`` (BCP-47 tags and POSIX locales put a script or region after a
+    '-' or '_'; the direction check asks which language, not which script or country)."""
+    return re.split(r"[-_]", code, maxsplit=1)[0].lower()
