@@ -160,10 +160,12 @@ def leave_run_dir(own: Path, shared: Path, remove: bool, meta: str | None = ".hy
         # an empty folder made for it alone: its date folder where permissions keep it). One
         # that holds something else by now is not this process's to remove, and stays unsaid.
         for folder in made:
-            if folder.exists():
+            try:
                 if folder != own and any(folder.iterdir()):
                     break
                 folder.rmdir()
+            except FileNotFoundError:  # gone already (another rank's took the date folder)
+                continue
     except OSError as err:
         log.warning("could not remove %s, the run directory this process named before it took "
                     "rank 0's (%s): %s", own, shared, err)

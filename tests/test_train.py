@@ -1977,6 +1977,21 @@ def test_a_rank_says_a_date_folder_made_for_it_that_will_not_go(tmp_path, monkey
     with caplog.at_level(logging.WARNING, logger="mt.distributed"):
         leave_run_dir(own, shared, remove=True)
     assert not own.exists() and (own.parent / "other-run").is_dir() and not caplog.text
+    # one that the other rank's leave_run_dir emptied and removed meanwhile is gone, as
+    # wanted: no warning
+    (own / ".hydra").mkdir(parents=True)
+    iterdir = Path.iterdir
+
+    def raced(self: Path):
+        if self.name == "day2":  # the other rank, between this one's rmdir and its look
+            (self / "other-run").rmdir()
+            rmdir(self)
+        return iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", raced)
+    with caplog.at_level(logging.WARNING, logger="mt.distributed"):
+        leave_run_dir(own, shared, remove=True)
+    assert not own.parent.exists() and not caplog.text
 
 
 def test_two_process_ddp_with_dropout_resumes_exactly(tmp_path, corpus_dir, tokenizer_dir):
