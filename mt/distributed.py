@@ -156,8 +156,16 @@ def leave_run_dir(own: Path, shared: Path, remove: bool, meta: str | None = ".hy
         if any(p.is_symlink() for p in own.iterdir()) or not holds_only(own, expected):
             return
         remove_made(own, made, expected)
-        if own.exists():  # remove_made stops quietly at a folder that will not go: say why
-            own.rmdir()
+        # remove_made stops quietly at a folder that will not go: rmdir again says why (own, or
+        # an empty folder made for it alone: its date folder where permissions keep it). One
+        # that holds something else by now is not this process's to remove, and stays unsaid.
+        for folder in made:
+            try:
+                if folder != own and any(folder.iterdir()):
+                    break
+                folder.rmdir()
+            except FileNotFoundError:  # gone already (another rank's took the date folder)
+                continue
     except OSError as err:
         log.warning("could not remove %s, the run directory this process named before it took "
                     "rank 0's (%s): %s", own, shared, err)

@@ -117,9 +117,11 @@ GROUP_CODES = frozenset("""
 
 def is_group(code: str) -> bool:
     """Whether a model's side names a group of languages whose members mt does not know: an
-    ISO 639-5 code (``roa``, ``gem``), ``mul``, or an OPUS-MT group name in capitals of four
-    letters or more (``ROMANCE``, ``SCANDINAVIA``, ``NORTH_EU``; ``ZH`` is Chinese)."""
-    return code.lower() in GROUP_CODES or re.fullmatch(r"[A-Z][A-Z_]{3,}", code) is not None
+    ISO 639-5 code (``roa``, ``gem``), ``mul``, or an OPUS-MT group name in capitals whose
+    first word has four letters or more (``ROMANCE``, ``SCANDINAVIA``, ``NORTH_EU``). ``ZH`` is
+    Chinese, and a locale in capitals (``ZH_CN``, ``PT_BR``, ``SR_CYRL``) is one language: read
+    as a group, a model for it was never checked against a test set's langpair."""
+    return code.lower() in GROUP_CODES or re.fullmatch(r"[A-Z]{4,}(_[A-Z]+)*", code) is not None
 
 
 def _covers(src: str | None, tgt: str, langpair: str) -> bool:
@@ -129,9 +131,19 @@ def _covers(src: str | None, tgt: str, langpair: str) -> bool:
     and each of them is that side's; 'trained for en-fr+fr_BE+..., test set is en-fr: check
     the direction' was said of the right model. A side that names a group (``is_group``: roa,
     mul, ROMANCE) cannot be checked, since its members are not known, so it covers any
-    language; the other side is still checked."""
+    language; the other side is still checked. Languages are compared by their language
+    subtag (``language``): a model for zh-Hant (mt-import --tgt-lang zh-Hant) scored on an
+    en-zh test set was told to check the direction."""
     test = langpair.split("-")
     if len(test) != 2:  # not a plain pair: the same words, or no match
         return f"{src}-{tgt}" == langpair
-    return all(t == m or any(c == t or is_group(c) for c in str(m).split("+"))
+    return all(t == m or any(c == t or is_group(c) or language(c) == language(t)
+                             for c in str(m).split("+"))
                for m, t in zip((src, tgt), test, strict=True))
+
+
+def language(code: str) -> str:
+    """A language code's language subtag, in lower case: ``zh-Hant``, ``zh_CN`` and ``ZH`` are
+    ``zh``, ``sr_Cyrl`` is ``sr`` (BCP-47 tags and POSIX locales put a script or region after a
+    '-' or '_'; the direction check asks which language, not which script or country)."""
+    return re.split(r"[-_]", code, maxsplit=1)[0].lower()

@@ -755,6 +755,41 @@ def test_a_language_group_side_is_not_checked_against_the_test_set(tmp_path, cap
     assert bleu_target("zhx") == "zh" and bleu_target("jpx") == "ja"  # families of one script
 
 
+def test_a_locale_in_capitals_is_one_language_not_a_group(tmp_path, caplog):
+    """is_group read any capitals of four characters or more as an OPUS-MT group (ROMANCE), so a
+    model for ZH_CN or PT_BR (mt-import --tgt-lang PT_BR) was never checked: scored on an en-fr
+    test set, BLEU near 0 and no 'check the direction'."""
+    from mt.evaluate_checks import check_direction, is_group
+
+    assert all(map(is_group, ("ROMANCE", "NORTH_EU", "INSULAR_CELTIC", "SCANDINAVIA", "roa")))
+    assert not any(map(is_group, ("ZH", "ZH_CN", "PT_BR", "SR_CYRL", "pt_BR", "zh-Hant")))
+    for tgt in ("PT_BR", "ZH_CN"):
+        src_file, ref_file = _tiny_model_and_test_set(tmp_path, tgt_lang=tgt)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mt.evaluate"):
+            check_direction([str(tmp_path / "m.pt")],
+                            testsets.TestSet("t", [ref_file], src_file, "en-fr"), None)
+        assert f"m.pt was trained for en-{tgt}, test set t is en-fr" in caplog.text, tgt
+
+
+def test_a_region_or_script_of_the_models_language_is_that_language(tmp_path, caplog):
+    """A model for zh-Hant (mt-import --tgt-lang zh-Hant, as its help shows), zh_CN, ZH or pt_BR
+    scored on the en-zh or en-pt test set was told to check the direction: the codes were
+    compared whole. The language is what the check asks; a wrong one is still said."""
+    from mt.evaluate_checks import check_direction
+
+    for tgt, right in (("zh-Hant", "en-zh"), ("zh_CN", "en-zh"), ("ZH", "en-zh"),
+                       ("pt_BR", "en-pt"), ("fr+pt_BR", "en-pt"), ("pt", "en-pt_BR")):
+        src_file, ref_file = _tiny_model_and_test_set(tmp_path, tgt_lang=tgt)
+        for pair in (right, "en-fr" if "fr" not in tgt else "en-de", "pt-" + right[3:]):
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="mt.evaluate"):
+                check_direction([str(tmp_path / "m.pt")],
+                                testsets.TestSet("t", [ref_file], src_file, pair), None)
+            said = f"m.pt was trained for en-{tgt}, test set t is {pair}" in caplog.text
+            assert said == (pair != right), (tgt, pair, caplog.text)
+
+
 def test_each_test_set_is_checked_against_the_models_direction(tmp_path, capsys, caplog,
                                                                 monkeypatch):
     """The direction was checked only on the test set the model was loaded for: an en-de model

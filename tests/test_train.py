@@ -1982,6 +1982,54 @@ def test_a_rank_keeps_links_and_folders_other_than_hydra_output_subdir(tmp_path,
     assert "Permission denied" in caplog.text
 
 
+def test_a_rank_says_a_date_folder_made_for_it_that_will_not_go(tmp_path, monkeypatch, caplog):
+    """Past midnight the second rank's date folder was made for it alone and is removed with
+    its run directory; one that would not go (permissions) was left without a word once the
+    removal moved to hydra_dirs.remove_made, where it had been a warning. One holding something
+    else stays, unsaid: it is not this process's."""
+    from mt.distributed import leave_run_dir
+
+    shared, own = tmp_path / "runs" / "day1" / "23-59-59", tmp_path / "runs" / "day2" / "00-00-00"
+    for d in (shared, own / ".hydra"):
+        d.mkdir(parents=True)
+    (own / ".hydra" / "config.yaml").write_text("a: 1\n")
+    rmdir = Path.rmdir
+
+    def refused(self: Path) -> None:
+        if self.name == "day2":
+            raise PermissionError(13, "Permission denied", str(self))
+        rmdir(self)
+
+    monkeypatch.setattr(Path, "rmdir", refused)
+    with caplog.at_level(logging.WARNING, logger="mt.distributed"):
+        leave_run_dir(own, shared, remove=True)
+    assert not own.exists() and own.parent.is_dir()
+    assert f"could not remove {own}" in caplog.text and "Permission denied" in caplog.text
+    assert str(own.parent) in caplog.text
+    # a date folder with another run in it by now is not this rank's: no warning
+    (own / ".hydra").mkdir(parents=True)
+    (own.parent / "other-run").mkdir()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mt.distributed"):
+        leave_run_dir(own, shared, remove=True)
+    assert not own.exists() and (own.parent / "other-run").is_dir() and not caplog.text
+    # one that the other rank's leave_run_dir emptied and removed meanwhile is gone, as
+    # wanted: no warning
+    (own / ".hydra").mkdir(parents=True)
+    iterdir = Path.iterdir
+
+    def raced(self: Path):
+        if self.name == "day2":  # the other rank, between this one's rmdir and its look
+            (self / "other-run").rmdir()
+            rmdir(self)
+        return iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", raced)
+    with caplog.at_level(logging.WARNING, logger="mt.distributed"):
+        leave_run_dir(own, shared, remove=True)
+    assert not own.parent.exists() and not caplog.text
+
+
 def test_two_process_ddp_with_dropout_resumes_exactly(tmp_path, corpus_dir, tokenizer_dir):
     """Each rank draws its own dropout masks, and a resumed run draws on from where each stopped."""
     common = ["trainer.validate_every=3", "trainer.test_at_end=false", "model.dropout=0.3"]
