@@ -152,6 +152,28 @@ def test_paired_tests_find_a_planted_improvement_and_not_a_copy(files, capsys, c
     assert tiny["scores"]["bleu"]["p_ar"] == pytest.approx(cli[1]["BLEU"]["p_value"])
 
 
+def test_an_equal_score_is_not_significant(files, capsys):
+    """Two different systems with the same BLEU (0: barely trained checkpoints that share no
+    4-gram with the references) differ in no resample either; sacrebleu then counts no larger
+    difference and gives the smallest p-value (1/1001), which mt-eval printed as significant."""
+    ref = Path(files["ref"]).read_text().splitlines()
+    first = _write(files["tmp"] / "first.hyp", [line.split()[0] for line in ref])
+    second = _write(files["tmp"] / "second.hyp", [line.split()[1] for line in ref])
+    result = _run(["--hyp", first, second, "--ref", files["ref"], "-M", "bleu", "chrf",
+                   "--paired-bs", "--paired-bs-n", "100", "--paired-ar", "--paired-ar-n", "100"],
+                  capsys)
+    base, other = result["tests"][0]["systems"]
+    assert base["scores"]["bleu"]["score"] == other["scores"]["bleu"]["score"] == 0.0
+    assert other["scores"]["bleu"]["p_bs"] == other["scores"]["bleu"]["p_ar"] == 1.0
+    # the chrF scores differ: sacrebleu's own p-value stays
+    assert other["scores"]["chrf"]["score"] != base["scores"]["chrf"]["score"]
+    assert other["scores"]["chrf"]["p_bs"] < 1.0
+    main(["--hyp", first, second, "--ref", files["ref"], "-M", "bleu", "--paired-bs",
+          "--paired-bs-n", "100", "--quiet"])
+    (row,) = [r for r in capsys.readouterr().out.splitlines() if "second.hyp " in r]
+    assert "(p=1.0000)" in row and "*" not in row
+
+
 def test_a_metric_given_twice_is_scored_once(files, capsys):
     result = _run(["--hyp", files["good"], files["bad"], "--ref", files["ref"],
                    "-M", "chrf", "bleu", "chrf", "--paired-bs", "--paired-bs-n", "20"], capsys)
