@@ -40,12 +40,22 @@ def carriage_returns_only(raw: bytes, lineno: int) -> str | None:
     return None
 
 
+# A file saved as UTF-16 (Windows PowerShell's '>' writes one) starts with its byte-order mark;
+# read as UTF-8 it was "invalid at byte 0", and --errors replace split it into garbage lines
+# (its line end is two bytes), one more than it holds.
+UTF16 = ("UTF-16 text (it starts with a UTF-16 byte-order mark), not UTF-8; convert it first: "
+         "iconv -f UTF-16 -t UTF-8 FILE > NEW")
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # no UTF-8 text starts with either byte
+
+
 def utf8_text(raw: bytes) -> str:
     """A line's bytes as text without its line end (``\\n``, ``\\r\\n``); invalid UTF-8 raises
     ValueError in the words that translate, mt-eval and mt-train share: the reason and the
     byte's offset, in the line without its end. (Decoded with the end, a character cut short
     just before it read as "invalid continuation byte" to one command and "unexpected end of
     data" to another.)"""
+    if raw.startswith(UTF16_BOMS):
+        raise ValueError(UTF16)
     line = raw.removesuffix(b"\n").rstrip(b"\r")
     try:
         return line.decode("utf-8")
@@ -59,6 +69,8 @@ def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> s
     does a file whose lines end in ``\\r`` alone (``carriage_returns_only``)."""
     if (mistake := carriage_returns_only(raw, lineno)) is not None:
         raise InputError(f"{name}:{lineno}: {mistake}")
+    if raw.startswith(UTF16_BOMS):  # no --errors can align its lines
+        raise InputError(f"{name}:{lineno}: {UTF16}")
     if errors != "strict":
         return raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r")
     try:

@@ -209,6 +209,10 @@ def test_source_is_checked_for_hypothesis_files_too(files):
     latin1.write_bytes("caf\xe9\n".encode("latin-1") * 200)
     with pytest.raises(SystemExit, match="latin1.en:1: invalid UTF-8"):
         main(["--hyp", files["good"], "--src", str(latin1), "--ref", files["ref"]])
+    wide = files["tmp"] / "wide.de"  # UTF-16 (PowerShell's '>'): not 'invalid UTF-8 at byte 0'
+    wide.write_bytes(Path(files["good"]).read_text().encode("utf-16"))
+    with pytest.raises(SystemExit, match="wide.de:1: UTF-16 text .* iconv -f UTF-16 -t UTF-8"):
+        main(["--hyp", str(wide), "--ref", files["ref"]])
     mac = files["tmp"] / "mac.de"  # old Mac line ends: one line, not 200
     mac.write_bytes(Path(files["good"]).read_bytes().replace(b"\n", b"\r"))
     with pytest.raises(SystemExit, match=r"mac.de:1: its lines end in a carriage return \(\\r"):

@@ -783,6 +783,20 @@ def test_a_file_of_carriage_return_line_ends_is_refused_not_read_as_one_line(mod
     assert len(_run(["-m", models["a"], "-i", dos, *FAST], capsys)) == 2
 
 
+def test_a_utf16_file_is_refused_with_what_to_do_not_translated_misaligned(models, tmp_path):
+    """A UTF-16 file (Windows PowerShell's '>' writes one): 'invalid UTF-8 at byte 0; use
+    --errors replace', and --errors replace then gave 3 garbage lines for 2 (its line ends are
+    two bytes, '\\n' then NUL). It is refused under either --errors, with the iconv to run."""
+    wide = tmp_path / "wide.txt"
+    wide.write_bytes("the dog\na cat\n".encode("utf-16"))  # with its byte-order mark
+    for errors in ("strict", "replace"):
+        with pytest.raises(SystemExit) as err:
+            main(["-m", models["a"], "-i", str(wide), "--errors", errors, *FAST])
+        assert str(err.value) == (f"translate: {wide}:1: UTF-16 text (it starts with a UTF-16 "
+                                  "byte-order mark), not UTF-8; convert it first: iconv -f "
+                                  "UTF-16 -t UTF-8 FILE > NEW")
+
+
 def test_output_file_appears_only_whole(models, tmp_path, monkeypatch):
     """A run that fails half-way (stdin's mistakes are found only when read) leaves no output
     file, not even its .partial; a line-parallel file that ends early is named."""
