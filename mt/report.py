@@ -244,9 +244,12 @@ def compare(entry: dict, named_hyps: list[tuple[str, list[str]]], refs: list[lis
             for m in metrics:
                 r, s = pt["results"][m][i], record["scores"][m]
                 # sacrebleu counts only resamples with a difference strictly larger than the
-                # observed one, so a copy of the baseline (observed 0, every resample 0) would get
-                # the smallest p-value possible; no difference at all is never significant.
-                s[f"p_{kind}"] = 1.0 if record.get("identical_to_baseline") else r["p_value"]
+                # observed one, so a copy of the baseline, or a system of the very same score
+                # (two early checkpoints at BLEU 0: observed 0, every resample 0), would get the
+                # smallest p-value possible; no difference at all is never significant.
+                same = (record.get("identical_to_baseline")
+                        or (i > 0 and r["score"] == pt["results"][m][0]["score"]))
+                s[f"p_{kind}"] = 1.0 if same else r["p_value"]
                 if kind == "bs":
                     s.update(bs_mean=r["mean"], bs_ci=r["ci"])
             _warn_few_differences(record, kind, metrics)

@@ -44,6 +44,13 @@ def carriage_returns_only(raw: bytes, lineno: int) -> str | None:
 # is never text: a file's own, or the second file's of `cat a.txt b.txt`, now in mid-file.
 BOM = "\ufeff"
 
+# A file saved as UTF-16 (Windows PowerShell's '>' writes one) starts with its byte-order mark;
+# read as UTF-8 it was "invalid at byte 0", and --errors replace split it into garbage lines
+# (its line end is two bytes), one more than it holds.
+UTF16 = ("UTF-16 text (it starts with a UTF-16 byte-order mark), not UTF-8; convert it first: "
+         "iconv -f UTF-16 -t UTF-8 FILE > NEW")
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # no UTF-8 text starts with either byte
+
 
 def utf8_text(raw: bytes) -> str:
     """A line's bytes as text without its line end (``\\n``, ``\\r\\n``) and without byte-order
@@ -53,6 +60,8 @@ def utf8_text(raw: bytes) -> str:
     share: the reason and the byte's offset, in the line without its end. (Decoded with the
     end, a character cut short just before it read as "invalid continuation byte" to one command
     and "unexpected end of data" to another.)"""
+    if raw.startswith(UTF16_BOMS):
+        raise ValueError(UTF16)
     line = raw.removesuffix(b"\n").rstrip(b"\r")
     try:
         return line.decode("utf-8").lstrip(BOM)
@@ -67,6 +76,8 @@ def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> s
     does a file whose lines end in ``\\r`` alone (``carriage_returns_only``)."""
     if (mistake := carriage_returns_only(raw, lineno)) is not None:
         raise InputError(f"{name}:{lineno}: {mistake}")
+    if raw.startswith(UTF16_BOMS):  # no --errors can align its lines
+        raise InputError(f"{name}:{lineno}: {UTF16}")
     if errors != "strict":
         return raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r").lstrip(BOM)
     try:

@@ -106,9 +106,25 @@ def refuse_overwrite(args: argparse.Namespace, parallel: dict[str, str]) -> None
             raise SystemExit(f"translate: -o {args.output} is the {name} file; the "
                              f"{written} would replace it: write them elsewhere")
         where = f" ({path})" if path != "-" else ""
+        if out.st_size == 0 and not _appending(sys.stdout):
+            # `> FILE`: the shell emptied it before we started; saying what "would" happen
+            # let the user believe the text was still there
+            raise SystemExit(f"translate: stdout is the {name} file{where}, which the shell's "
+                             "'>' emptied before translate started (its text is gone: restore "
+                             "it); write the output to another file")
         harm = "be read back as input" if option == "-i" else "be written into it"
         raise SystemExit(f"translate: stdout is the {name} file{where}; the {written} would "
                          f"{harm}: write them elsewhere")
+
+
+def _appending(stream) -> bool:
+    """Whether ``stream`` was opened for appending (``>> FILE``), not truncated (``> FILE``)."""
+    try:
+        import fcntl  # not on Windows
+
+        return bool(fcntl.fcntl(stream.fileno(), fcntl.F_GETFL) & os.O_APPEND)
+    except (ImportError, OSError, ValueError, AttributeError):
+        return True  # unknown: say nothing about a truncation
 
 
 def _stdout_file() -> os.stat_result | None:

@@ -152,6 +152,28 @@ def test_paired_tests_find_a_planted_improvement_and_not_a_copy(files, capsys, c
     assert tiny["scores"]["bleu"]["p_ar"] == pytest.approx(cli[1]["BLEU"]["p_value"])
 
 
+def test_an_equal_score_is_not_significant(files, capsys):
+    """Two different systems with the same BLEU (0: barely trained checkpoints that share no
+    4-gram with the references) differ in no resample either; sacrebleu then counts no larger
+    difference and gives the smallest p-value (1/1001), which mt-eval printed as significant."""
+    ref = Path(files["ref"]).read_text().splitlines()
+    first = _write(files["tmp"] / "first.hyp", [line.split()[0] for line in ref])
+    second = _write(files["tmp"] / "second.hyp", [line.split()[1] for line in ref])
+    result = _run(["--hyp", first, second, "--ref", files["ref"], "-M", "bleu", "chrf",
+                   "--paired-bs", "--paired-bs-n", "100", "--paired-ar", "--paired-ar-n", "100"],
+                  capsys)
+    base, other = result["tests"][0]["systems"]
+    assert base["scores"]["bleu"]["score"] == other["scores"]["bleu"]["score"] == 0.0
+    assert other["scores"]["bleu"]["p_bs"] == other["scores"]["bleu"]["p_ar"] == 1.0
+    # the chrF scores differ: sacrebleu's own p-value stays
+    assert other["scores"]["chrf"]["score"] != base["scores"]["chrf"]["score"]
+    assert other["scores"]["chrf"]["p_bs"] < 1.0
+    main(["--hyp", first, second, "--ref", files["ref"], "-M", "bleu", "--paired-bs",
+          "--paired-bs-n", "100", "--quiet"])
+    (row,) = [r for r in capsys.readouterr().out.splitlines() if "second.hyp " in r]
+    assert "(p=1.0000)" in row and "*" not in row
+
+
 def test_a_metric_given_twice_is_scored_once(files, capsys):
     result = _run(["--hyp", files["good"], files["bad"], "--ref", files["ref"],
                    "-M", "chrf", "bleu", "chrf", "--paired-bs", "--paired-bs-n", "20"], capsys)
@@ -187,6 +209,10 @@ def test_source_is_checked_for_hypothesis_files_too(files):
     latin1.write_bytes("caf\xe9\n".encode("latin-1") * 200)
     with pytest.raises(SystemExit, match="latin1.en:1: invalid UTF-8"):
         main(["--hyp", files["good"], "--src", str(latin1), "--ref", files["ref"]])
+    wide = files["tmp"] / "wide.de"  # UTF-16 (PowerShell's '>'): not 'invalid UTF-8 at byte 0'
+    wide.write_bytes(Path(files["good"]).read_text().encode("utf-16"))
+    with pytest.raises(SystemExit, match="wide.de:1: UTF-16 text .* iconv -f UTF-16 -t UTF-8"):
+        main(["--hyp", str(wide), "--ref", files["ref"]])
     mac = files["tmp"] / "mac.de"  # old Mac line ends: one line, not 200
     mac.write_bytes(Path(files["good"]).read_bytes().replace(b"\n", b"\r"))
     with pytest.raises(SystemExit, match=r"mac.de:1: its lines end in a carriage return \(\\r"):

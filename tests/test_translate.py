@@ -679,6 +679,23 @@ def test_stdout_appended_to_the_input_is_refused_before_any_work(models, tmp_pat
     assert Path(src).read_text() == "the dog\na cat\n"
 
 
+def test_stdout_truncating_a_file_translate_reads_says_the_shell_emptied_it(models, tmp_path):
+    """``translate -i in.txt > in.txt`` (or ``--score given.de > given.de``): the shell empties
+    the file before translate starts. It said the translations 'would be read back as input' (or
+    'written into it'), as if nothing had happened, while the user's text was already gone."""
+    src = _write(tmp_path / "in.txt", ["the dog", "a cat"])
+    given = _write(tmp_path / "given.de", ["der Hund", "eine Katze"])
+    for args, name in [(f"-i {src} > {src}", f"-i file ({src})"),
+                       (f"-i {src} --score {given} > {given}", f"--score file ({given})")]:
+        proc = subprocess.run(f"exec {sys.executable} -m mt.translate -m {models['a']} {args} "
+                              f"{' '.join(FAST)}", shell=True, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"translate: stdout is the {name}, which the shell's '>' emptied before translate "
+            "started (its text is gone: restore it); write the output to another file")
+
+
 def test_an_output_that_is_the_model_or_the_shortlist_is_refused(models, tmp_path):
     """-o naming a checkpoint translate loads (a file, or a run directory's best.pt) or the
     --shortlist: the translations replaced a 50 MB model with a few lines of text."""
@@ -789,6 +806,20 @@ def test_a_file_of_carriage_return_line_ends_is_refused_not_read_as_one_line(mod
         main(["-m", models["a"], "-i", str(mac), *FAST])
     dos = _write(tmp_path / "dos.txt", ["the dog\r", "a\rcat\r"])  # CRLF, a stray \r inside
     assert len(_run(["-m", models["a"], "-i", dos, *FAST], capsys)) == 2
+
+
+def test_a_utf16_file_is_refused_with_what_to_do_not_translated_misaligned(models, tmp_path):
+    """A UTF-16 file (Windows PowerShell's '>' writes one): 'invalid UTF-8 at byte 0; use
+    --errors replace', and --errors replace then gave 3 garbage lines for 2 (its line ends are
+    two bytes, '\\n' then NUL). It is refused under either --errors, with the iconv to run."""
+    wide = tmp_path / "wide.txt"
+    wide.write_bytes("the dog\na cat\n".encode("utf-16"))  # with its byte-order mark
+    for errors in ("strict", "replace"):
+        with pytest.raises(SystemExit) as err:
+            main(["-m", models["a"], "-i", str(wide), "--errors", errors, *FAST])
+        assert str(err.value) == (f"translate: {wide}:1: UTF-16 text (it starts with a UTF-16 "
+                                  "byte-order mark), not UTF-8; convert it first: iconv -f "
+                                  "UTF-16 -t UTF-8 FILE > NEW")
 
 
 def test_output_file_appears_only_whole(models, tmp_path, monkeypatch):
