@@ -874,12 +874,19 @@ def ctrl_c_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+# A test run under nohup (SIGHUP ignored, which children inherit and mt-train respects) would
+# see the SIGHUP tests' signal ignored: the child hears it as a terminal's user's mt-train does.
+HANG_UP_HEARD = ("import signal\nsignal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
+                 if hasattr(signal, "SIGHUP") else "")
+
+
 def patched_train(tmp_path: Path, corpus_dir, tokenizer_dir, patch: str, *overrides: str,
                   run_dir: Path | None = None, timeout: float = 300,
                   **popen) -> subprocess.CompletedProcess:
     """mt-train in a process of its own, ``patch`` (Python source) run first: a failure or a
     signal planted where a test needs it, and the command line's handling of it seen whole."""
-    script = f"import sys\n{patch}sys.argv[0] = 'mt-train'\nfrom mt.train import main\nmain()\n"
+    script = (f"{HANG_UP_HEARD}import sys\n{patch}sys.argv[0] = 'mt-train'\n"
+              "from mt.train import main\nmain()\n")
     cmd = [PYTHON, "-c", script, *tiny_train_args(corpus_dir, tokenizer_dir),
            f"hydra.run.dir={run_dir or tmp_path / 'run'}", *overrides]
     return subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True,
@@ -959,7 +966,8 @@ def test_a_sighup_under_tee_saves_the_step_it_stops_at(tmp_path, corpus_dir, tok
              "        time.sleep(3)\n"
              "    return step(self, *args, **kwargs)\n"
              "t.Trainer.train_step = train_step\n")
-    script = f"import sys\n{patch}sys.argv[0] = 'mt-train'\nfrom mt.train import main\nmain()\n"
+    script = (f"{HANG_UP_HEARD}import sys\n{patch}sys.argv[0] = 'mt-train'\n"
+              "from mt.train import main\nmain()\n")
     run_dir = tmp_path / "run"
     cmd = [PYTHON, "-c", script, *tiny_train_args(corpus_dir, tokenizer_dir),
            f"hydra.run.dir={run_dir}", "trainer.max_steps=6", "trainer.validate_every=100",
