@@ -320,7 +320,10 @@ class Trainer:
                 self.step += 1
                 self.step_in_epoch += 1
                 self.bad_steps.count(finite)
-                window.add(loss * self.world, step_tokens, finite)  # rank 0's estimate of the sum
+                # rank 0's estimate of the step's sum: its loss per token over all the step's
+                # tokens (x world overstated an epoch's last step, where rank 0 may hold them all)
+                own = sum(self.corpus.tgt_lens[i] + 1 for b in mine for i in b)
+                window.add(loss * (step_tokens / max(own, 1)), step_tokens, finite)
                 if (self.step % t.log_every == 0 or self.bad_steps.due()
                         or self.step % t.validate_every == 0
                         or t.save_every and self.step % t.save_every == 0):

@@ -1877,7 +1877,7 @@ def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, c
                                                                      tokenizer_dir):
     # 5 batches an epoch: its third step is partial, one batch that rank 1 has no share of
     common = ["trainer.max_steps=4", "trainer.validate_every=4", "trainer.test_at_end=false",
-              "model.dropout=0.0", "trainer.max_tokens=3000"]
+              "model.dropout=0.0", "trainer.max_tokens=3000", "trainer.log_every=1"]
     single = tmp_path / "single"
     run_train(tmp_path, single, corpus_dir, tokenizer_dir, *common, "trainer.accumulation=2")
     # Each process names the run directory by its own clock (to the microsecond here, so they
@@ -1890,6 +1890,11 @@ def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path, c
     a, b = weights(single), weights(ddp)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+    # The logged loss is rank 0's estimate; at the partial step rank 0 holds every token, so it
+    # is the step's loss itself (it was logged twice over: rank 0's sum x 2 processes)
+    logged = [{r["step"]: r for line in (d / "metrics.jsonl").read_text().splitlines()
+               if "loss" in (r := json.loads(line))} for d in (single, ddp)]
+    assert logged[1][3]["loss"] == pytest.approx(logged[0][3]["loss"], rel=1e-4)
 
 
 def test_a_rank_leaves_only_a_directory_that_hydra_alone_wrote(tmp_path, monkeypatch):
