@@ -106,7 +106,11 @@ def _unmade_run() -> Iterator[None]:
         try:
             given = inspect.signature(original).bind(*args, **kwargs).arguments
             folder, subdir = _resolved_dir(given["config"], given["job_dir_key"])
-            saved, meta_made = _saved_configs(folder, subdir)
+            if int(os.environ.get("RANK", "0") or 0) > 0:
+                _no_saved_configs(given["config"])
+                saved, meta_made = {}, []
+            else:
+                saved, meta_made = _saved_configs(folder, subdir)
         except Exception:  # not the interface this was written for, or no folder to find
             return original(*args, **kwargs)
         made = _to_make(folder)
@@ -151,6 +155,19 @@ def _resolved_dir(config: Any, key: str) -> tuple[Path, str | None]:
                 None if subdir is None else str(subdir))
     finally:
         HydraConfig.instance().cfg = before
+
+
+def _no_saved_configs(config: Any) -> None:
+    """hydra.output_subdir unset for this job: a torchrun process above rank 0 saves no configs.
+    In a run directory that hydra.run.dir names for every rank, each wrote its copy over the
+    others', and one that read the run's configs after another had written the refused
+    command's over them (or had half written them: an empty config.yaml) put that back; rank 0
+    alone saves and puts back. A rank's own directory (``${now}``) goes anyway
+    (``mt.distributed.leave_run_dir``)."""
+    from omegaconf import open_dict, read_write
+
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.output_subdir = None
 
 
 def _saved_configs(folder: Path, subdir: str | None) -> tuple[dict[Path, bytes | None],

@@ -471,3 +471,49 @@ def test_a_config_mt_refuses_leaves_no_run_directory(arg, line, fresh_hydra, tmp
     assert {name: (mine / ".hydra" / name).read_bytes() for name in meta} == meta
     log = (mine / "train.log").read_text()
     assert f"mt-train: {line}" in log and "Traceback" not in log
+
+
+def test_a_refusal_under_torchrun_puts_back_the_run_directorys_configs(tmp_path):
+    """torchrun's processes all write their .hydra/ copy of the config into a run directory that
+    hydra.run.dir names: one that read it after another had written the refused config over it
+    put that back, and the run's own configs were lost as before 4fb411d."""
+    import subprocess
+
+    from conftest import PYTHON, cli_env
+
+    run = tmp_path / "run"
+    meta = {"config.yaml": b"the run's config\n", "hydra.yaml": b"the run's hydra\n",
+            "overrides.yaml": b"- the run's overrides\n"}
+    (run / ".hydra").mkdir(parents=True)
+    for name, data in meta.items():
+        (run / ".hydra" / name).write_bytes(data)
+    result = subprocess.run(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "mt.train", f"hydra.run.dir={run}", "trainer.log_every=0"],
+        env=cli_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "trainer.log_every must be at least 1, got 0" in result.stderr
+    assert {name: (run / ".hydra" / name).read_bytes() for name in meta} == meta
+
+
+def test_a_rank_above_0_leaves_the_run_directorys_configs_alone(fresh_hydra, tmp_path,
+                                                                 monkeypatch):
+    """What makes the torchrun test above hold whatever order the processes run in: a process
+    above rank 0 neither writes its copy of the config into a shared run directory nor puts
+    back what it read there (rank 0 does)."""
+    import os
+
+    from mt import train
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_bytes(b"the run's config\n")
+    os.utime(run / ".hydra" / "config.yaml", ns=(10**18, 10**18))
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["mt-train", f"hydra.run.dir={run}", "trainer.log_every=0"])
+    with pytest.raises(SystemExit, match="trainer.log_every must be at least 1"):
+        train.main()
+    assert sorted(p.name for p in (run / ".hydra").iterdir()) == ["config.yaml"]
+    assert (run / ".hydra" / "config.yaml").stat().st_mtime_ns == 10**18  # not written at all
