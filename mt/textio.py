@@ -44,12 +44,22 @@ def carriage_returns_only(raw: bytes, lineno: int) -> str | None:
 # is never text: a file's own, or the second file's of `cat a.txt b.txt`, now in mid-file.
 BOM = "\ufeff"
 
-# A file saved as UTF-16 (Windows PowerShell's '>' writes one) starts with its byte-order mark;
-# read as UTF-8 it was "invalid at byte 0", and --errors replace split it into garbage lines
-# (its line end is two bytes), one more than it holds.
-UTF16 = ("UTF-16 text (it starts with a UTF-16 byte-order mark), not UTF-8; convert it first: "
-         "iconv -f UTF-16 -t UTF-8 FILE > NEW")
-UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # no UTF-8 text starts with either byte
+# A file saved as UTF-16 (Windows PowerShell's '>' writes one) or UTF-32 starts with its
+# byte-order mark; read as UTF-8 it was "invalid at byte 0", and --errors replace split it into
+# garbage lines (its line end is two or four bytes), one more than it holds. Longest first: a
+# UTF-32LE mark starts with UTF-16LE's. No UTF-8 text starts with any of them.
+WIDE_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
+             (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"))
+
+
+def wide_text(raw: bytes) -> str | None:
+    """What to say of a line that starts with a UTF-16 or UTF-32 byte-order mark (the file is in
+    that encoding, named in the ``iconv`` command that converts it), or None."""
+    for mark, encoding in WIDE_BOMS:
+        if raw.startswith(mark):
+            return (f"{encoding} text (it starts with a {encoding} byte-order mark), not UTF-8; "
+                    f"convert it first: iconv -f {encoding} -t UTF-8 FILE > NEW")
+    return None
 
 
 def utf8_text(raw: bytes) -> str:
@@ -60,8 +70,8 @@ def utf8_text(raw: bytes) -> str:
     share: the reason and the byte's offset, in the line without its end. (Decoded with the
     end, a character cut short just before it read as "invalid continuation byte" to one command
     and "unexpected end of data" to another.)"""
-    if raw.startswith(UTF16_BOMS):
-        raise ValueError(UTF16)
+    if (wide := wide_text(raw)) is not None:
+        raise ValueError(wide)
     line = raw.removesuffix(b"\n").rstrip(b"\r")
     try:
         return line.decode("utf-8").lstrip(BOM)
@@ -76,8 +86,8 @@ def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> s
     does a file whose lines end in ``\\r`` alone (``carriage_returns_only``)."""
     if (mistake := carriage_returns_only(raw, lineno)) is not None:
         raise InputError(f"{name}:{lineno}: {mistake}")
-    if raw.startswith(UTF16_BOMS):  # no --errors can align its lines
-        raise InputError(f"{name}:{lineno}: {UTF16}")
+    if (wide := wide_text(raw)) is not None:  # no --errors can align its lines
+        raise InputError(f"{name}:{lineno}: {wide}")
     if errors != "strict":
         return raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r").lstrip(BOM)
     try:

@@ -811,15 +811,22 @@ def test_a_file_of_carriage_return_line_ends_is_refused_not_read_as_one_line(mod
 def test_a_utf16_file_is_refused_with_what_to_do_not_translated_misaligned(models, tmp_path):
     """A UTF-16 file (Windows PowerShell's '>' writes one): 'invalid UTF-8 at byte 0; use
     --errors replace', and --errors replace then gave 3 garbage lines for 2 (its line ends are
-    two bytes, '\\n' then NUL). It is refused under either --errors, with the iconv to run."""
+    two bytes, '\\n' then NUL). It is refused under either --errors, with the iconv to run.
+    A UTF-32 file (its little-endian mark starts with UTF-16's) is named as UTF-32, so that the
+    iconv said converts it."""
     wide = tmp_path / "wide.txt"
-    wide.write_bytes("the dog\na cat\n".encode("utf-16"))  # with its byte-order mark
-    for errors in ("strict", "replace"):
-        with pytest.raises(SystemExit) as err:
-            main(["-m", models["a"], "-i", str(wide), "--errors", errors, *FAST])
-        assert str(err.value) == (f"translate: {wide}:1: UTF-16 text (it starts with a UTF-16 "
-                                  "byte-order mark), not UTF-8; convert it first: iconv -f "
-                                  "UTF-16 -t UTF-8 FILE > NEW")
+    for codec, name in (("utf-16", "UTF-16"), ("utf-16-be", "UTF-16"), ("utf-32", "UTF-32"),
+                        ("utf-32-be", "UTF-32")):
+        text = "the dog\na cat\n"
+        # with its byte-order mark (Python writes one for the plain codecs, not for *-be)
+        wide.write_bytes(text.encode(codec) if not codec.endswith("-be")
+                         else ("\ufeff" + text).encode(codec))
+        for errors in ("strict", "replace"):
+            with pytest.raises(SystemExit) as err:
+                main(["-m", models["a"], "-i", str(wide), "--errors", errors, *FAST])
+            assert str(err.value) == (f"translate: {wide}:1: {name} text (it starts with a "
+                                      f"{name} byte-order mark), not UTF-8; convert it first: "
+                                      f"iconv -f {name} -t UTF-8 FILE > NEW"), codec
 
 
 def test_output_file_appears_only_whole(models, tmp_path, monkeypatch):
