@@ -24,7 +24,7 @@ import torch
 from omegaconf import OmegaConf
 
 from mt import checkpoint
-from mt.batching import ENCODE_VERSION
+from mt.batching import ENCODE_VERSION, epoch_steps
 from mt.config import TrainConfig, best_so_far, config_changes
 from mt.data import data_identity
 from mt.divergence import BadSteps
@@ -51,6 +51,7 @@ class Run(Protocol):
     step: int
     epoch: int
     step_in_epoch: int
+    epoch_batches: int
     best: float | None
     bad_validations: int
     history: list[dict]
@@ -91,6 +92,7 @@ def trainer_state(trainer: Run, rng: list[dict]) -> dict:
         "scheduler": trainer.scheduler.state_dict(),
         "scaler": trainer.scaler.state_dict(),
         "step": trainer.step, "epoch": trainer.epoch, "step_in_epoch": trainer.step_in_epoch,
+        "epoch_batches": trainer.epoch_batches,
         "best": trainer.best, "bad_validations": trainer.bad_validations,
         "history": trainer.history,
         "skipped_steps": trainer.bad_steps.skipped,
@@ -216,9 +218,16 @@ def restore(trainer: Run, path: Path) -> None:
     saved_per_step = saved_acc * state["world_size"]
     per_step = trainer.cfg.trainer.accumulation * trainer.world
     if saved_per_step != per_step:
-        seen = trainer.step_in_epoch * saved_per_step
-        trainer.step_in_epoch = seen // per_step
-        again = seen - trainer.step_in_epoch * per_step
+        seen, batches = trainer.step_in_epoch * saved_per_step, state.get("epoch_batches", 0)
+        if batches and seen >= batches:
+            # the epoch's last, partial step was taken: all its batches are, none again (an
+            # older last.pt knows no count, and counts a partial step whole)
+            seen, again = batches, 0
+            trainer.step_in_epoch = epoch_steps(batches, trainer.cfg.trainer.accumulation,
+                                                trainer.world)
+        else:
+            trainer.step_in_epoch = seen // per_step
+            again = seen - trainer.step_in_epoch * per_step
         if trainer.rank == 0:
             log.warning("resuming with %d batches per step (trainer.accumulation x processes) "
                         "where the run took %d: each update changes size, and the epoch goes "

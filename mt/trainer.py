@@ -85,6 +85,7 @@ class Trainer:
         del start
         self._optimization()  # optimizer, ema, scheduler, scaler, net, the clocks, history
         self.step, self.epoch, self.step_in_epoch = 0, 0, 0
+        self.epoch_batches = 0  # the epoch's batches, once it has begun (resume: last.pt)
         self.best, self.bad_validations = None, 0
         self.bad_steps = BadSteps(self.device, cfg.trainer.max_bad_steps)
         self.sigterm = SigtermWatch(self.world, self.device, cfg.trainer.log_every)
@@ -296,6 +297,7 @@ class Trainer:
             stopped = self.stop_reason()  # trainer.patience may have run out at it
         while not stopped:
             batches = self.corpus.batches(t.max_tokens, t.seed, self.epoch)
+            self.epoch_batches = len(batches)
             steps_in_epoch = epoch_steps(len(batches), t.accumulation, self.world)
             if steps_in_epoch == 0:
                 shrunk = {s: f for s, f in self.cfg.data.upsample.items() if f < 1}

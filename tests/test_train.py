@@ -1782,6 +1782,29 @@ def test_a_resume_with_another_accumulation_goes_on_from_the_same_batch(tmp_path
     assert (state["epoch"], state["step_in_epoch"], state["step"]) == (0, 8, 5)
 
 
+def test_a_resume_with_another_accumulation_after_an_epochs_partial_step_trains_none_again(
+        tmp_path, trainer_factory, caplog):
+    """An epoch's last step takes the batches left, fewer than a step's: counted whole, a resume
+    at another accumulation after it went back into the epoch and trained one of them again
+    (5 batches, 3 steps of 2 saved as 6 batches; at 4 a step, batch 4 again)."""
+    common = ["trainer.validate_every=100", "trainer.test_at_end=false", "trainer.max_tokens=3000"]
+    first = trainer_factory("run", *common, "trainer.max_steps=3", "trainer.accumulation=2")
+    assert len(first.corpus.batches(3000, first.cfg.trainer.seed, 0)) == 5  # 2 + 2 + 1
+    first.fit()
+    resumed = trainer_factory("run", *common, "trainer.max_steps=5", "trainer.accumulation=4")
+    steps, train_step = [], resumed.train_step
+
+    def recorded(micro_batches, step_tokens, *weight):
+        steps.append((resumed.epoch, len(micro_batches)))
+        return train_step(micro_batches, step_tokens, *weight)
+
+    resumed.train_step = recorded
+    with caplog.at_level(logging.WARNING):
+        resumed.fit()
+    assert "trained again" not in caplog.text
+    assert steps[0] == (1, 4)  # the next epoch's first step: epoch 0 is done
+
+
 @pytest.mark.parametrize("before, after", [("adamw", "adam"), ("adam", "adamw")])
 def test_a_resume_with_another_optim_name_takes_its_weight_decay(trainer_factory, before, after):
     """Adam and AdamW keep the same state; they differ in the group's decoupled_weight_decay,
