@@ -151,7 +151,7 @@ def test_the_training_loop_trains_each_kept_pair_as_often_as_its_split_says_in_e
     tokenizers = []
     step = Trainer.train_step
 
-    def recording(self, micro_batches, step_tokens):
+    def recording(self, micro_batches, step_tokens, weight=1.0):
         tokenizers[:] = [self.corpus.tokenizer]
         targets = 0
         for batch in micro_batches:
@@ -162,7 +162,7 @@ def test_the_training_loop_trains_each_kept_pair_as_often_as_its_split_says_in_e
                 seen.append((self.epoch, self.corpus.tokenizer.src.decode(s),
                              self.corpus.tokenizer.tgt.decode(t)))
         assert step_tokens == targets
-        return step(self, micro_batches, step_tokens)
+        return step(self, micro_batches, step_tokens, weight)
 
     monkeypatch.setattr(Trainer, "train_step", recording)
     log = fit_here("run", "data.train=train+bt", "+data.upsample.bt=2", "trainer.max_epochs=2",
