@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -439,5 +440,8 @@ def finish(cfg: TrainConfig, run_dir: Path, device: torch.device,
     if on_test:
         if cfg.data.source != "hub" and cfg.data.format == "text":  # tsv/jsonl: no source file
             src_file = split_files(cfg.data, cfg.data.test.split("+")[0])[0]  # the first part
-            print(f"try: translate -m {run_dir} -i {src_file.resolve()}")  # from anywhere
+            # quoted for the shell, so that it runs as printed from anywhere (a run directory
+            # or data.dir with a space in it split into two arguments)
+            print(f"try: translate -m {shlex.quote(str(run_dir))} "
+                  f"-i {shlex.quote(str(src_file.resolve()))}")
     print(f"run directory: {run_dir}")

@@ -1254,6 +1254,20 @@ def test_a_full_stdout_after_the_run_is_one_line_and_keeps_the_test_scores(tmp_p
     assert "bleu" in json.loads((run_dir / "test.json").read_text())
 
 
+def test_the_translate_hint_runs_as_printed_with_spaces_in_its_paths(tmp_path, corpus_dir,
+                                                                     tokenizer_dir):
+    """The `try: translate ...` line printed its paths unquoted: with a space in the run
+    directory or in data.dir, the command pasted into a shell split each into two arguments."""
+    data = tmp_path / "my data"
+    shutil.copytree(corpus_dir, data)
+    run_dir = tmp_path / "my runs" / "a"
+    result = run_train(tmp_path, run_dir, corpus_dir, tokenizer_dir, f"data.dir='{data}'",
+                       "trainer.max_steps=1", "trainer.test_at_end=true")
+    [hint] = [x for x in result.stdout.splitlines() if x.startswith("try: ")]
+    assert shlex.split(hint[len("try: "):]) == ["translate", "-m", str(run_dir),
+                                               "-i", str(data / "test.en")]
+
+
 def test_a_finished_run_started_again_keeps_its_test_scores(tmp_path, corpus_dir, tokenizer_dir):
     """The same command again on a finished run (a sweep resumed after a Ctrl-C runs every
     job's) decoded the test set anew each time. The scores of the same weights, texts and
