@@ -70,13 +70,12 @@ def utf8_text(raw: bytes) -> str:
     share: the reason and the byte's offset, in the line without its end. (Decoded with the
     end, a character cut short just before it read as "invalid continuation byte" to one command
     and "unexpected end of data" to another.)"""
-    if (wide := wide_text(raw)) is not None:
-        raise ValueError(wide)
     line = raw.removesuffix(b"\n").rstrip(b"\r")
     try:
         return line.decode("utf-8").lstrip(BOM)
-    except UnicodeDecodeError as err:
-        raise ValueError(f"invalid UTF-8 ({err.reason} at byte {err.start})") from None
+    except UnicodeDecodeError as err:  # (no UTF-8 line starts with a wide mark: looked for here)
+        raise ValueError(wide_text(raw)
+                         or f"invalid UTF-8 ({err.reason} at byte {err.start})") from None
 
 
 def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> str:
@@ -86,15 +85,15 @@ def decode_line(raw: bytes, name: str, lineno: int, errors: str = "strict") -> s
     does a file whose lines end in ``\\r`` alone (``carriage_returns_only``)."""
     if (mistake := carriage_returns_only(raw, lineno)) is not None:
         raise InputError(f"{name}:{lineno}: {mistake}")
-    if (wide := wide_text(raw)) is not None:  # no --errors can align its lines
-        raise InputError(f"{name}:{lineno}: {wide}")
     if errors != "strict":
+        if (wide := wide_text(raw)) is not None:  # no --errors can align its lines
+            raise InputError(f"{name}:{lineno}: {wide}")
         return raw.removesuffix(b"\n").decode("utf-8", errors=errors).rstrip("\r").lstrip(BOM)
     try:
         return utf8_text(raw)
     except ValueError as err:
-        raise InputError(f"{name}:{lineno}: {err}; use --errors replace to read it anyway"
-                         ) from None
+        advice = "" if wide_text(raw) else "; use --errors replace to read it anyway"
+        raise InputError(f"{name}:{lineno}: {err}{advice}") from None
 
 
 def _lines(stream: BinaryIO, name: str, errors: str) -> Iterator[str]:
