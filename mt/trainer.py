@@ -324,8 +324,10 @@ class Trainer:
                 self.bad_steps.count(finite)
                 # rank 0's estimate of the step's sum: its loss per token over all the step's
                 # tokens (x world overstated an epoch's last step, where rank 0 may hold them all)
-                own = sum(self.corpus.tgt_lens[i] + 1 for b in mine for i in b)
-                window.add(loss * (step_tokens / max(own, 1)), step_tokens, finite)
+                if self.world > 1:  # one process holds the step's tokens: its own sum
+                    own = sum(self.corpus.tgt_lens[i] + 1 for b in mine for i in b)
+                    loss = loss * (step_tokens / max(own, 1))
+                window.add(loss, step_tokens, finite)
                 if (self.step % t.log_every == 0 or self.bad_steps.due()
                         or self.step % t.validate_every == 0
                         or t.save_every and self.step % t.save_every == 0):
